@@ -1,0 +1,299 @@
+"""Messaging benchmark: raymesh vs raw Ray actors vs torchmonarch, in one run on one machine.
+
+Run (from the repository root):
+    python bench/messaging.py            # full: 1000 call_one, 300 call-all, 10 tensor sends
+    python bench/messaging.py --quick    # smoke run: 100 / 30 / 3
+
+Per system: spawn 4 procs until the first reply; call_one round trip to one actor; call to all
+4 (and to all 16) actors + gather; a 64 MiB float32 tensor sent to one actor and acknowledged,
+and sent to one actor and echoed back. raymesh and raw Ray run in this process, interleaved in
+alternating blocks so machine noise hits both alike; torchmonarch (when installed) runs in a
+subprocess of its own (`--monarch`) so its runtime never shares a process with Ray.
+Progress goes to stderr; exactly one JSON object goes to stdout at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TENSOR_NUMEL = 64 * 2**20 // 4  # 64 MiB of float32
+TENSOR_WARMUP = 3  # the first sends fault in fresh object-store pages
+ANCHORS_PUBLISHED = {
+    "torchmonarch_0.7.0": {"call_one_ms": 1.01, "call_all_4_ms": 1.82, "tensor_64MiB_s": 0.21},
+    "raw_ray": {"actor_rtt_ms": 0.99},
+}
+RATIO_LIMIT = 1.2  # raymesh may cost at most this many times raw Ray per message
+SPEEDUP_TARGET = 4.0  # raymesh's 64 MiB send must be this many times faster than monarch's
+
+
+def log(msg: str) -> None:
+    print(f"[messaging] {msg}", file=sys.stderr, flush=True)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"check failed: {what}")
+
+
+def make_bench_class(base: type, endpoint: Callable[[Any], Any]) -> type:
+    """The bench actor on `base` (raymesh's or monarch's Actor; `object` for raw Ray)."""
+
+    class BenchActor(base):
+        @endpoint
+        def ping(self, x: int) -> int:
+            return x
+
+        @endpoint
+        def recv(self, t: torch.Tensor) -> int:
+            t[-1].item()  # touch the data so the transfer is really materialised
+            return t.numel()
+
+        @endpoint
+        def echo(self, t: torch.Tensor) -> torch.Tensor:
+            return t
+
+    return BenchActor
+
+
+@dataclass
+class Ops:
+    """One system's actors, as calls the measurements time."""
+
+    call_one: Callable[[int], Any]
+    call_all: Callable[[int], list]
+    recv: Callable[[torch.Tensor], int]
+    echo: Callable[[torch.Tensor], torch.Tensor]
+    stop: Callable[[], None]
+    n: int  # actors in the mesh
+
+
+def mesh_ops(actors: Any, stop: Callable[[], None]) -> Ops:
+    """Ops for a raymesh or monarch actor mesh (the two share the adverbs)."""
+    one = actors.slice(procs=0)
+    return Ops(
+        call_one=lambda x: one.ping.call_one(x).get(),
+        call_all=lambda x: [v for _, v in actors.ping.call(x).get().items()],
+        recv=lambda t: one.recv.call_one(t).get(),
+        echo=lambda t: one.echo.call_one(t).get(),
+        stop=stop,
+        n=len(list(actors.ping.call(0).get().items())),  # also the first reply
+    )
+
+
+def spawn_raymesh(n: int) -> tuple[Ops, float]:
+    from raymesh import Actor, endpoint, this_host
+
+    t0 = time.perf_counter()
+    # 16 procs start slowly on a small machine: allow more than the default 60 s
+    procs = this_host().spawn_procs(per_host={"procs": n}, timeout=300)
+    ops = mesh_ops(procs.spawn("bench", make_bench_class(Actor, endpoint)), procs.stop)
+    return ops, time.perf_counter() - t0
+
+
+def spawn_raw_ray(n: int) -> tuple[Ops, float]:
+    import ray
+
+    cls: Any = ray.remote(num_cpus=1)(make_bench_class(object, lambda f: f))  # like a proc
+    t0 = time.perf_counter()
+    handles = [cls.remote() for _ in range(n)]
+    first = ray.get([h.ping.remote(0) for h in handles])
+    a = handles[0]
+
+    def stop() -> None:
+        for h in handles:
+            ray.kill(h, no_restart=True)
+
+    ops = Ops(
+        call_one=lambda x: ray.get(a.ping.remote(x)),
+        call_all=lambda x: ray.get([h.ping.remote(x) for h in handles]),
+        recv=lambda t: ray.get(a.recv.remote(t)),
+        echo=lambda t: ray.get(a.echo.remote(t)),
+        stop=stop,
+        n=len(first),
+    )
+    return ops, time.perf_counter() - t0
+
+
+def spawn_monarch(n: int) -> tuple[Ops, float]:
+    from monarch.actor import Actor, endpoint, this_host
+
+    t0 = time.perf_counter()
+    procs = this_host().spawn_procs(per_host={"procs": n})
+    actors = procs.spawn("bench", make_bench_class(Actor, endpoint))
+    return mesh_ops(actors, lambda: procs.stop().get()), time.perf_counter() - t0
+
+
+def summary(xs: list[float], scale: float) -> dict[str, float]:
+    p90 = statistics.quantiles(xs, n=10, method="inclusive")[-1] if len(xs) > 1 else xs[0]
+    med = statistics.median(xs)
+    return {"median": round(med * scale, 4), "p90": round(p90 * scale, 4), "n": len(xs)}
+
+
+def interleaved(
+    fns: dict[str, Callable[[int], None]], n: int, warmup: int, blocks: int = 0
+) -> dict[str, list[float]]:
+    """Time `n` calls of each fn, in alternating blocks (the order flips every block);
+    `blocks` 0: about 25 calls a block, at most 10 blocks."""
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(i)
+    blocks = blocks or max(1, min(10, n // 25))
+    lat: dict[str, list[float]] = {name: [] for name in fns}
+    for b in range(blocks):
+        order = list(fns.items()) if b % 2 == 0 else list(reversed(fns.items()))
+        for name, fn in order:
+            for i in range(n // blocks + (b < n % blocks)):
+                t = time.perf_counter()
+                fn(i)
+                lat[name].append(time.perf_counter() - t)
+    return lat
+
+
+def checked(ops: Ops, t: torch.Tensor) -> dict[str, Callable[[int], None]]:
+    """The timed calls, each checking its reply."""
+
+    def echo(_: int) -> None:
+        back = ops.echo(t)
+        check(back.shape == t.shape and back[-1].item() == t[-1].item(), "echo")
+
+    return {
+        "call_one": lambda i: check(ops.call_one(i) == i, "ping"),
+        "call_all": lambda i: check(ops.call_all(i) == [i] * ops.n, f"call-all({ops.n})"),
+        "recv": lambda _: check(ops.recv(t) == TENSOR_NUMEL, "recv numel"),
+        "echo": echo,
+    }
+
+
+def measure(spawn: dict[str, Callable[[int], tuple[Ops, float]]], it: dict[str, int]) -> dict:
+    """All metrics for the systems in `spawn`: a mesh of 4, then one of 16, measured interleaved."""
+    res: dict[str, dict[str, Any]] = {name: {} for name in spawn}
+    t = torch.randn(TENSOR_NUMEL, dtype=torch.float32)
+    for n in (4, 16):
+        ops: dict[str, Ops] = {}
+        for name, fn in spawn.items() if n == 4 else reversed(spawn.items()):  # flip who's first
+            ops[name], res[name][f"spawn_{n}_s"] = fn(n)
+            check(ops[name].n == n, f"{name}: {ops[name].n} actors answered, not {n}")
+            log(f"{name}: {n} procs spawned and answered in {res[name][f'spawn_{n}_s']:.2f}s")
+        calls = {k: checked(o, t) for k, o in ops.items()}
+        # (metric, call, count, warmup calls, blocks (0: default), scale to the unit)
+        plan = [(f"call_all_{n}_ms", "call_all", it["all"], it["warmup"], 0, 1e3)]
+        if n == 4:
+            plan.insert(0, ("call_one_ms", "call_one", it["one"], it["warmup"], 0, 1e3))
+            for call in ("recv", "echo"):  # large sends alternate call by call
+                count = it["tensor"]
+                plan.append((f"tensor_64MiB_{call}_s", call, count, TENSOR_WARMUP, count, 1.0))
+        for metric, call, count, warmup, blocks, scale in plan:
+            lat = interleaved({k: c[call] for k, c in calls.items()}, count, warmup, blocks)
+            for k, xs in lat.items():
+                res[k][metric] = summary(xs, scale)
+            log(f"{metric}: " + ", ".join(f"{k} {res[k][metric]['median']}" for k in lat))
+        for o in ops.values():
+            o.stop()
+    return res
+
+
+def run_monarch(quick: bool) -> dict[str, Any]:
+    if importlib.util.find_spec("monarch") is None:
+        return {"skipped": "torchmonarch not installed"}
+    log("torchmonarch: measuring in a subprocess")
+    cmd = [sys.executable, os.path.abspath(__file__), "--monarch"] + (["--quick"] * quick)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        return {"error": f"monarch subprocess exited with {p.returncode}"}
+    return json.loads(lines[-1])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def build_report(res: dict[str, dict], mon: dict[str, Any]) -> dict[str, Any]:
+    def med(system: dict, key: str) -> float | None:
+        return system[key]["median"] if key in system else None
+
+    rm, raw = res["raymesh"], res["raw_ray"]
+    ratios: dict[str, float | None] = {}
+    targets: dict[str, Any] = {}
+    for k in ("call_one", "call_all_4", "call_all_16"):
+        r = ratios[f"raymesh_over_raw_ray_{k}"] = ratio(med(rm, f"{k}_ms"), med(raw, f"{k}_ms"))
+        met = r is not None and r <= RATIO_LIMIT
+        targets[f"{k}_within_{RATIO_LIMIT}x_raw_ray"] = {"ratio": r, "met": met}
+    mon_s, rm_s = med(mon, "tensor_64MiB_recv_s"), med(rm, "tensor_64MiB_recv_s")
+    ratios["monarch_over_raymesh_64MiB"] = ratio(mon_s, rm_s)
+    source = "measured in this run"
+    if mon_s is None:
+        mon_s, source = ANCHORS_PUBLISHED["torchmonarch_0.7.0"]["tensor_64MiB_s"], "published"
+    speedup = ratio(mon_s, rm_s)
+    targets[f"tensor_64MiB_{SPEEDUP_TARGET}x_faster_than_monarch"] = {
+        "monarch_s": mon_s,
+        "monarch_source": source,
+        "speedup": speedup,
+        "met": speedup is not None and speedup >= SPEEDUP_TARGET,
+    }
+    return {"raymesh": rm, "raw_ray": raw, "monarch": mon, "ratios": ratios, "targets": targets}
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--monarch", action="store_true", help=argparse.SUPPRESS)  # the subprocess
+    args = ap.parse_args()
+    it = {"one": 1000, "all": 300, "tensor": 10, "warmup": 50}
+    if args.quick:
+        it = {"one": 100, "all": 30, "tensor": 3, "warmup": 10}
+    # Only the JSON goes to stdout: whatever else writes there (Ray prints raylet warnings to
+    # the driver's stdout) goes to stderr instead.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    if args.monarch:
+        print(json.dumps(measure({"monarch": spawn_monarch}, it)["monarch"]), file=out, flush=True)
+        return
+    loadavg = os.getloadavg()
+    monarch = run_monarch(args.quick)  # before Ray starts: it never shares the machine's Ray
+    from raymesh._src.backend import ensure_ray, shutdown
+
+    t0 = time.perf_counter()
+    ensure_ray()
+    log(f"ray up in {time.perf_counter() - t0:.1f}s")
+    res = measure({"raymesh": spawn_raymesh, "raw_ray": spawn_raw_ray}, it)
+    shutdown()  # the procs and actors are stopped already; this ends the local Ray
+    report = {
+        "bench": "messaging",
+        "quick": args.quick,
+        "iterations": it,
+        "cpus": os.cpu_count(),
+        "loadavg_start_end": [loadavg, os.getloadavg()],
+        "versions": {d: version(d) for d in ("raymesh", "ray", "torch", "torchmonarch")},
+        "zero_copy_torch": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"),
+        **build_report(res, monarch),
+        "anchors_published": ANCHORS_PUBLISHED,
+    }
+    print(json.dumps(report), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Actor meshes and the adverbs that message them.
+
+`mesh.incr` is an `EndpointRef`:
+- `call(*args)` -> `Future[ValueMesh]`: every actor of the mesh (or slice), replies gathered.
+- `call_one(*args)` -> `Future[value]`: the mesh must hold exactly one actor.
+- `choose(*args)` -> `Future[value]`: one actor, the one with the fewest of this caller's
+  `choose` calls still running (an idle one when there is one).
+- `stream(*args)` -> iterator of `Future[value]`, each already resolved, in order of arrival.
+- `broadcast(*args)` -> None: fire-and-forget; an exception goes to the mesh owner's supervision.
+
+Each message is one Ray actor task on its proc. A fan-out call whose arguments hold a large
+buffer (a tensor, array or bytes of 1 MiB or more) puts the arguments in the object store once
+and sends every actor a reference, so N actors cost one copy, not N.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+from raymesh._src import backend
+from raymesh._src.endpoint import endpoint_names
+from raymesh._src.errors import RemoteFailure, SupervisionError
+from raymesh._src.future import Future
+from raymesh._src.shape import Shape
+from raymesh._src.value_mesh import ValueMesh
+
+T = TypeVar("T")
+
+__all__ = ["ActorMesh", "EndpointRef"]
+
+_LARGE_BYTES = 1 << 20
+_SPAWN_TIMEOUT_S = 300.0
+
+
+class _Sender:
+    """This process's identity as a caller, and its per-actor sequence numbers."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex[:16]
+        self.lock = threading.Lock()
+        self.seqs: dict[tuple[str, int], int] = {}
+        self.chosen: dict[tuple[str, int], list[Any]] = {}  # choose() calls in flight
+        self.round_robin = itertools.count()
+
+
+_sender = _Sender()
+
+
+class _ActorMeshState:
+    """What all views of one actor mesh share."""
+
+    def __init__(self, key: str, name: str, cls: type, proc_state: Any) -> None:
+        self.key = key
+        self.name = name
+        self.cls = cls
+        self.endpoints = endpoint_names(cls)
+        self.proc_state = proc_state
+
+
+def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"spawn(name={name!r}): give the actor mesh a non-empty name")
+    if not isinstance(cls, type):
+        raise TypeError(f"spawn({name!r}, {cls!r}): pass the actor class, not an instance")
+    pstate, shape = proc_mesh._state, proc_mesh._shape
+    error = pstate.check(shape.ranks, None)
+    if error is not None:
+        raise error
+    state = _ActorMeshState(f"{name}-{uuid.uuid4().hex[:8]}", name, cls, pstate)
+    payload = _payload(args, kwargs, fan_out=len(shape) > 1)
+    pending = [
+        pstate.procs[rank].spawn(state.key, name, point, cls, payload)
+        for point, rank in shape.points()
+    ]
+    mesh: ActorMesh = ActorMesh(state, shape)
+    replies = Future(pending, list, mesh._gone, f"spawn of {name!r}").get(_SPAWN_TIMEOUT_S)
+    for (point, _), reply in zip(shape.points(), replies):
+        if isinstance(reply, RemoteFailure):
+            raise reply.to_error(
+                mesh_name=name, rank=point.rank, endpoint=f"{cls.__name__}.__init__"
+            )
+    return mesh
+
+
+def _payload(args: tuple, kwargs: dict, fan_out: bool) -> Any:
+    payload = (args, kwargs)
+    if fan_out and _has_large(args, kwargs):
+        return [backend.put(payload)]  # nested in a list: Ray does not resolve it in transit
+    return payload
+
+
+def _has_large(args: tuple, kwargs: dict) -> bool:
+    def large(x: Any) -> bool:
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            return len(x) >= _LARGE_BYTES
+        return getattr(x, "nbytes", 0) >= _LARGE_BYTES if hasattr(x, "nbytes") else False
+
+    for x in itertools.chain(args, kwargs.values()):
+        if large(x):
+            return True
+        if isinstance(x, (list, tuple)) and any(large(y) for y in x):
+            return True
+        if isinstance(x, dict) and any(large(y) for y in x.values()):
+            return True
+    return False
+
+
+class ActorMesh(Generic[T]):
+    """One actor per proc of a proc mesh (or of a slice of one). Picklable: send it to another
+    actor and call it from there; supervision still goes to the mesh's owner."""
+
+    def __init__(self, state: _ActorMeshState, shape: Shape) -> None:
+        self._state = state
+        self._shape = shape
+
+    def __getattr__(self, name: str) -> EndpointRef:
+        state = self.__dict__.get("_state")
+        if state is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name in state.endpoints:
+            return EndpointRef(self, name)
+        if hasattr(state.cls, name):
+            raise TypeError(
+                f"{state.cls.__name__}.{name} is not an endpoint: add @endpoint to it to call "
+                "it remotely"
+            )
+        raise AttributeError(
+            f"{state.cls.__name__} has no endpoint {name!r}; its endpoints are "
+            f"{sorted(state.endpoints)}"
+        )
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def size(self, axis: str | None = None) -> int:
+        return self._shape.size(axis)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **axes: int | slice) -> ActorMesh[T]:
+        return ActorMesh(self._state, self._shape.slice(**axes))
+
+    def flatten(self, name: str) -> ActorMesh[T]:
+        return ActorMesh(self._state, self._shape.flatten(name))
+
+    def rename(self, **names: str) -> ActorMesh[T]:
+        return ActorMesh(self._state, self._shape.rename(**names))
+
+    def stop(self) -> None:
+        """Remove these actors from their procs (the procs keep running)."""
+        pstate = self._state.proc_state
+        backend_refs = [pstate.procs[r].stop_actor(self._state.key) for r in self._shape.ranks]
+        refs = [r for r in backend_refs if backend.is_ref(r)]
+        if refs:
+            backend.get(refs, 30.0)
+
+    def __repr__(self) -> str:
+        return f"ActorMesh({self._state.name!r}, {self._state.cls.__name__}, {self._shape})"
+
+    def __getstate__(self) -> dict:
+        return {"_state": self._state, "_shape": self._shape}
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+
+    # ---- messaging -------------------------------------------------------------------------
+    def _gone(self, index: int, detail: str, shape: Shape | None = None) -> SupervisionError:
+        rank = (shape or self._shape).ranks[index]
+        return SupervisionError(self._state.proc_state.proc_gone(rank, detail))
+
+    def _send(self, shape: Shape, endpoint: str, args: tuple, kwargs: dict, reply: bool) -> list:
+        state = self._state
+        pstate = state.proc_state
+        error = pstate.check(shape.ranks, state.key)
+        if error is not None:
+            raise error
+        payload = _payload(args, kwargs, fan_out=len(shape) > 1)
+        labels, sizes = shape.extent.labels, shape.extent.sizes
+        pending = []
+        with _sender.lock:
+            for i, rank in enumerate(shape.ranks):
+                key = (state.key, rank)
+                seq = _sender.seqs.get(key, 0)
+                try:
+                    pending.append(
+                        pstate.procs[rank].submit(
+                            state.key, _sender.id, seq, endpoint, payload, (labels, sizes, i), reply
+                        )
+                    )
+                except Exception as e:
+                    problem = backend.describe_unpicklable(args, kwargs)
+                    if problem is None:
+                        raise
+                    raise TypeError(
+                        f"{state.cls.__name__}.{endpoint}: {problem}. Fix: pass picklable "
+                        "values (plain data, tensors, arrays), or build the object inside the "
+                        "actor"
+                    ) from e
+                _sender.seqs[key] = seq + 1
+        return pending
+
+
+class EndpointRef(Generic[T]):
+    """An endpoint of an actor mesh, with the adverbs to send it messages."""
+
+    def __init__(self, mesh: ActorMesh, name: str) -> None:
+        self._mesh = mesh
+        self._name = name
+
+    def _what(self, shape: Shape) -> str:
+        return f"{self._mesh._state.cls.__name__}.{self._name} on {self._mesh.name!r}{shape}"
+
+    def _future(self, shape: Shape, pending: list, single: bool) -> Future[Any]:
+        mesh_name, endpoint = self._mesh.name, self._name
+
+        def resolve(raws: list[Any]) -> Any:
+            for (point, _), raw in zip(shape.points(), raws):
+                if isinstance(raw, RemoteFailure):
+                    raise raw.to_error(mesh_name=mesh_name, rank=point.rank, endpoint=endpoint)
+            return raws[0] if single else ValueMesh(shape, raws)
+
+        return Future(
+            pending, resolve, lambda i, d: self._mesh._gone(i, d, shape), self._what(shape)
+        )
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
+        """Send to every actor of the mesh; the future gives a ValueMesh of their replies."""
+        shape = self._mesh._shape
+        try:
+            pending = self._mesh._send(shape, self._name, args, kwargs, True)
+        except SupervisionError as e:
+            return Future.failed(e)
+        return self._future(shape, pending, single=False)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send to the only actor of a mesh of one; the future gives its reply."""
+        shape = self._mesh._shape
+        if len(shape) != 1:
+            raise ValueError(
+                f"call_one on {self._mesh.name!r} of size {len(shape)} {shape.sizes}: call_one "
+                "needs a mesh of one actor; slice it first (e.g. mesh.slice(procs=0)), or use "
+                "call() or choose()"
+            )
+        try:
+            pending = self._mesh._send(shape, self._name, args, kwargs, True)
+        except SupervisionError as e:
+            return Future.failed(e)
+        return self._future(shape, pending, single=True)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send to one actor, preferring one with none of this caller's choose() calls running."""
+        shape = self._mesh._shape
+        key = self._mesh._state.key
+        with _sender.lock:
+            load = {}
+            for rank in shape.ranks:
+                inflight = [p for p in _sender.chosen.get((key, rank), []) if not _done(p)]
+                _sender.chosen[(key, rank)] = inflight
+                load[rank] = len(inflight)
+            least = min(load.values())
+            candidates = [i for i, r in enumerate(shape.ranks) if load[r] == least]
+            index = candidates[next(_sender.round_robin) % len(candidates)]
+        one = _index_shape(shape, index)
+        try:
+            pending = self._mesh._send(one, self._name, args, kwargs, True)
+        except SupervisionError as e:
+            return Future.failed(e)
+        with _sender.lock:
+            _sender.chosen.setdefault((key, shape.ranks[index]), []).extend(pending)
+        return self._future(one, pending, single=True)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Send to every actor; yield one resolved future per reply, in order of arrival."""
+        shape = self._mesh._shape
+        try:
+            pending = self._mesh._send(shape, self._name, args, kwargs, True)
+        except SupervisionError as e:
+            yield Future.failed(e)
+            return
+        futures = {
+            id(p): self._future(_index_shape(shape, i), [p], single=True)
+            for i, p in enumerate(pending)
+        }
+        for item in _as_completed(pending):
+            yield futures[id(item)]
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every actor without waiting; failures go to the mesh owner's supervision."""
+        self._mesh._send(self._mesh._shape, self._name, args, kwargs, False)
+
+
+def _index_shape(shape: Shape, index: int) -> Shape:
+    """The element at row-major `index` of `shape`, as a mesh of one with no axes."""
+    return Shape(Shape.of({}).extent, (shape.ranks[index],))
+
+
+def _done(pending: Any) -> bool:
+    if backend.is_ref(pending):
+        ready, _ = backend.wait([pending], 1, 0)
+        return bool(ready)
+    return pending.done()
+
+
+def _as_completed(pending: list) -> Iterator[Any]:
+    import concurrent.futures
+
+    if pending and not backend.is_ref(pending[0]):
+        yield from concurrent.futures.as_completed(pending)
+        return
+    remaining = list(pending)
+    while remaining:
+        ready, remaining = backend.wait(remaining, 1, None)
+        yield from ready

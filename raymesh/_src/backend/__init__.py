@@ -1,0 +1,58 @@
+"""The only package that imports Ray (for the runtime). Everything above it speaks in procs,
+pending results and failures; this package maps them onto Ray actors, placement groups and the
+object store.
+"""
+
+from raymesh._src.backend.procs import (
+    PlacementError,
+    ProcGroup,
+    RayProc,
+    create_procs,
+    host_agent,
+    kill,
+    self_proc,
+    wait_exited,
+)
+from raymesh._src.backend.refs import (
+    ProcGone,
+    describe_unpicklable,
+    get,
+    is_ref,
+    put,
+    roundtrip,
+    wait,
+)
+from raymesh._src.backend.runtime import (
+    NodeInfo,
+    address,
+    current_node_id,
+    ensure_ray,
+    nodes,
+    shutdown,
+    started_local,
+)
+
+__all__ = [
+    "NodeInfo",
+    "PlacementError",
+    "ProcGone",
+    "ProcGroup",
+    "RayProc",
+    "address",
+    "create_procs",
+    "current_node_id",
+    "describe_unpicklable",
+    "ensure_ray",
+    "get",
+    "host_agent",
+    "is_ref",
+    "kill",
+    "nodes",
+    "put",
+    "roundtrip",
+    "self_proc",
+    "shutdown",
+    "started_local",
+    "wait",
+    "wait_exited",
+]

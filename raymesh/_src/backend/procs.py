@@ -1,0 +1,224 @@
+"""Creating, addressing and ending procs: placement groups + proc host actors + host agents."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from raymesh._src.backend import runtime
+from raymesh._src.backend.host_agent import HostAgent
+from raymesh._src.backend.proc_host import ProcHost
+from raymesh._src.shape import Point
+
+_RUNTIME_ENV: dict | None = None
+_agents: dict[str, Any] = {}
+_agents_lock = threading.Lock()
+
+
+def host_agent(node_id: str) -> Any:
+    """The host agent of a node, created on first use (named, so every process shares it)."""
+    with _agents_lock:
+        agent = _agents.get(node_id)
+        if agent is None:
+            agent = HostAgent.options(
+                name=f"raymesh-host-{node_id[:16]}",
+                get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+            _agents[node_id] = agent
+        return agent
+
+
+@dataclass
+class RayProc:
+    """One proc: its Ray actor handle and where its process runs."""
+
+    handle: Any
+    pid: int
+    node_id: str
+
+    def submit(
+        self,
+        actor_key: str,
+        sender: str,
+        seq: int,
+        endpoint: str,
+        payload: Any,
+        message_point: tuple,
+        reply: bool,
+    ) -> Any:
+        return self.handle.handle.remote(
+            actor_key, sender, seq, endpoint, payload, message_point, reply
+        )
+
+    def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
+        return self.handle.spawn.remote(actor_key, mesh_name, point, cls, payload)
+
+    def watch(self, timeout: float) -> Any:
+        return self.handle.watch.remote(timeout)
+
+    def stop_actor(self, actor_key: str) -> Any:
+        return self.handle.stop_actor.remote(actor_key)
+
+    def exit_status(self, timeout: float) -> dict[str, Any] | None:
+        """How this proc's process ended, as its host agent saw it (None if unknown)."""
+        try:
+            return ray.get(
+                host_agent(self.node_id).exit_status.remote(self.pid, timeout),
+                timeout=timeout + 5,
+            )
+        except Exception:
+            return None
+
+
+@dataclass
+class ProcGroup:
+    """The procs of one proc mesh and the placement group that reserves their resources."""
+
+    procs: list[RayProc]
+    pg: Any
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot (or not in time) give a mesh the resources it asked for."""
+
+
+def create_procs(
+    mesh_name: str,
+    points: Sequence[Point],
+    node_ids: Sequence[str],
+    resources: dict[str, float],
+    timeout: float,
+    asked: str,
+) -> ProcGroup:
+    """Gang-schedule one proc per point, the i-th on node `node_ids[i]`, each with `resources`.
+
+    Raises PlacementError (saying what was asked and what the cluster has) when the nodes can
+    never hold the procs, or when the resources are not free within `timeout` seconds.
+    """
+    runtime.ensure_ray()
+    _check_feasible(node_ids, resources, asked)
+    bundles = [dict(resources) for _ in points]
+    pg = placement_group(
+        bundles,
+        strategy="PACK",
+        bundle_label_selector=[{"ray.io/node-id": n} for n in node_ids],
+    )
+    if not pg.wait(timeout_seconds=timeout):
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"{asked}: the resources were not free within {timeout:.0f}s. "
+            f"Asked for {len(points)} procs of {resources}; free now: "
+            f"{_fmt_res(runtime.available_resources())}. Fix: stop other meshes, ask for fewer "
+            f"procs, or raise the timeout (spawn_procs(..., timeout=...))."
+        )
+    agents = {n: host_agent(n) for n in set(node_ids)}
+    handles = []
+    for i, point in enumerate(points):
+        handles.append(
+            ProcHost.options(
+                num_cpus=resources.get("CPU", 0),
+                num_gpus=resources.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+                runtime_env=_RUNTIME_ENV,
+            ).remote(mesh_name, point)
+        )
+    try:
+        infos = ray.get([h.info.remote() for h in handles], timeout=max(timeout, 60))
+    except Exception as e:
+        kill(ProcGroup([RayProc(h, -1, "") for h in handles], pg))
+        raise PlacementError(f"{asked}: procs failed to start: {e}") from None
+    procs = [RayProc(h, info["pid"], info["node_id"]) for h, info in zip(handles, infos)]
+    # Registered before spawn returns, so that a proc killed right away still has its exit seen.
+    ray.get(
+        [agents[n].watch.remote([p.pid for p in procs if p.node_id == n]) for n in agents],
+        timeout=max(timeout, 60),
+    )
+    return ProcGroup(procs, pg)
+
+
+def _check_feasible(node_ids: Sequence[str], resources: dict[str, float], asked: str) -> None:
+    per_node: dict[str, int] = {}
+    for n in node_ids:
+        per_node[n] = per_node.get(n, 0) + 1
+    totals = {n.node_id: n.resources for n in runtime.nodes()}
+    for node, count in per_node.items():
+        total = totals.get(node)
+        if total is None:
+            raise PlacementError(f"{asked}: host {node[:12]} is not an alive Ray node")
+        for key, amount in resources.items():
+            need = amount * count
+            have = total.get(key, 0.0)
+            if need > have + 1e-9:
+                fix = (
+                    "this cluster has no GPUs: use a CPU axis name such as 'procs' instead of "
+                    "'gpus', or run on a cluster with GPUs"
+                    if key == "GPU" and sum(t.get("GPU", 0) for t in totals.values()) == 0
+                    else f"ask for at most {int(have // amount)} procs per host, or add capacity "
+                    f"(RAYMESH_NUM_CPUS for the local default, `ray start --num-cpus` on a "
+                    f"cluster)"
+                )
+                raise PlacementError(
+                    f"{asked}: needs {need:g} {key} on host {node[:12]} ({count} procs x "
+                    f"{amount:g}), which has {have:g} {key} in total. Fix: {fix}."
+                )
+
+
+def _fmt_res(res: dict[str, float]) -> str:
+    keys = [k for k in ("CPU", "GPU", "memory") if k in res]
+    return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
+
+
+def kill(group: ProcGroup) -> None:
+    """End every proc of the group and release its placement group. Does not wait."""
+    if not ray.is_initialized():  # Ray already ended them (and must not be restarted here)
+        return
+    for p in group.procs:
+        try:
+            ray.kill(p.handle, no_restart=True)
+        except Exception:
+            pass
+    try:
+        remove_placement_group(group.pg)
+    except Exception:
+        pass
+
+
+def wait_exited(procs: Sequence[RayProc], timeout: float) -> list[int]:
+    """Wait until the procs' processes are gone; return the pids still running."""
+    by_node: dict[str, list[int]] = {}
+    for p in procs:
+        if p.pid > 0:
+            by_node.setdefault(p.node_id, []).append(p.pid)
+    refs = [host_agent(n).wait_exited.remote(pids, timeout) for n, pids in by_node.items()]
+    alive: list[int] = []
+    for r in ray.get(refs, timeout=timeout + 10):
+        alive.extend(r)
+    return alive
+
+
+def self_proc() -> RayProc | None:
+    """This process's own proc, when it is one (inside an actor); None in the controller."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE:
+        return None
+    try:
+        handle = ctx.current_actor
+    except Exception:
+        return None
+    import os
+
+    return RayProc(handle, os.getpid(), ctx.get_node_id())

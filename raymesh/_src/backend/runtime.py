@@ -1,0 +1,166 @@
+"""Connecting to Ray: the embedded local default, or an existing cluster.
+
+Order of preference, first match wins:
+1. Ray is already initialised in this process (the user called `ray.init(...)`, or this code runs
+   inside a Ray worker, e.g. an actor spawning a nested mesh): use it as it is.
+2. `RAYMESH_ADDRESS` is set: `ray.init(address=RAYMESH_ADDRESS)`.
+3. `RAY_ADDRESS` is set (as under `ray job submit`): `ray.init()` connects to it.
+4. Otherwise start a local Ray on loopback (the embedded default), with
+   `RAYMESH_NUM_CPUS` logical CPUs (default max(64, cores)): a proc reserves one logical CPU,
+   so a small machine can still gang-schedule a mesh of many CPU procs, which then share cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import ray
+
+logger = logging.getLogger("raymesh")
+
+# Ray reads these when it builds a worker's serialisation context; the controller's is built in
+# ray.init, the procs' from the environment below.
+ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+_init_lock = threading.Lock()
+_started_local = False
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def _enable_zero_copy() -> None:
+    os.environ.update(ZERO_COPY_ENV)
+    from ray._private import ray_constants
+
+    ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS = True
+    quiet_zero_copy_warnings()
+
+
+def quiet_zero_copy_warnings() -> None:
+    """Ray warns on every tensor it sends zero-copy, and torch on every read-only tensor it
+    receives; raymesh documents that received tensors are read-only views instead."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _loopback_only() -> None:
+    """Make the embedded local Ray use 127.0.0.1 as its node address. Ray otherwise resolves
+    even an explicit 127.0.0.1 to the machine's routable address; its single-machine mode (the
+    one it uses on macOS and Windows) keeps everything on loopback."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def ensure_ray() -> None:
+    """Make sure this process is connected to Ray (see the module docstring for which Ray)."""
+    global _started_local
+    if ray.is_initialized():
+        return
+    with _init_lock:
+        if ray.is_initialized():
+            return
+        _enable_zero_copy()
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
+        forward_logs = _env_flag("RAYMESH_FORWARD_LOGS", True)
+        address = os.environ.get("RAYMESH_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=forward_logs, logging_level=logging.WARNING)
+        elif os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=forward_logs, logging_level=logging.WARNING)
+        else:
+            cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
+            _loopback_only()
+            ray.init(
+                num_cpus=cpus,
+                include_dashboard=_env_flag("RAYMESH_DASHBOARD", False),
+                _node_ip_address="127.0.0.1",  # the embedded default stays on loopback
+                log_to_driver=forward_logs,
+                logging_level=logging.WARNING,
+                configure_logging=True,
+            )
+            _started_local = True
+            logger.info("raymesh: started a local Ray with %d logical CPUs", cpus)
+
+
+def started_local() -> bool:
+    return _started_local
+
+
+def shutdown() -> None:
+    """Disconnect from Ray (and stop the local one, if raymesh started it)."""
+    global _started_local
+    if ray.is_initialized():
+        ray.shutdown()
+    _started_local = False
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One alive Ray node, as raymesh sees a host."""
+
+    node_id: str
+    ip: str
+    hostname: str
+    cpus: float
+    gpus: float
+    memory_bytes: float
+    labels: dict[str, str] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+def nodes() -> list[NodeInfo]:
+    """Alive Ray nodes, the controller's own node first, then by node id."""
+    ensure_ray()
+    here = current_node_id()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        out.append(
+            NodeInfo(
+                node_id=n["NodeID"],
+                ip=n.get("NodeManagerAddress", ""),
+                hostname=n.get("NodeManagerHostname", ""),
+                cpus=res.get("CPU", 0.0),
+                gpus=res.get("GPU", 0.0),
+                memory_bytes=res.get("memory", 0.0),
+                labels=dict(n.get("Labels", {}) or {}),
+                resources=dict(res),
+            )
+        )
+    out.sort(key=lambda n: (n.node_id != here, n.node_id))
+    return out
+
+
+def available_resources() -> dict[str, float]:
+    """Cluster-wide resources not reserved right now (for error messages)."""
+    ensure_ray()
+    return dict(ray.available_resources())
+
+
+def current_node_id() -> str:
+    ensure_ray()
+    return ray.get_runtime_context().get_node_id()
+
+
+def address() -> str:
+    ensure_ray()
+    ctx = ray.get_runtime_context()
+    return getattr(ctx, "gcs_address", "") or "local"
+
+
+def hostname() -> str:
+    return socket.gethostname()

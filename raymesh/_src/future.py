@@ -1,0 +1,101 @@
+"""`Future`: the pending result of a call. `get(timeout=...)` blocks; `await future` does not.
+
+A future resolves to a value, or raises:
+- `ActorError` when the endpoint raised (the actor lives on);
+- `SupervisionError` when a proc that was to answer is gone (promptly: Ray reports a dead actor
+  on every pending ref within milliseconds; the future never waits for a dead proc);
+- `TimeoutError` when `timeout` seconds pass first. The call itself is not cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from raymesh._src import backend
+
+R = TypeVar("R")
+
+__all__ = ["Future"]
+
+_UNSET: Any = object()
+
+
+class Future(Generic[R]):
+    def __init__(
+        self,
+        items: list[Any],
+        resolve: Callable[[list[Any]], R],
+        on_gone: Callable[[int, str], BaseException],
+        what: str,
+    ) -> None:
+        self._items = items  # Ray object refs, or concurrent futures for in-process actors
+        self._resolve = resolve  # raw replies -> value; raises ActorError
+        self._on_gone = on_gone  # (index of the dead item, detail) -> exception to raise
+        self._what = what
+        self._value: Any = _UNSET
+        self._error: BaseException | None = None
+
+    @staticmethod
+    def failed(error: BaseException) -> Future[Any]:
+        fut: Future[Any] = Future([], _identity, lambda i, d: error, "")
+        fut._error = error
+        return fut
+
+    def get(self, timeout: float | None = None) -> R:
+        """The result; waits at most `timeout` seconds (None: until it is ready or fails)."""
+        if self._error is not None:
+            raise self._error
+        if self._value is not _UNSET:
+            return self._value
+        try:
+            raws = _gather(self._items, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self._what} did not reply within {timeout}s (the call is still running; "
+                "pass a larger timeout to get())"
+            ) from None
+        except backend.ProcGone as gone:
+            self._error = self._on_gone(gone.index, gone.detail)
+            raise self._error from None
+        try:
+            self._value = self._resolve(raws)
+        except BaseException as e:
+            self._error = e
+            raise
+        return self._value
+
+    def done(self) -> bool:
+        """Whether the result (or failure) is available without waiting."""
+        if self._error is not None or self._value is not _UNSET:
+            return True
+        if not self._items:
+            return True
+        if isinstance(self._items[0], concurrent.futures.Future):
+            return all(f.done() for f in self._items)
+        ready, _ = backend.wait(self._items, len(self._items), 0)
+        return len(ready) == len(self._items)
+
+    def __await__(self) -> Generator[Any, None, R]:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, self.get).__await__()
+
+    def __repr__(self) -> str:
+        return f"<Future {self._what}{' done' if self.done() else ''}>"
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _gather(items: list[Any], timeout: float | None) -> list[Any]:
+    if not items:
+        return []
+    if not isinstance(items[0], concurrent.futures.Future):
+        return backend.get(items, timeout)
+    _, pending = concurrent.futures.wait(items, timeout=timeout)
+    if pending:
+        raise TimeoutError
+    return [f.result() for f in items]

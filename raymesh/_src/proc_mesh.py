@@ -1,0 +1,382 @@
+"""Host meshes and proc meshes: where actors run.
+
+- `host_mesh()`: every alive Ray node, along the axis `hosts`; `this_host()`: the caller's node.
+- `HostMesh.spawn_procs(per_host={"gpus": 8})`: one proc (process) per point of
+  `hosts x per_host`, gang-scheduled with one Ray placement group: all procs start, or none do.
+  An axis named `gpus` gives each proc one GPU; any other name gives CPU procs.
+- `ProcMesh.spawn(name, Actor, ...)`: one actor per proc, constructed before `spawn` returns.
+- `this_proc()`: the caller's own process as a mesh of one (the controller's, or an actor's).
+
+A proc mesh belongs to the process that spawned it: that process's supervisor watches it, and it
+ends with that process (Ray ends non-detached actors with their owner). Copies sent to other
+actors are references: they can spawn and call, but do not own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import threading
+import uuid
+import weakref
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from raymesh._src import backend
+from raymesh._src.context import current_actor_context, current_rank
+from raymesh._src.errors import MeshFailure, SupervisionError
+from raymesh._src.proc import ProcRuntime
+from raymesh._src.shape import Extent, Point, Shape
+
+logger = logging.getLogger("raymesh")
+
+T = TypeVar("T")
+
+__all__ = ["HostMesh", "ProcMesh", "host_mesh", "this_host", "this_proc"]
+
+_GPU_AXIS = "gpus"
+_STOP_TIMEOUT_S = 30.0
+
+
+class HostMesh:
+    """Hosts (Ray nodes) along the axis `hosts`."""
+
+    def __init__(self, nodes: list[backend.NodeInfo], shape: Shape | None = None) -> None:
+        self._nodes = nodes
+        self._shape = shape or Shape.of({"hosts": len(nodes)})
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def size(self, axis: str | None = None) -> int:
+        return self._shape.size(axis)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **axes: int | slice) -> HostMesh:
+        return HostMesh(self._nodes, self._shape.slice(**axes))
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [self._nodes[r].node_id for r in self._shape.ranks]
+
+    def spawn_procs(
+        self,
+        per_host: Mapping[str, int] | None = None,
+        *,
+        name: str | None = None,
+        cpus_per_proc: float = 1.0,
+        timeout: float = 60.0,
+    ) -> ProcMesh:
+        """One proc per point of this host mesh's axes plus `per_host`.
+
+        cpus_per_proc: logical CPUs each proc reserves (the embedded local Ray has many logical
+            CPUs; see `raymesh._src.backend.runtime`). timeout: seconds to wait for resources.
+        Raises ValueError for a bad `per_host`, PlacementError when the cluster cannot hold it.
+        """
+        per_host = dict(per_host or {"procs": 1})
+        asked = f"spawn_procs(per_host={per_host})"
+        for axis, n in per_host.items():
+            if axis in self._shape.labels:
+                raise ValueError(f"{asked}: axis {axis!r} is already a host axis; rename it")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{asked}: {axis}={n!r}; each per_host size must be an int >= 1")
+        if not cpus_per_proc >= 0:
+            raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
+        extent = Extent(
+            self._shape.labels + tuple(per_host),
+            self._shape.extent.sizes + tuple(per_host.values()),
+        )
+        per = Extent.of(per_host).nelem
+        node_ids = [n for n in self.node_ids for _ in range(per)]
+        resources = {"CPU": float(cpus_per_proc)}
+        if _GPU_AXIS in per_host:
+            resources["GPU"] = 1.0
+        resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
+        mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
+        points = list(extent.points())
+        group = backend.create_procs(mesh_name, points, node_ids, resources, timeout, asked)
+        state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
+        _own(state)
+        return ProcMesh(state, Shape.of(dict(extent)))
+
+    def __repr__(self) -> str:
+        return f"HostMesh({self._shape})"
+
+
+def host_mesh() -> HostMesh:
+    """All alive Ray nodes, the controller's own first."""
+    return HostMesh(backend.nodes())
+
+
+def this_host() -> HostMesh:
+    """The caller's own node, as a host mesh of one (`{"hosts": 1}`)."""
+    here = backend.current_node_id()
+    return HostMesh([n for n in backend.nodes() if n.node_id == here])
+
+
+class ProcMeshState:
+    """What all views (slices) of one proc mesh share: its procs, owner and failures."""
+
+    def __init__(
+        self, name: str, procs: list[Any], group: Any, owner_key: str | None, owned: bool = True
+    ) -> None:
+        self.name = name
+        self.procs = procs
+        self.group = group  # backend.ProcGroup, or None for this_proc()
+        self.owner_key = owner_key  # the owning actor in this process; None: the controller
+        self.owned = owned
+        self.stopped = False
+        self.lock = threading.Lock()
+        self.dead: dict[int, MeshFailure] = {}  # proc rank -> how it died
+        self.reported: set[int] = set()  # dead ranks already handed to supervision
+        self.actor_failures: dict[str, MeshFailure] = {}  # actor key -> unhandled failure
+
+    def record(self, actor_key: str | None, failure: MeshFailure) -> bool:
+        """Keep `failure` for later calls; False when the mesh is stopped or the failure was
+        already recorded (a death is seen both by pending calls and by the watcher)."""
+        with self.lock:
+            if self.stopped:
+                return False
+            if actor_key is not None:
+                self.actor_failures.setdefault(actor_key, failure)
+                return True
+            if failure.kind == "proc_died":
+                fresh = [r for r in failure.ranks if r not in self.reported]
+                self.reported.update(failure.ranks)
+                for r in failure.ranks:
+                    self.dead.setdefault(r, failure)
+                return bool(fresh)
+            return True
+
+    def proc_gone(self, rank: int, detail: str) -> MeshFailure:
+        """The failure for proc `rank`, which Ray reported dead: asks its host how it ended."""
+        with self.lock:
+            known = self.dead.get(rank)
+        if known is not None:
+            return known
+        if self.stopped:
+            return MeshFailure(self.name, (rank,), "stopped", "the mesh was stopped")
+        status = self.procs[rank].exit_status(timeout=2.0) or {}
+        cause = status.get("cause") or detail
+        failure = MeshFailure(
+            mesh_name=self.name,
+            ranks=(rank,),
+            kind="proc_died",
+            cause=f"proc (pid {self.procs[rank].pid}) {cause}",
+            exit_code=status.get("exit_code"),
+            signal=status.get("signal"),
+        )
+        with self.lock:
+            return self.dead.setdefault(rank, failure)
+
+    def check(self, ranks: tuple[int, ...], actor_key: str | None) -> SupervisionError | None:
+        """The error a new call on `ranks` must fail with, if any."""
+        if self.stopped:
+            return SupervisionError(
+                MeshFailure(
+                    self.name,
+                    ranks,
+                    "stopped",
+                    "the mesh was stopped; spawn a new one with spawn_procs()",
+                )
+            )
+        if self.dead:
+            return SupervisionError(next(iter(self.dead.values())))
+        if actor_key is not None and actor_key in self.actor_failures:
+            return SupervisionError(self.actor_failures[actor_key])
+        return None
+
+    def __reduce__(self):  # a copy in another process is a reference, not an owner
+        return (_rebuild_state, (self.name, self.procs, self.group))
+
+
+def _rebuild_state(name: str, procs: list[Any], group: Any) -> ProcMeshState:
+    return ProcMeshState(name, procs, group, owner_key=None, owned=False)
+
+
+def _owner_key() -> str | None:
+    ctx = current_actor_context()
+    return ctx.actor_key if ctx is not None else None
+
+
+_owned: weakref.WeakSet[ProcMeshState] = weakref.WeakSet()
+
+
+def _own(state: ProcMeshState) -> None:
+    from raymesh._src.supervision import supervisor
+
+    _owned.add(state)
+    supervisor().watch(state)
+
+
+@atexit.register
+def _stop_owned() -> None:
+    for state in list(_owned):
+        try:
+            _stop(state, wait=False)
+        except Exception:
+            pass
+
+
+def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S) -> None:
+    with state.lock:
+        if state.stopped:
+            return
+        state.stopped = True
+    from raymesh._src.supervision import supervisor
+
+    supervisor().forget(state)
+    if state.group is None:
+        return
+    backend.kill(state.group)
+    if wait:
+        alive = backend.wait_exited(state.group.procs, timeout)
+        if alive:
+            raise TimeoutError(f"procs {alive} of mesh {state.name!r} still run after {timeout}s")
+
+
+class ProcMesh:
+    """Processes over named axes. Slicing gives a view of the same processes."""
+
+    def __init__(self, state: ProcMeshState, shape: Shape) -> None:
+        self._state = state
+        self._shape = shape
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def size(self, axis: str | None = None) -> int:
+        return self._shape.size(axis)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **axes: int | slice) -> ProcMesh:
+        return ProcMesh(self._state, self._shape.slice(**axes))
+
+    def flatten(self, name: str) -> ProcMesh:
+        return ProcMesh(self._state, self._shape.flatten(name))
+
+    def rename(self, **names: str) -> ProcMesh:
+        return ProcMesh(self._state, self._shape.rename(**names))
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the procs, in this view's order (for tests and tools)."""
+        return [self._state.procs[r].pid for r in self._shape.ranks]
+
+    def spawn(self, name: str, cls: type[T], *args: Any, **kwargs: Any) -> Any:
+        """Construct `cls(*args, **kwargs)` on every proc; returns the `ActorMesh`.
+
+        Waits for every constructor; one that raises fails the spawn with `ActorError`.
+        """
+        from raymesh._src.actor_mesh import spawn_actors
+
+        return spawn_actors(self, name, cls, args, kwargs)
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """End every proc of this mesh (all of it, even when called on a slice) and wait until
+        the processes are gone. Later calls on its actors raise SupervisionError."""
+        if not self._state.owned:
+            raise RuntimeError(f"only the owner of mesh {self.name!r} can stop it")
+        _stop(self._state, wait=True, timeout=timeout)
+
+    def __repr__(self) -> str:
+        return f"ProcMesh({self.name!r}, {self._shape})"
+
+
+class LocalProc:
+    """The controller's own process as a proc, for `this_proc()` in the controller.
+
+    Messages go through the same `ProcRuntime` as on a real proc (same ordering, same errors),
+    on a local thread pool; arguments are pickled and unpickled, as they would be on the wire.
+    """
+
+    pid = -1
+    node_id = ""
+
+    def __init__(self) -> None:
+        self._state: ProcMeshState | None = None
+        self.runtime = ProcRuntime(
+            proc_mesh_name="controller", point=current_rank(), on_event=self._on_event
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="raymesh-local")
+
+    def _on_event(self, actor_key: str | None, failure: MeshFailure) -> None:
+        from raymesh._src.supervision import dispatch
+
+        if self._state is not None:
+            dispatch(self._state, actor_key, failure)
+
+    def submit(
+        self,
+        actor_key: str,
+        sender: str,
+        seq: int,
+        endpoint: str,
+        payload: Any,
+        message_point: tuple,
+        reply: bool,
+    ) -> concurrent.futures.Future:
+        args, kwargs = _copy(payload)
+        return self._pool.submit(
+            self.runtime.handle,
+            actor_key,
+            sender,
+            seq,
+            endpoint,
+            args,
+            kwargs,
+            message_point,
+            reply,
+        )
+
+    def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
+        args, kwargs = _copy(payload)
+        return self._pool.submit(self.runtime.spawn, actor_key, mesh_name, point, cls, args, kwargs)
+
+    def stop_actor(self, actor_key: str) -> None:
+        self.runtime.stop_actor(actor_key)
+
+    def exit_status(self, timeout: float) -> None:
+        return None
+
+    def __reduce__(self):
+        raise TypeError(
+            "an actor spawned with this_proc() in the controller lives in the controller's "
+            "process and cannot be sent to other actors; spawn it on procs from spawn_procs() "
+            "to share it"
+        )
+
+
+def _copy(payload: Any) -> Any:
+    if type(payload) is list:  # stored once for a fan-out call
+        payload = backend.get(payload, None)[0]
+    return backend.roundtrip(payload)
+
+
+_local_proc: LocalProc | None = None
+
+
+def this_proc() -> ProcMesh:
+    """The caller's own process as a mesh of one: actors spawned on it run in this process."""
+    global _local_proc
+    proc = backend.self_proc()
+    if proc is not None:
+        state = ProcMeshState(f"proc-{proc.pid}", [proc], None, _owner_key(), owned=False)
+        return ProcMesh(state, Shape.of({}))
+    if _local_proc is None:
+        _local_proc = LocalProc()
+        state = ProcMeshState("controller", [_local_proc], None, None, owned=False)
+        _local_proc._state = state
+    assert _local_proc._state is not None
+    return ProcMesh(_local_proc._state, Shape.of({}))

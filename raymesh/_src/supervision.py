@@ -1,0 +1,143 @@
+"""Supervision: how an owner learns that a mesh it spawned failed, and who handles it.
+
+Each process that owns proc meshes (the controller, or an actor that spawned meshes) runs one
+`Supervisor` thread. For every proc it owns, it keeps one long-poll `watch` call pending on that
+proc. The call returns when the proc has events (a broadcast that raised; an actor there that
+left a child's failure unhandled) and fails the moment the proc dies, since Ray fails every
+pending call of a dead actor. So a death reaches the owner in milliseconds even when nobody is
+calling the mesh, at the cost of one idle pending call per proc.
+
+Who handles a failure: the mesh's owner actor's `__supervise__` (run as a message, in turn with
+its endpoints); True stops it there, anything else makes it the owner's own failure, reported up
+to *its* owner. At the controller, `unhandled_fault_hook` runs. The mesh itself is marked failed
+first (a dead proc cannot come back), so later calls raise `SupervisionError` without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from raymesh._src import backend
+from raymesh._src.errors import MeshFailure
+from raymesh._src.proc import current_runtime
+
+if TYPE_CHECKING:
+    from raymesh._src.proc_mesh import ProcMeshState
+
+logger = logging.getLogger("raymesh")
+
+__all__ = ["set_unhandled_fault_hook", "unhandled_fault_hook"]
+
+# How long one watch call stays pending before it is re-armed (bounds an idle proc's cost).
+WATCH_S = 30.0
+
+
+def default_unhandled_fault_hook(failure: MeshFailure) -> None:
+    """Log the failure; the mesh keeps it, so later calls on it raise SupervisionError."""
+    logger.error("raymesh: unhandled mesh failure: %s", failure)
+
+
+_hook: Callable[[MeshFailure], Any] = default_unhandled_fault_hook
+
+
+def unhandled_fault_hook(failure: MeshFailure) -> None:
+    """Runs at the controller for every failure no owner handled. Replace it with
+    `set_unhandled_fault_hook(fn)` (for example to exit the controller on any fault)."""
+    _hook(failure)
+
+
+def set_unhandled_fault_hook(fn: Callable[[MeshFailure], Any] | None) -> None:
+    """Replace the controller's fault hook; None restores the default (log, keep the error)."""
+    global _hook
+    _hook = fn if fn is not None else default_unhandled_fault_hook
+
+
+def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) -> None:
+    """Record `failure` on its mesh and hand it to the mesh's owner (in a thread of its own,
+    so that one slow `__supervise__` never delays the next failure)."""
+    if not state.record(actor_key, failure):
+        return  # the mesh was stopped, or this failure is already known
+
+    def deliver() -> None:
+        runtime = current_runtime()
+        if state.owner_key is not None and runtime is not None:
+            runtime.supervise(state.owner_key, failure)
+        else:
+            try:
+                unhandled_fault_hook(failure)
+            except Exception:
+                logger.exception("raymesh: unhandled_fault_hook raised")
+
+    threading.Thread(target=deliver, name="raymesh-supervise", daemon=True).start()
+
+
+class Supervisor:
+    """This process's watcher of the procs it owns (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: dict[Any, tuple[ProcMeshState, int]] = {}
+        self._changed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="raymesh-supervisor", daemon=True)
+        self._thread.start()
+
+    def watch(self, state: ProcMeshState) -> None:
+        with self._lock:
+            for rank, proc in enumerate(state.procs):
+                self._watches[proc.watch(WATCH_S)] = (state, rank)
+        self._changed.set()
+
+    def forget(self, state: ProcMeshState) -> None:
+        with self._lock:
+            for ref in [r for r, (s, _) in self._watches.items() if s is state]:
+                del self._watches[ref]
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                refs = list(self._watches)
+            if not refs:
+                self._changed.wait(timeout=1.0)
+                self._changed.clear()
+                continue
+            try:
+                ready, _ = backend.wait(refs, 1, 0.2)
+            except Exception:  # Ray is shutting down
+                self._changed.wait(timeout=1.0)
+                continue
+            for ref in ready:
+                with self._lock:
+                    entry = self._watches.pop(ref, None)
+                if entry is not None:
+                    self._handle(ref, *entry)
+
+    def _handle(self, ref: Any, state: ProcMeshState, rank: int) -> None:
+        try:
+            events = backend.get([ref], timeout=5.0)[0]
+        except backend.ProcGone as gone:
+            dispatch(state, None, state.proc_gone(rank, gone.detail))
+            return
+        except Exception:
+            logger.exception("raymesh: watch on %s rank %d failed", state.name, rank)
+            return
+        if state.stopped:
+            return
+        with self._lock:
+            self._watches[state.procs[rank].watch(WATCH_S)] = (state, rank)
+        for actor_key, failure in events:
+            dispatch(state, actor_key, failure)
+
+
+_supervisor: Supervisor | None = None
+_supervisor_lock = threading.Lock()
+
+
+def supervisor() -> Supervisor:
+    global _supervisor
+    with _supervisor_lock:
+        if _supervisor is None:
+            _supervisor = Supervisor()
+        return _supervisor

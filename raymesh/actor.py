@@ -1,0 +1,44 @@
+"""The programming model: actors, endpoints, meshes, futures and supervision.
+
+`from raymesh.actor import Actor, endpoint, this_host` (the same names are in `raymesh`).
+"""
+
+from raymesh._src.actor import Actor
+from raymesh._src.actor_mesh import ActorMesh, EndpointRef
+from raymesh._src.backend import PlacementError
+from raymesh._src.context import ActorContext, context, current_rank, current_size
+from raymesh._src.endpoint import Endpoint, endpoint
+from raymesh._src.errors import ActorError, MeshFailure, SupervisionError
+from raymesh._src.future import Future
+from raymesh._src.proc_mesh import HostMesh, ProcMesh, host_mesh, this_host, this_proc
+from raymesh._src.shape import Extent, Point, Shape
+from raymesh._src.supervision import set_unhandled_fault_hook, unhandled_fault_hook
+from raymesh._src.value_mesh import ValueMesh
+
+__all__ = [
+    "Actor",
+    "ActorContext",
+    "ActorError",
+    "ActorMesh",
+    "Endpoint",
+    "EndpointRef",
+    "Extent",
+    "Future",
+    "HostMesh",
+    "MeshFailure",
+    "PlacementError",
+    "Point",
+    "ProcMesh",
+    "Shape",
+    "SupervisionError",
+    "ValueMesh",
+    "context",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "host_mesh",
+    "set_unhandled_fault_hook",
+    "this_host",
+    "this_proc",
+    "unhandled_fault_hook",
+]

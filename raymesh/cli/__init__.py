@@ -1,0 +1,1 @@
+"""The `raymesh` command line."""

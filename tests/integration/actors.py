@@ -1,0 +1,182 @@
+"""Actor classes shared by the integration tests (importable by the procs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from raymesh import (
+    Actor,
+    MeshFailure,
+    context,
+    current_rank,
+    current_size,
+    endpoint,
+    this_host,
+    this_proc,
+)
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+    @endpoint
+    def get(self) -> int:
+        return self.value
+
+    @endpoint
+    def rank(self) -> int:
+        return current_rank().rank
+
+    @endpoint
+    def where(self) -> dict:
+        ctx = context()
+        return {
+            "rank": dict(ctx.rank),
+            "message_rank": ctx.message_rank.rank,
+            "message_extent": dict(ctx.message_rank.extent),
+            "size": current_size(),
+            "pid": os.getpid(),
+        }
+
+    @endpoint
+    def slow(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return current_rank().rank
+
+    @endpoint
+    def countdown(self, step: float) -> int:
+        """Reply after (last rank - my rank) * step seconds."""
+        time.sleep((current_size()["procs"] - 1 - current_rank()["procs"]) * step)
+        return current_rank()["procs"]
+
+    @endpoint
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def die(self, how: str) -> None:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(int(how))
+
+    def not_an_endpoint(self) -> None:
+        pass
+
+
+class Recorder(Actor):
+    """Appends whatever it is sent, to check delivery order."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @endpoint
+    def add(self, x) -> None:
+        self.seen.append(x)
+
+    @endpoint
+    def log(self) -> list:
+        return list(self.seen)
+
+
+class AsyncWorker(Actor):
+    def __init__(self) -> None:
+        self.active = 0
+        self.max_active = 0
+
+    @endpoint
+    async def work(self, seconds: float) -> int:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        await asyncio.sleep(seconds)
+        self.active -= 1
+        return current_rank().rank
+
+    @endpoint
+    def overlap(self) -> int:
+        return self.max_active
+
+
+class TensorActor(Actor):
+    @endpoint
+    def echo(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @endpoint
+    def checksum(self, t: torch.Tensor) -> float:
+        return float(t.double().sum())
+
+    @endpoint
+    def make(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32)
+
+
+class Trainer(Actor):
+    """Calls a mesh reference it was given: picks its own loader by its own coordinates."""
+
+    def __init__(self, loaders) -> None:
+        self.loaders = loaders
+
+    @endpoint
+    def fetch(self) -> int:
+        mine = self.loaders.slice(**current_rank())
+        return mine.rank.call_one().get(timeout=30)
+
+    @endpoint
+    def fetch_all(self) -> list:
+        return sorted(self.loaders.rank.call().get(timeout=30).values())
+
+
+class Parent(Actor):
+    """Owns a child mesh; records the supervision events it receives."""
+
+    def __init__(self, handle: bool) -> None:
+        self.handle = handle
+        self.failures: list[MeshFailure] = []
+        self.procs = None
+        self.children = None
+        self.lock = threading.Lock()
+
+    @endpoint
+    def spawn_children(self, n: int) -> list:
+        self.procs = this_host().spawn_procs(per_host={"procs": n}, name="children")
+        self.children = self.procs.spawn("kids", Counter, 100)
+        return self.procs.pids
+
+    @endpoint
+    def call_children(self) -> list:
+        return self.children.incr.call(1).get(timeout=30).values()
+
+    @endpoint
+    def local_helper(self) -> int:
+        helper = this_proc().spawn("helper", Counter, 7)
+        return helper.incr.call_one(1).get(timeout=30)
+
+    @endpoint
+    def seen(self) -> list:
+        with self.lock:
+            return list(self.failures)
+
+    @endpoint
+    def stop_children(self) -> None:
+        self.procs.stop()
+
+    def __supervise__(self, failure: MeshFailure) -> bool:
+        with self.lock:
+            self.failures.append(failure)
+        return self.handle

@@ -1,0 +1,223 @@
+"""Supervision on real processes: SIGKILL, os._exit, owners' __supervise__, stop(), orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import raymesh
+from raymesh import MeshFailure, SupervisionError, this_host
+
+from .actors import Counter, Parent
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def hook_calls():
+    calls: list[MeshFailure] = []
+    raymesh.set_unhandled_fault_hook(calls.append)
+    yield calls
+    raymesh.set_unhandled_fault_hook(None)
+
+
+def _wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not true within {timeout}s")
+
+
+def test_sigkill_of_a_proc_fails_pending_and_later_calls_with_the_rank_and_signal(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="victims")
+    counters = procs.spawn("c", Counter)
+    pending = counters.slice(procs=1).slow.call_one(30.0)
+    victim = procs.pids[1]
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(SupervisionError) as info:
+        pending.get(timeout=20)
+    elapsed = time.monotonic() - started
+    failure = info.value.failure
+    assert elapsed < 5.0, f"took {elapsed:.1f}s to surface"
+    assert failure.mesh_name == "victims"
+    assert failure.ranks == (1,)
+    assert failure.kind == "proc_died"
+    assert failure.signal == signal.SIGKILL and failure.signal_name == "SIGKILL"
+    assert "SIGKILL" in str(info.value)
+    # later calls, even to the surviving rank, fail at once
+    with pytest.raises(SupervisionError):
+        counters.slice(procs=0).incr.call_one().get(timeout=5)
+    # the controller's fault hook saw it
+    seen = _wait_for(lambda: hook_calls)
+    assert seen[0].ranks == (1,) and seen[0].signal == signal.SIGKILL
+    procs.stop()
+
+
+def test_an_idle_mesh_still_reports_a_death_to_the_hook(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="idle")
+    procs.spawn("c", Counter)
+    os.kill(procs.pids[0], signal.SIGKILL)
+    failure = _wait_for(lambda: hook_calls, timeout=5.0)[0]
+    assert failure.mesh_name == "idle" and failure.signal == signal.SIGKILL
+    procs.stop()
+
+
+def test_os_exit_reports_the_exit_code(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="exiter")
+    counter = procs.spawn("c", Counter)
+    with pytest.raises(SupervisionError) as info:
+        counter.die.call_one("3").get(timeout=20)
+    assert info.value.failure.exit_code == 3
+    assert "exited with code 3" in str(info.value)
+    procs.stop()
+
+
+def test_broadcast_exception_reaches_supervision(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="bcast")
+    counters = procs.spawn("bc", Counter)
+    counters.fail.broadcast("lost")
+    failures = _wait_for(lambda: len(hook_calls) >= 2 and hook_calls)
+    assert {f.kind for f in failures} == {"endpoint_error"}
+    assert sorted(r for f in failures for r in f.ranks) == [0, 1]
+    assert "lost" in failures[0].cause
+    # unhandled at the controller: the error stays on the actor mesh
+    with pytest.raises(SupervisionError, match="lost"):
+        counters.incr.call().get(timeout=10)
+    procs.stop()
+
+
+def test_owner_actor_gets_supervise_for_its_child_mesh():
+    owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="owner")
+    parent = owner_procs.spawn("parent", Parent, True)
+    child_pids = parent.spawn_children.call_one(2).get(timeout=60)
+    assert parent.call_children.call_one().get(timeout=30) == [101, 101]
+    os.kill(child_pids[0], signal.SIGKILL)
+    seen = _wait_for(lambda: parent.seen.call_one().get(timeout=10))
+    assert seen[0].mesh_name == "children"
+    assert seen[0].ranks == (0,) and seen[0].signal == signal.SIGKILL
+    # handled by the owner: the owner's own mesh is fine
+    assert parent.seen.call_one().get(timeout=10)
+    owner_procs.stop()
+
+
+def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
+    owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="careless")
+    parent = owner_procs.spawn("parent", Parent, False)
+    child_pids = parent.spawn_children.call_one(1).get(timeout=60)
+    os.kill(child_pids[0], signal.SIGKILL)
+    failure = _wait_for(lambda: hook_calls)[0]
+    assert failure.kind == "child_failed"
+    assert failure.mesh_name == "parent"
+    assert failure.child is not None and failure.child.signal == signal.SIGKILL
+    owner_procs.stop()
+
+
+def test_this_proc_inside_an_actor_hosts_a_helper_in_the_same_process():
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="hosting")
+    parent = procs.spawn("parent", Parent, True)
+    assert parent.local_helper.call_one().get(timeout=30) == 8
+    procs.stop()
+
+
+def test_stop_leaves_no_processes():
+    procs = this_host().spawn_procs(per_host={"procs": 3}, name="stopper")
+    procs.spawn("c", Counter)
+    pids = procs.pids
+    assert all(_alive(p) for p in pids)
+    procs.stop()
+    assert not any(_alive(p) for p in pids)
+
+
+def test_nested_meshes_stop_with_their_owner():
+    owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="nest")
+    parent = owner_procs.spawn("parent", Parent, True)
+    child_pids = parent.spawn_children.call_one(2).get(timeout=60)
+    owner_procs.stop()
+    _wait_for(lambda: not any(_alive(p) for p in child_pids), timeout=15)
+
+
+def test_asking_for_gpus_on_a_cluster_without_gpus_is_a_clear_error():
+    with pytest.raises(raymesh.PlacementError, match=r"no GPUs.*'procs' instead of 'gpus'"):
+        this_host().spawn_procs(per_host={"gpus": 1}, timeout=5)
+
+
+def test_asking_for_more_cpus_than_the_host_has_says_what_it_has():
+    with pytest.raises(raymesh.PlacementError, match=r"needs 100000 CPU .* which has \d+ CPU"):
+        this_host().spawn_procs(per_host={"procs": 100000}, timeout=5)
+
+
+def test_bad_per_host_sizes_are_rejected():
+    with pytest.raises(ValueError, match="procs=0"):
+        this_host().spawn_procs(per_host={"procs": 0})
+    with pytest.raises(ValueError, match="already a host axis"):
+        this_host().spawn_procs(per_host={"hosts": 2})
+
+
+CONTROLLER = textwrap.dedent(
+    """
+    import sys, time
+    from raymesh import Actor, endpoint, this_host
+
+    class Talker(Actor):
+        @endpoint
+        def say(self, text):
+            print(text, flush=True)
+
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="talkers")
+    talkers = procs.spawn("t", Talker)
+    talkers.say.call("hello from a proc").get(timeout=60)
+    print("PIDS", *procs.pids, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines: list[str] = []
+    pids: list[int] = []
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("PIDS"):
+            pids = [int(p) for p in line.split()[1:]]
+        if pids and any("hello from a proc" in x for x in lines):
+            break
+    output = "".join(lines)
+    assert pids, output
+    assert "talkers[hosts=0,procs=" in output, output
+    proc.kill()  # the controller crashes: no cleanup runs in it
+    proc.wait(timeout=30)
+    _wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)
