@@ -8,9 +8,9 @@
 - `stream(*args)` -> iterator of `Future[value]`, each already resolved, in order of arrival.
 - `broadcast(*args)` -> None: fire-and-forget; an exception goes to the mesh owner's supervision.
 
-Each message is one Ray actor task on its proc. A fan-out call whose arguments hold a large
-buffer (a tensor, array or bytes of 1 MiB or more) puts the arguments in the object store once
-and sends every actor a reference, so N actors cost one copy, not N.
+Each message is one Ray actor task on its proc. A call whose arguments hold a large buffer
+(a tensor, array or bytes of 1 MiB or more) puts the arguments in the object store once and
+sends every actor a reference, so N actors cost one copy, not N.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict
     if error is not None:
         raise error
     state = _ActorMeshState(f"{name}-{uuid.uuid4().hex[:8]}", name, cls, pstate)
-    payload = _payload(args, kwargs, fan_out=len(shape) > 1)
+    payload = _payload(args, kwargs)
     pending = [
         pstate.procs[rank].spawn(state.key, name, point, cls, payload)
         for point, rank in shape.points()
@@ -86,10 +86,12 @@ def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict
     return mesh
 
 
-def _payload(args: tuple, kwargs: dict, fan_out: bool) -> Any:
+def _payload(args: tuple, kwargs: dict) -> Any:
     payload = (args, kwargs)
-    if fan_out and _has_large(args, kwargs):
-        return [backend.put(payload)]  # nested in a list: Ray does not resolve it in transit
+    if _has_large(args, kwargs):
+        # Put once, send references (nested in a list, so Ray does not resolve them in
+        # transit): one copy for N actors, and the receiver maps it from shared memory.
+        return [backend.put(payload)]
     return payload
 
 
@@ -184,7 +186,7 @@ class ActorMesh(Generic[T]):
         error = pstate.check(shape.ranks, state.key)
         if error is not None:
             raise error
-        payload = _payload(args, kwargs, fan_out=len(shape) > 1)
+        payload = _payload(args, kwargs)
         labels, sizes = shape.extent.labels, shape.extent.sizes
         pending = []
         with _sender.lock:
@@ -262,11 +264,12 @@ class EndpointRef(Generic[T]):
         shape = self._mesh._shape
         key = self._mesh._state.key
         with _sender.lock:
+            inflight = {r: _sender.chosen.get((key, r), []) for r in shape.ranks}
+            done = _finished([p for ps in inflight.values() for p in ps])
             load = {}
-            for rank in shape.ranks:
-                inflight = [p for p in _sender.chosen.get((key, rank), []) if not _done(p)]
-                _sender.chosen[(key, rank)] = inflight
-                load[rank] = len(inflight)
+            for rank, ps in inflight.items():
+                _sender.chosen[(key, rank)] = [p for p in ps if id(p) not in done]
+                load[rank] = len(_sender.chosen[(key, rank)])
             least = min(load.values())
             candidates = [i for i, r in enumerate(shape.ranks) if load[r] == least]
             index = candidates[next(_sender.round_robin) % len(candidates)]
@@ -280,19 +283,18 @@ class EndpointRef(Generic[T]):
         return self._future(one, pending, single=True)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
-        """Send to every actor; yield one resolved future per reply, in order of arrival."""
+        """Send to every actor now; iterate to get one resolved future per reply, in order of
+        arrival."""
         shape = self._mesh._shape
         try:
             pending = self._mesh._send(shape, self._name, args, kwargs, True)
         except SupervisionError as e:
-            yield Future.failed(e)
-            return
+            return iter([Future.failed(e)])
         futures = {
             id(p): self._future(_index_shape(shape, i), [p], single=True)
             for i, p in enumerate(pending)
         }
-        for item in _as_completed(pending):
-            yield futures[id(item)]
+        return (futures[id(item)] for item in _as_completed(pending))
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor without waiting; failures go to the mesh owner's supervision."""
@@ -304,11 +306,14 @@ def _index_shape(shape: Shape, index: int) -> Shape:
     return Shape(Shape.of({}).extent, (shape.ranks[index],))
 
 
-def _done(pending: Any) -> bool:
-    if backend.is_ref(pending):
-        ready, _ = backend.wait([pending], 1, 0)
-        return bool(ready)
-    return pending.done()
+def _finished(pending: list[Any]) -> set[int]:
+    """The ids of the calls in `pending` that have completed, without waiting."""
+    refs = [p for p in pending if backend.is_ref(p)]
+    done = {id(p) for p in pending if not backend.is_ref(p) and p.done()}
+    if refs:
+        ready, _ = backend.wait(refs, len(refs), 0)
+        done.update(id(r) for r in ready)
+    return done
 
 
 def _as_completed(pending: list) -> Iterator[Any]:

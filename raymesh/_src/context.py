@@ -9,7 +9,6 @@ The controller is a mesh of one: rank 0 with no axes.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
 
 from raymesh._src.shape import Extent, Point
 
@@ -18,21 +17,50 @@ __all__ = ["ActorContext", "context", "current_rank", "current_size"]
 _CONTROLLER_POINT = Point((), Extent((), ()))
 
 
-@dataclass(frozen=True)
 class ActorContext:
     """The calling actor and the message being handled.
 
     rank: this actor's point in its mesh (`current_rank()`).
     message_rank: this actor's point within the slice the current message was sent to; equal to
-        `rank` for a call on the whole mesh, rank 0 of a size-1 extent for `call_one`/`choose`.
+        `rank` for a call on the whole mesh, rank 0 of an extent with no axes for
+        `call_one`/`choose`.
     mesh_name: the actor mesh's name; actor_key: this actor instance's unique id.
     """
 
-    rank: Point
-    message_rank: Point
-    mesh_name: str
-    actor_key: str
-    proc_mesh_name: str
+    __slots__ = ("_message", "_message_rank", "actor_key", "mesh_name", "proc_mesh_name", "rank")
+
+    def __init__(
+        self,
+        rank: Point,
+        message: Point | tuple[tuple[str, ...], tuple[int, ...], int],
+        mesh_name: str,
+        actor_key: str,
+        proc_mesh_name: str,
+    ) -> None:
+        self.rank = rank
+        # (labels, sizes, index) as it came off the wire; made a Point only when asked for,
+        # since most endpoints never look at it.
+        self._message_rank: Point | None = None
+        self._message: tuple[tuple[str, ...], tuple[int, ...], int] = ((), (), 0)
+        if isinstance(message, Point):
+            self._message_rank = message
+        else:
+            self._message = message
+        self.mesh_name = mesh_name
+        self.actor_key = actor_key
+        self.proc_mesh_name = proc_mesh_name
+
+    @property
+    def message_rank(self) -> Point:
+        if self._message_rank is None:
+            labels, sizes, index = self._message
+            self._message_rank = Extent(labels, sizes).point(index)
+        return self._message_rank
+
+    def __repr__(self) -> str:
+        return (
+            f"ActorContext({self.mesh_name!r}, rank={self.rank}, message_rank={self.message_rank})"
+        )
 
 
 _current: contextvars.ContextVar[ActorContext | None] = contextvars.ContextVar(

@@ -24,7 +24,7 @@ from typing import Any
 from raymesh._src import context as _ctx
 from raymesh._src.endpoint import endpoint_names
 from raymesh._src.errors import MeshFailure, RemoteFailure
-from raymesh._src.shape import Extent, Point
+from raymesh._src.shape import Point
 
 logger = logging.getLogger("raymesh")
 
@@ -142,13 +142,8 @@ class ProcRuntime:
         try:
             if endpoint not in slot.endpoints:
                 raise TypeError(f"{type(slot.instance).__name__}.{endpoint} is not an endpoint")
-            labels, sizes, index = message_point
             ctx = _ctx.ActorContext(
-                slot.point,
-                Extent(labels, sizes).point(index),
-                slot.mesh_name,
-                actor_key,
-                self.proc_mesh_name,
+                slot.point, message_point, slot.mesh_name, actor_key, self.proc_mesh_name
             )
             return self._run(ctx, getattr(slot.instance, endpoint), args, kwargs)
         except BaseException as exc:

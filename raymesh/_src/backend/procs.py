@@ -56,8 +56,9 @@ class RayProc:
         message_point: tuple,
         reply: bool,
     ) -> Any:
+        # One tuple, not seven arguments: Ray's per-argument cost was ~0.7 ms a round trip here.
         return self.handle.handle.remote(
-            actor_key, sender, seq, endpoint, payload, message_point, reply
+            (actor_key, sender, seq, endpoint, payload, message_point, reply)
         )
 
     def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
@@ -106,7 +107,7 @@ def create_procs(
     never hold the procs, or when the resources are not free within `timeout` seconds.
     """
     runtime.ensure_ray()
-    _check_feasible(node_ids, resources, asked)
+    per_node = _check_feasible(node_ids, resources, asked)
     bundles = [dict(resources) for _ in points]
     pg = placement_group(
         bundles,
@@ -134,11 +135,22 @@ def create_procs(
                 runtime_env=_RUNTIME_ENV,
             ).remote(mesh_name, point)
         )
+    # Ray starts worker processes a few at a time (about one per core), each importing Python,
+    # Ray and raymesh: allow for that on top of the placement timeout.
+    start_timeout = timeout + 60 + 5 * max(per_node.values(), default=0)
     try:
-        infos = ray.get([h.info.remote() for h in handles], timeout=max(timeout, 60))
+        infos = ray.get([h.info.remote() for h in handles], timeout=start_timeout)
     except Exception as e:
         kill(ProcGroup([RayProc(h, -1, "") for h in handles], pg))
-        raise PlacementError(f"{asked}: procs failed to start: {e}") from None
+        detail = (
+            f"they did not all start within {start_timeout:.0f}s"
+            if isinstance(e, ray.exceptions.GetTimeoutError)
+            else f"a proc failed to start: {e}"
+        )
+        raise PlacementError(
+            f"{asked}: resources were reserved, but {detail}. Fix: spawn fewer procs per host, "
+            "or pass a larger timeout"
+        ) from None
     procs = [RayProc(h, info["pid"], info["node_id"]) for h, info in zip(handles, infos)]
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
     ray.get(
@@ -148,7 +160,10 @@ def create_procs(
     return ProcGroup(procs, pg)
 
 
-def _check_feasible(node_ids: Sequence[str], resources: dict[str, float], asked: str) -> None:
+def _check_feasible(
+    node_ids: Sequence[str], resources: dict[str, float], asked: str
+) -> dict[str, int]:
+    """Fail at once when the hosts can never hold the procs; returns procs per node."""
     per_node: dict[str, int] = {}
     for n in node_ids:
         per_node[n] = per_node.get(n, 0) + 1
@@ -173,6 +188,7 @@ def _check_feasible(node_ids: Sequence[str], resources: dict[str, float], asked:
                     f"{asked}: needs {need:g} {key} on host {node[:12]} ({count} procs x "
                     f"{amount:g}), which has {have:g} {key} in total. Fix: {fix}."
                 )
+    return per_node
 
 
 def _fmt_res(res: dict[str, float]) -> str:
