@@ -1,7 +1,7 @@
 """Messaging benchmark: raymesh vs raw Ray actors vs torchmonarch, in one run on one machine.
 
 Run (from the repository root):
-    python bench/messaging.py            # full: 1000 call_one, 300 call-all, 10 tensor sends
+    python bench/messaging.py            # full: 1000 call_one, 300 call-all, 25 tensor sends
     python bench/messaging.py --quick    # smoke run: 100 / 30 / 3
 
 Per system: spawn 4 procs until the first reply; call_one round trip to one actor; call to all
@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     ap.add_argument("--monarch", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = ap.parse_args()
-    it = {"one": 1000, "all": 300, "tensor": 10, "warmup": 50}
+    it = {"one": 1000, "all": 300, "tensor": 25, "warmup": 50}
     if args.quick:
         it = {"one": 100, "all": 30, "tensor": 3, "warmup": 10}
     # Only the JSON goes to stdout: whatever else writes there (Ray prints raylet warnings to

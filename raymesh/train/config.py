@@ -1,0 +1,148 @@
+"""`TrainConfig` and `CheckpointConfig`: the whole job, as keyword-only dataclasses.
+
+A config file (`raymesh train job.toml`) and the Python API are the same schema: the file's
+top-level keys are TrainConfig's fields, `[checkpoint]` is CheckpointConfig's. Every field is
+checked on construction; a bad one raises ValueError naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
+
+Strategy = Literal["auto", "ddp", "fsdp"]
+_STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+def _bad(name: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: {fix}")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _bad(name, value, f"must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    dir: str  # folder of the run's checkpoints (step-00000050/, ...); created if missing
+    every: int = 0  # save every N steps (0: only at the end)
+    keep: int = 3  # keep the newest K committed checkpoints
+    async_save: bool = True  # overlap writing with the next steps where torch supports it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise _bad("checkpoint.dir", self.dir, "give a folder path, e.g. 'runs/gpt'")
+        _positive_int("checkpoint.every", self.every, minimum=0)
+        _positive_int("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    workers: int = 1  # ranks (trainer actors, one proc each)
+    steps: int = 1  # optimizer steps in total (raise it and resume to train further)
+    global_batch_size: int = 1  # samples per step, across all ranks
+    micro_batch_size: int | None = None  # per-rank forward size; None: the rank's whole share
+    seed: int = 0  # model init, data order: same seed, same run, bit for bit
+    strategy: Strategy = "auto"  # "auto" picks DDP or FSDP from a memory estimate
+    memory_budget_gb: float | None = None  # per-rank budget on CPU (GPU: the device's memory)
+    activation_bytes: int | None = None  # per-rank activation memory hint (else measured)
+    checkpoint: CheckpointConfig | None = None
+    resume: bool | Literal["auto"] = "auto"  # continue from the newest valid checkpoint
+    run_dir: str | None = None  # metrics.jsonl goes here (default: checkpoint.dir, or none)
+    report_every: int = 1  # send metrics to the controller every N steps
+    cpus_per_worker: float = 1.0  # logical CPUs each trainer proc reserves
+    gpus: bool | Literal["auto"] = "auto"  # one GPU per rank when the cluster has GPUs
+    build: str | None = None  # "module:function" (config files; fit() takes the function)
+    timeout_s: float = 600.0  # longest wait for any one controller step (setup, a report)
+
+    def __post_init__(self) -> None:
+        _positive_int("workers", self.workers)
+        _positive_int("steps", self.steps)
+        _positive_int("global_batch_size", self.global_batch_size)
+        if self.global_batch_size % self.workers:
+            raise _bad(
+                "global_batch_size",
+                self.global_batch_size,
+                f"must divide evenly among workers={self.workers} "
+                f"({self.global_batch_size} % {self.workers} = "
+                f"{self.global_batch_size % self.workers}); use a multiple of {self.workers}",
+            )
+        if self.micro_batch_size is not None:
+            _positive_int("micro_batch_size", self.micro_batch_size)
+            share = self.global_batch_size // self.workers
+            if share % self.micro_batch_size:
+                raise _bad(
+                    "micro_batch_size",
+                    self.micro_batch_size,
+                    f"must divide each rank's share of the batch ({share} = "
+                    f"global_batch_size {self.global_batch_size} / workers {self.workers})",
+                )
+        if self.strategy not in _STRATEGIES:
+            raise _bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise _bad("memory_budget_gb", self.memory_budget_gb, "must be > 0 (GiB per rank)")
+        if isinstance(self.checkpoint, dict):
+            object.__setattr__(self, "checkpoint", _from_dict(CheckpointConfig, self.checkpoint))
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise _bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
+        if self.resume not in (True, False, "auto"):
+            raise _bad("resume", self.resume, "use 'auto', True or False")
+        _positive_int("report_every", self.report_every)
+        if not self.cpus_per_worker >= 0:
+            raise _bad("cpus_per_worker", self.cpus_per_worker, "must be >= 0")
+        if self.gpus not in (True, False, "auto"):
+            raise _bad("gpus", self.gpus, "use 'auto', True or False")
+        if self.build is not None and (not isinstance(self.build, str) or ":" not in self.build):
+            raise _bad("build", self.build, "name the build function as 'module:function'")
+        if not self.timeout_s > 0:
+            raise _bad("timeout_s", self.timeout_s, "must be > 0 seconds")
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.global_batch_size // self.workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from plain data (a parsed config file); unknown keys are an error."""
+        return _from_dict(cls, data)
+
+
+def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a table of fields, got {type(data).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}: unknown field(s) {unknown}; the fields are {sorted(names)}"
+        )
+    return cls(**data)
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a TOML job file whose schema is TrainConfig."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    try:
+        return TrainConfig.from_dict(data)
+    except TypeError as e:  # a field of the wrong kind that the dataclass itself rejected
+        raise ValueError(f"config file {str(path)!r}: {e}") from None
+

@@ -1,0 +1,49 @@
+"""What the user's build function receives (`Context`) and returns (`Task`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Context", "Task"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """Where the build function runs: one per rank, before training starts.
+
+    The build function must be deterministic given `seed` (raymesh seeds torch with it before
+    calling build, so `torch.nn.Linear(...)` initialises identically on every rank and run).
+    """
+
+    rank: int  # global rank in the current process group
+    world_size: int  # number of ranks training now
+    local_rank: int  # rank among the procs of this host
+    device: torch.device  # cuda:<local> on a GPU proc, cpu otherwise
+    seed: int  # TrainConfig.seed
+    config: Any = None  # the TrainConfig
+
+
+@dataclass(kw_only=True)
+class Task:
+    """The job a rank trains: a model, its optimizer, a map-style dataset and a loss.
+
+    model: an nn.Module on any device; raymesh moves it to `Context.device` and wraps it in DDP
+        or FSDP2 as the strategy decides.
+    optimizer: built over `model.parameters()` (raymesh rebuilds its param groups after FSDP
+        sharding, keeping the class and hyperparameters).
+    dataset: a map-style dataset (`__len__`, `__getitem__`); raymesh decides which indices each
+        rank reads at each step.
+    loss_fn: `loss_fn(model, batch) -> scalar tensor`, the mean loss over `batch`.
+    collate_fn: turns a list of samples into a batch (default: torch's default_collate).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Any
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
