@@ -145,4 +145,3 @@ def load_config(path: str | Path) -> TrainConfig:
         return TrainConfig.from_dict(data)
     except TypeError as e:  # a field of the wrong kind that the dataclass itself rejected
         raise ValueError(f"config file {str(path)!r}: {e}") from None
-
