@@ -2,6 +2,7 @@
 
     raymesh --version
     raymesh info [--json]      Ray address, hosts with their CPUs/GPUs, versions
+    raymesh train JOB.toml     run a training job (TrainConfig as TOML) with a progress bar
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
 starts the embedded local Ray (and stops it again on exit).
@@ -55,13 +56,49 @@ def _print_info(info: dict[str, Any]) -> None:
         )
 
 
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import logging
+
+    from raymesh import train
+    from raymesh.cli.progress import ProgressBar
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        config = train.load_config(args.job)
+        overrides = {k: v for k, v in (("steps", args.steps), ("workers", args.workers)) if v}
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+        if config.build is None:
+            raise ValueError(f'{args.job}: set build = "module:function" in the job file')
+        result = train.fit(None, config, progress=ProgressBar())
+    except ValueError as e:  # a user mistake: one clear line, no traceback
+        print(f"raymesh train: {e}", file=sys.stderr)
+        return 2
+    except train.TrainError as e:
+        print(f"raymesh train: {e}", file=sys.stderr)
+        return 1
+    last = result.history[-1] if result.history else {"step": result.resumed_from, "loss": 0.0}
+    print(
+        f"done: step {last['step']}, loss {last['loss']:.4f}, "
+        f"strategy {result.decision.strategy}, checkpoint {result.checkpoint}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="raymesh", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"raymesh {__version__}")
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="show the Ray cluster raymesh would use, and versions")
     info.add_argument("--json", action="store_true", help="print JSON for machines")
+    tr = sub.add_parser("train", help="run a training job described by a TOML file")
+    tr.add_argument("job", help="TOML file whose keys are TrainConfig's fields")
+    tr.add_argument("--steps", type=int, help="override steps (e.g. to train further)")
+    tr.add_argument("--workers", type=int, help="override workers")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args)
     if args.command == "info":
         data = _info()
         if args.json:

@@ -164,3 +164,9 @@ def address() -> str:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def node_ip() -> str:
+    """This process's node address, as other processes of the cluster reach it."""
+    ensure_ray()
+    return ray.util.get_node_ip_address()

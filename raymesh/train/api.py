@@ -1,0 +1,57 @@
+"""`fit`: run a training job and return its result."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from raymesh.train.config import TrainConfig
+from raymesh.train.controller import Result, TrainController
+from raymesh.train.task import Context, Task
+
+__all__ = ["fit", "resolve_build"]
+
+
+def resolve_build(build: Callable[[Context], Task] | str) -> Callable[[Context], Task]:
+    """The build function itself, from a callable or a "module:function" name."""
+    if callable(build):
+        return build
+    if not isinstance(build, str) or ":" not in build:
+        raise ValueError(f"build={build!r}: pass a function, or name it as 'module:function'")
+    module_name, _, attr = build.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"build={build!r}: cannot import module {module_name!r} ({e}); check the name and "
+            "that it is on PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"build={build!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def fit(
+    build: Callable[[Context], Task] | str | None,
+    config: TrainConfig,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> Result:
+    """Train `build`'s task as `config` says, on a mesh of trainer procs; return the result.
+
+    build: runs on every rank and returns a `Task`; a function, or "module:function" (then it
+        is imported here first, so a bad name fails before any proc starts). None takes
+        `config.build`.
+    progress: called in this process after each reported chunk with step, steps, loss,
+        samples_per_s, eta_s and per-rank losses (the CLI draws its progress bar from it).
+    Raises ValueError for a bad config or build, `TrainError` when training fails.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
+    chosen = build if build is not None else config.build
+    if chosen is None:
+        raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
+    fn = resolve_build(chosen)
+    return TrainController(fn, config, progress=progress).run()

@@ -1,0 +1,134 @@
+"""The global sample order: which dataset indices each rank reads at each step.
+
+One order for the whole job, derived from `(seed, epoch)` alone. Step `s` (0-based) consumes the
+global batch `s`: positions `[s * B, (s + 1) * B)` of the endless stream
+`epoch_order(seed, 0, n) + epoch_order(seed, 1, n) + ...`. Each rank then reads its contiguous
+share of that batch, split into micro batches.
+
+Guarantees:
+- Deterministic: the same `(seed, step, batch_size, n)` gives the same indices in every process,
+  every run (the per-epoch seed comes from a fixed hash, never Python's salted `hash()`), for a
+  given torch version (`torch.randperm` draws the permutation).
+- World-size independent: `global_batch` takes no world size, so a job resumed at step `s` on any
+  number of ranks trains on exactly the samples an uninterrupted run would have, in the same
+  global order; only the split across ranks changes.
+- Every sample once per epoch: each epoch is a permutation of `range(n)`. Batches run straight
+  across epoch boundaries (no sample is dropped or repeated to pad the last batch of an epoch).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+__all__ = ["epoch_of", "epoch_order", "global_batch", "micro_batches", "rank_share"]
+
+
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A cryptographic hash mixes (seed, epoch) so that neighbouring seeds or epochs give unrelated
+    # streams, and is stable across processes (Python's hash() of str is salted per process).
+    digest = hashlib.blake2b(f"raymesh.train.data:{seed}:{epoch}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")  # < 2**64, what manual_seed accepts
+
+
+# Consecutive steps read the same epoch (and a step that spans a boundary reads two), so a small
+# cache saves redrawing a permutation per step. Tuples keep the cached value immutable.
+@functools.lru_cache(maxsize=4)
+def _order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(_epoch_seed(seed, epoch))
+    return tuple(torch.randperm(n, generator=generator).tolist())
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The permutation of `range(n)` that epoch `epoch` visits, a pure function of its arguments.
+
+    Raises ValueError if `epoch < 0` or `n < 1`.
+    """
+    _check_int("seed", seed, minimum=None)  # any int: it is hashed
+    _check_int("epoch", epoch, minimum=0)
+    _check_int("n", n, minimum=1)
+    return list(_order(seed, epoch, n))
+
+
+def global_batch(seed: int, step: int, batch_size: int, n: int) -> list[int]:
+    """The dataset indices that step `step` trains on, across all ranks, in order.
+
+    These are positions `[step * batch_size, (step + 1) * batch_size)` of the concatenation of
+    `epoch_order(seed, 0, n)`, `epoch_order(seed, 1, n)`, ...; a batch may span an epoch boundary
+    (or several, when `batch_size > n`). There is deliberately no world-size argument: see the
+    module docstring.
+
+    Raises ValueError if `step < 0`, `batch_size < 1` or `n < 1`.
+    """
+    _check_int("seed", seed, minimum=None)  # any int: it is hashed
+    _check_int("step", step, minimum=0)
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("n", n, minimum=1)
+    batch: list[int] = []
+    position = step * batch_size
+    end = position + batch_size
+    while position < end:
+        epoch, offset = divmod(position, n)
+        take = min(end - position, n - offset)  # up to the end of this epoch
+        batch.extend(_order(seed, epoch, n)[offset : offset + take])
+        position += take
+    return batch
+
+
+def rank_share(batch: list[int], world_size: int, rank: int) -> list[int]:
+    """Rank `rank`'s contiguous, equal slice of `batch`.
+
+    Concatenating the shares of ranks `0 .. world_size - 1` gives back `batch`, so the global
+    order holds at any world size. Raises ValueError if the batch does not split evenly or the
+    rank is out of range.
+    """
+    _check_int("world_size", world_size, minimum=1)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: must be in [0, world_size={world_size})")
+    if len(batch) % world_size:
+        raise ValueError(
+            f"a batch of {len(batch)} samples does not split evenly across "
+            f"world_size={world_size} ({len(batch)} % {world_size} = {len(batch) % world_size}); "
+            f"use a global batch size that is a multiple of {world_size}"
+        )
+    share = len(batch) // world_size
+    return batch[rank * share : (rank + 1) * share]
+
+
+def micro_batches(indices: list[int], micro_batch_size: int | None) -> list[list[int]]:
+    """Split a rank's share into consecutive micro batches of `micro_batch_size` indices.
+
+    `None` gives exactly one micro batch, the whole share. Raises ValueError if
+    `micro_batch_size` does not divide `len(indices)` (gradient accumulation then averages equal
+    sized pieces, so the result matches one big batch).
+    """
+    if micro_batch_size is None:
+        return [list(indices)]
+    _check_int("micro_batch_size", micro_batch_size, minimum=1)
+    if len(indices) % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not divide a share of {len(indices)} "
+            f"samples ({len(indices)} % {micro_batch_size} = "
+            f"{len(indices) % micro_batch_size}); use a divisor of {len(indices)}"
+        )
+    return [
+        list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)
+    ]
+
+
+def epoch_of(step: int, batch_size: int, n: int) -> int:
+    """The epoch of the first sample that step `step` trains on (`step * batch_size // n`)."""
+    _check_int("step", step, minimum=0)
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("n", n, minimum=1)
+    return step * batch_size // n

@@ -1,0 +1,285 @@
+"""The trainer actor: one per rank. It owns the process group, the model, the optimizer and the
+data cursor; the controller tells it what to do, one endpoint call per phase.
+
+Determinism (what makes two runs with the same seed bit-identical, and a resumed run equal to an
+uninterrupted one at the same world size):
+- torch is seeded with `seed` before the build function runs, so every rank builds identical
+  weights;
+- the samples of step s are a pure function of (seed, s) (`raymesh.train.data`), split across
+  ranks in rank order;
+- before step s each rank reseeds torch with (seed, s, rank), so dropout and other random ops
+  depend only on the step, not on how many steps this process has run;
+- deterministic algorithms are requested, and intra-op threads are fixed per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from raymesh._src import backend
+from raymesh.actor import Actor, current_rank, endpoint
+from raymesh.train import data as data_order
+from raymesh.train.checkpoint import Checkpointer, Manifest
+from raymesh.train.config import TrainConfig
+from raymesh.train.strategy import (
+    StrategyDecision,
+    cpu_budget_bytes,
+    estimate,
+    fsdp_blocks,
+    gpu_budget_bytes,
+    probe_activation_bytes,
+)
+from raymesh.train.task import Context, Task
+
+logger = logging.getLogger("raymesh")
+
+
+def _mix(*values: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() is salted per process)."""
+    acc = 0x9E3779B97F4A7C15
+    for v in values:
+        acc = (acc ^ (v + 0x9E3779B97F4A7C15 + (acc << 6) + (acc >> 2))) & (2**64 - 1)
+    return acc & (2**63 - 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+class TrainWorker(Actor):
+    """One rank of a training job (see the module docstring for its guarantees)."""
+
+    def __init__(self, build: Any, config: TrainConfig) -> None:
+        self.build = build
+        self.config = config
+        self.rank = -1
+        self.world_size = 0
+        self.task: Task | None = None
+        self.model: torch.nn.Module | None = None  # the wrapped (DDP/FSDP) model
+        self.checkpointer: Checkpointer | None = None
+        self.decision: StrategyDecision | None = None
+
+    @endpoint
+    def address(self) -> tuple[str, int]:
+        """Where this rank can host the process group's store (rank 0 is asked)."""
+        return backend.node_ip(), _free_port()
+
+    @endpoint
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the process group, run the user's build function, estimate memory.
+
+        The rank is this actor's linear rank in its mesh; the local rank its coordinate on the
+        mesh's last (per-host) axis."""
+        cfg = self.config
+        point = current_rank()
+        rank, world_size = point.rank, point.extent.nelem
+        local_rank = point.coords[-1] if point.coords else 0
+        self.rank, self.world_size = rank, world_size
+        use_cuda = torch.cuda.is_available() and cfg.gpus is not False
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        if master_addr.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        )
+        if not use_cuda:
+            torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(cfg.seed)
+        ctx = Context(
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            device=self.device,
+            seed=cfg.seed,
+            config=cfg,
+        )
+        task = self.build(ctx)
+        if not isinstance(task, Task):
+            raise TypeError(f"the build function returned {type(task).__name__}, not train.Task")
+        task.model.to(self.device)
+        self.task = task
+        self.n = len(task.dataset)
+        self.collate = task.collate_fn or default_collate
+        activation = cfg.activation_bytes
+        if activation is None:
+            first = data_order.micro_batches(self._indices(0), cfg.micro_batch_size)[0]
+            activation = probe_activation_bytes(task.model, task.loss_fn, self._batch(first))
+        est = estimate(task.model, task.optimizer, activation)
+        if use_cuda:
+            budget = gpu_budget_bytes(self.device.index or 0)
+        else:
+            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=world_size)
+        return {
+            "estimate": est,
+            "budget_bytes": budget,
+            "params": sum(p.numel() for p in task.model.parameters()),
+            "device": str(self.device),
+        }
+
+    @endpoint
+    def prepare(self, decision: StrategyDecision, resume: str | None) -> int:
+        """Wrap the model as decided, restore a checkpoint if given; return the next step."""
+        assert self.task is not None
+        self.decision = decision
+        model = self.task.model
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [[names[id(p)] for p in g["params"]] for g in self.task.optimizer.param_groups]
+        if decision.strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for unit in fsdp_blocks(model):
+                fully_shard(unit)
+            fully_shard(model)
+            self.model = model
+        else:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # fully_shard replaces parameters with sharded ones: point the user's optimizer (its
+        # class, groups and hyperparameters unchanged; no state yet) at the new objects.
+        params = dict(model.named_parameters())
+        self.optimizer = self.task.optimizer
+        for group, ns in zip(self.optimizer.param_groups, groups):
+            group["params"] = [params[n] for n in ns]
+        self.optimizer.state.clear()
+        cfg = self.config
+        start = 0
+        if cfg.checkpoint is not None:
+            self.checkpointer = Checkpointer(
+                cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+            )
+            if resume is not None:
+                manifest: Manifest = self.checkpointer.load(
+                    Path(resume), self.model, self.optimizer
+                )
+                start = manifest.data_position
+        return start
+
+    def _indices(self, step: int) -> list[int]:
+        cfg = self.config
+        batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
+        return data_order.rank_share(batch, self.world_size, self.rank)
+
+    def _batch(self, indices: list[int]) -> Any:
+        assert self.task is not None
+        return _to(self.collate([self.task.dataset[i] for i in indices]), self.device)
+
+    def _step(self, step: int) -> float:
+        assert self.task is not None and self.model is not None
+        cfg = self.config
+        torch.manual_seed(_mix(cfg.seed, step, self.rank))
+        indices = self._indices(step)
+        micro = data_order.micro_batches(indices, cfg.micro_batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for i, m in enumerate(micro):
+            last = i == len(micro) - 1
+            with self._no_sync(not last):
+                loss = self.task.loss_fn(self.model, self._batch(m)) * (len(m) / len(indices))
+                loss.backward()
+            total += loss.detach()
+        self.optimizer.step()
+        return float(total)
+
+    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
+        """Gradient accumulation: no gradient reduction until the last micro batch."""
+        if not skip:
+            return contextlib.nullcontext()
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        self.model.set_requires_gradient_sync(False)  # type: ignore[union-attr,operator]
+        return _resync(self.model)
+
+    @endpoint
+    def run(self, start: int, stop: int) -> list[dict[str, float]]:
+        """Train steps [start, stop) (0-based); checkpoint on the configured steps. Returns this
+        rank's metrics per step ("step" is 1-based: the number of steps done)."""
+        out = []
+        ckpt = self.config.checkpoint
+        for step in range(start, stop):
+            t0 = time.perf_counter()
+            loss = self._step(step)
+            out.append({"step": step + 1, "loss": loss, "step_s": time.perf_counter() - t0})
+            if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
+                self._save(step + 1)
+        return out
+
+    def _save(self, done: int) -> None:
+        assert self.checkpointer is not None and self.decision is not None
+        self.checkpointer.save(
+            done,
+            self.model,  # type: ignore[arg-type]
+            self.optimizer,
+            world_size=self.world_size,
+            strategy=self.decision.strategy,
+            config=self.config.to_dict(),
+            data_position=done,
+            rank=self.rank,
+        )
+
+    @endpoint
+    def finish(self, done: int, save: bool) -> dict[str, torch.Tensor] | None:
+        """Final checkpoint (if asked), then the full model state on rank 0 (collective)."""
+        if save and self.checkpointer is not None:
+            self._save(done)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        return {
+            k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)
+        }
+
+    @endpoint
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _resync(model: Any) -> Any:
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,146 @@
+"""train.fit end to end on real procs: loss falls, determinism, resume, reshard, strategies."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raymesh import train
+
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
+
+MLP = "raymesh.examples.mlp:build"
+
+
+def _config(**kw) -> train.TrainConfig:
+    base = dict(workers=2, steps=12, global_batch_size=32, seed=0, report_every=4)
+    base.update(kw)
+    return train.TrainConfig(**base)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _close(a: dict, b: dict, **tol) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], **tol) for k in a)
+
+
+def test_loss_falls_on_the_mlp_and_history_has_every_step():
+    result = train.fit(MLP, _config(steps=40, report_every=10))
+    losses = [h["loss"] for h in result.history]
+    assert [h["step"] for h in result.history] == list(range(1, 41))
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert result.decision.strategy == "ddp"
+    weights = result.state_dict()
+    assert weights and all(not k.startswith("module.") for k in weights)
+
+
+def test_two_runs_with_the_same_seed_give_bitwise_identical_weights():
+    a = train.fit(MLP, _config()).state_dict()
+    b = train.fit(MLP, _config()).state_dict()
+    assert _equal(a, b)
+    c = train.fit(MLP, _config(seed=1)).state_dict()
+    assert not _equal(a, c)
+
+
+def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    whole = train.fit(MLP, _config(steps=12)).state_dict()
+    ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=6)
+    first = train.fit(MLP, _config(steps=6, checkpoint=ckpt))
+    assert first.checkpoint is not None and first.checkpoint.endswith("step-00000006")
+    second = train.fit(MLP, _config(steps=12, checkpoint=ckpt))
+    assert second.resumed_from == 6
+    assert [h["step"] for h in second.history] == list(range(7, 13))
+    assert _equal(whole, second.state_dict())
+
+
+def test_a_checkpoint_saved_at_four_workers_resumes_at_two(tmp_path):
+    ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=6)
+    four = dict(workers=4, global_batch_size=32)
+    reference = train.fit(MLP, _config(steps=12, **four)).state_dict()
+    train.fit(MLP, _config(steps=6, checkpoint=ckpt, **four))
+    resumed = train.fit(MLP, _config(steps=12, checkpoint=ckpt, workers=2))
+    assert resumed.resumed_from == 6
+    assert _close(reference, resumed.state_dict(), rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_and_ddp_agree_on_the_same_seed():
+    ddp = train.fit(MLP, _config(strategy="ddp"))
+    fsdp = train.fit(MLP, _config(strategy="fsdp"))
+    assert fsdp.decision.strategy == "fsdp"
+    assert _close(ddp.state_dict(), fsdp.state_dict(), rtol=1e-4, atol=1e-6)
+
+
+def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate():
+    probe = train.fit(MLP, _config(steps=1))
+    est = probe.decision.estimate
+    between = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8  # fits sharded, not replicated
+    result = train.fit(MLP, _config(steps=2, memory_budget_gb=between / 2**30))
+    assert result.decision.strategy == "fsdp", result.decision.reason
+    assert "fsdp" in result.decision.reason
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped(tmp_path):
+    ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4, keep=3)
+    train.fit(MLP, _config(steps=8, checkpoint=ckpt))
+    newest = tmp_path / "ckpt" / "step-00000008"
+    victim = next(p for p in newest.iterdir() if p.name != "manifest.json" and p.is_file())
+    victim.write_bytes(b"\0" * 16 + victim.read_bytes()[16:])
+    resumed = train.fit(MLP, _config(steps=10, checkpoint=ckpt))
+    assert resumed.resumed_from == 4
+
+
+def test_the_tiny_gpt_learns_from_the_standard_library():
+    cfg = train.TrainConfig(workers=2, steps=30, global_batch_size=16, report_every=10)
+    losses = [h["loss"] for h in train.fit("raymesh.examples.tinygpt:build", cfg).history]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+BAD = {
+    "unknown field": ("workers = 2\nsteps = 2\nglobal_batch_size = 4\nwrokers = 3\n", "wrokers"),
+    "workers=0": ("workers = 0\nsteps = 2\nglobal_batch_size = 4\n", "workers=0"),
+    "steps<1": ("workers = 2\nsteps = 0\nglobal_batch_size = 4\n", "steps=0"),
+    "batch not divisible": ("workers = 3\nsteps = 2\nglobal_batch_size = 4\n", "divide evenly"),
+    "unknown strategy": (
+        'workers = 1\nsteps = 1\nglobal_batch_size = 1\nstrategy = "zero"\n',
+        "strategy='zero'",
+    ),
+    "build not importable": (
+        'workers = 1\nsteps = 1\nglobal_batch_size = 1\nbuild = "no_such_module:build"\n',
+        "no_such_module",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configs_give_one_clear_error_and_no_traceback(case, tmp_path):
+    text, expected = BAD[case]
+    if "build" not in text:
+        text += f'build = "{MLP}"\n'
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "raymesh.cli.main", "train", str(job)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_config_is_validated_in_python_too():
+    with pytest.raises(ValueError, match=r"global_batch_size=10.*multiple of 4"):
+        train.TrainConfig(workers=4, global_batch_size=10)
+    with pytest.raises(ValueError, match=r"TrainConfig: unknown field\(s\) \['stpes'\]"):
+        train.TrainConfig.from_dict({"stpes": 3})
+    base = _config()
+    with pytest.raises(ValueError, match="micro_batch_size=5"):
+        dataclasses.replace(base, micro_batch_size=5)

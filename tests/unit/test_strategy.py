@@ -1,0 +1,312 @@
+"""Unit tests for `raymesh.train.strategy`: the memory estimate and the DDP/FSDP decision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from raymesh.train.strategy import (
+    MemoryEstimate,
+    StrategyPolicy,
+    cpu_budget_bytes,
+    estimate,
+    fsdp_blocks,
+    gpu_budget_bytes,
+    largest_block_bytes,
+    probe_activation_bytes,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def two_layers() -> nn.Module:
+    # 10*20 + 20 = 220 and 20*5 + 5 = 105 parameters: 325 in all, 1300 bytes in fp32
+    return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+
+
+class Blocks(nn.Module):
+    """An embedding (root), three blocks of different sizes, and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)  # 400 params at the root
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 8)])
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_estimate_counts_params_grads_and_two_adamw_states_per_param():
+    model = two_layers()
+    e = estimate(model, torch.optim.AdamW(model.parameters()), activation_bytes=1000)
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (1300, 1300, 2600)
+    assert e.activation_bytes == 1000
+    assert e.ddp_bytes() == 1300 + 1300 + 2600 + 1000
+
+
+def test_estimate_counts_a_third_adam_state_with_amsgrad():
+    model = two_layers()
+    e = estimate(model, torch.optim.Adam(model.parameters(), amsgrad=True), 0)
+    assert e.optimizer_bytes == 3 * 1300
+
+
+def test_estimate_counts_one_sgd_state_with_momentum_and_none_without():
+    model = two_layers()
+    assert estimate(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0) == (
+        MemoryEstimate(1300, 1300, 1300, 0, largest_block_bytes=1300)
+    )
+    assert estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), 0).optimizer_bytes == 0
+
+
+def test_estimate_reads_momentum_per_param_group():
+    model = two_layers()
+    opt = torch.optim.SGD(
+        [
+            {"params": model[0].parameters(), "momentum": 0.9},
+            {"params": model[2].parameters()},
+        ],
+        lr=0.1,
+    )
+    assert estimate(model, opt, 0).optimizer_bytes == 220 * 4
+
+
+def test_estimate_assumes_two_states_for_an_unknown_optimizer():
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    model = two_layers()
+    assert estimate(model, Custom(model.parameters()), 0).optimizer_bytes == 2 * 1300
+
+
+def test_estimate_counts_grads_of_trainable_params_only():
+    model = two_layers()
+    model[0].requires_grad_(False)
+    e = estimate(model, torch.optim.AdamW(model[2].parameters()), 0)
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (1300, 420, 840)
+
+
+def test_estimate_uses_each_params_dtype_size():
+    model = two_layers().to(torch.bfloat16)
+    e = estimate(model, torch.optim.AdamW(model.parameters()), 0)
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (650, 650, 1300)
+
+
+def test_estimate_counts_a_tied_weight_once():
+    model = Blocks()
+    n = 400 + (64 + 8) + (128 + 16) + (128 + 8)
+    e = estimate(model, torch.optim.AdamW(model.parameters()), 0)
+    assert e.param_bytes == 4 * n
+    assert e.optimizer_bytes == 2 * 4 * n
+
+
+def test_estimate_rejects_negative_activation_bytes():
+    model = two_layers()
+    with pytest.raises(ValueError, match="activation_bytes=-1"):
+        estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fsdp_blocks_are_the_children_of_the_first_module_list():
+    model = Blocks()
+    assert fsdp_blocks(model) == list(model.blocks)
+    assert fsdp_blocks(two_layers()) == []
+
+
+def test_largest_block_is_the_biggest_block_or_the_root_remainder():
+    model = Blocks()
+    assert largest_block_bytes(model) == 4 * 400  # the tied embedding outweighs every block
+    model.emb, model.head = nn.Embedding(2, 8), nn.Linear(8, 2, bias=False)
+    assert largest_block_bytes(model) == 4 * (128 + 16)  # now the biggest block does
+
+
+def test_largest_block_is_the_whole_model_without_a_module_list():
+    assert largest_block_bytes(two_layers()) == 1300
+
+
+# ---------------------------------------------------------------------------------------------
+# MemoryEstimate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fsdp_bytes_shards_states_adds_one_block_and_keeps_activations_whole():
+    e = MemoryEstimate(400, 400, 800, activation_bytes=100, largest_block_bytes=50)
+    assert e.ddp_bytes() == 1700
+    assert e.fsdp_bytes(4) == 1600 // 4 + 50 + 100
+    assert e.fsdp_bytes(3) == 534 + 50 + 100  # the shard rounds up
+    with pytest.raises(ValueError, match="world_size=0"):
+        e.fsdp_bytes(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# StrategyPolicy.decide
+# ---------------------------------------------------------------------------------------------
+
+# 1 GiB replicated (0.25 params + 0.25 grads + 0.5 AdamW), 0.25 GiB per rank over 4 ranks
+ONE_GIB = MemoryEstimate(GIB // 4, GIB // 4, GIB // 2, activation_bytes=0)
+
+
+def test_auto_picks_ddp_when_it_fits_and_the_reason_shows_the_arithmetic():
+    d = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=16 * GIB)
+    assert d.strategy == "ddp"
+    assert d.reason == (
+        "ddp: 1.00 GiB per rank (params 0.25 + grads 0.25 + optimizer 0.50 + activations 0.00)"
+        " fits 80% of the 16.00 GiB budget (12.80 GiB)"
+    )
+    assert (d.estimate, d.budget_bytes) == (ONE_GIB, 16 * GIB)
+
+
+def test_auto_picks_fsdp_when_the_budget_is_below_ddp_but_above_the_shard():
+    d = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=GIB)
+    assert d.strategy == "fsdp"
+    assert d.reason == (
+        "fsdp: 0.25 GiB per rank ((params 0.25 + grads 0.25 + optimizer 0.50 = 1.00) / 4 ranks"
+        " + largest block 0.00 + activations 0.00) fits 80% of the 1.00 GiB budget (0.80 GiB);"
+        " ddp would need 1.00 GiB"
+    )
+
+
+def test_auto_raises_with_the_numbers_and_fixes_when_too_big_even_sharded():
+    big = MemoryEstimate(GIB, GIB, 2 * GIB, activation_bytes=GIB // 4, largest_block_bytes=GIB)
+    with pytest.raises(ValueError) as info:
+        StrategyPolicy().decide("auto", big, world_size=2, budget_bytes=2 * GIB)
+    msg = str(info.value)
+    assert "does not fit in memory even sharded" in msg
+    assert "4.25 GiB per rank (params 1.00 + grads 1.00 + optimizer 2.00" in msg  # ddp
+    assert "3.25 GiB per rank ((params 1.00 + grads 1.00 + optimizer 2.00 = 4.00) / 2" in msg
+    assert "per-rank budget of 2.00 GiB" in msg
+    assert "use at least 12 workers (now 2)" in msg  # 4 / (0.8 * 2 - 1 - 0.25) = 11.4
+    assert "give each rank at least 4.07 GiB" in msg  # 3.25 / 0.8
+
+
+def test_auto_raises_when_over_the_headroom_and_suggests_workers_or_forcing():
+    # ddp 1 GiB, fsdp over 2 ranks 0.5 GiB: the 600 MiB budget holds fsdp but not 80% of it
+    with pytest.raises(ValueError) as info:
+        StrategyPolicy().decide("auto", ONE_GIB, world_size=2, budget_bytes=600 * MIB)
+    msg = str(info.value)
+    assert "does not fit 80% of the 600.00 MiB budget (480.00 MiB)" in msg
+    assert "use at least 3 workers (now 2)" in msg
+    assert "force strategy='fsdp'" in msg
+
+
+def test_forced_fsdp_is_honoured_even_when_ddp_fits():
+    d = StrategyPolicy().decide("fsdp", ONE_GIB, world_size=4, budget_bytes=16 * GIB)
+    assert d.strategy == "fsdp"
+    assert d.reason.startswith("fsdp: 0.25 GiB per rank")
+    assert "fits 80%" in d.reason
+
+
+def test_forced_ddp_over_the_headroom_says_so_but_does_not_raise():
+    d = StrategyPolicy().decide("ddp", ONE_GIB, world_size=4, budget_bytes=1200 * MIB)
+    assert d.strategy == "ddp"
+    assert "exceeds 80% of the 1.17 GiB budget" in d.reason
+    assert "forced by strategy='ddp'" in d.reason
+
+
+def test_forced_ddp_over_the_whole_budget_warns_of_out_of_memory_when_fsdp_would_fit():
+    d = StrategyPolicy().decide("ddp", ONE_GIB, world_size=4, budget_bytes=GIB // 2)
+    assert d.strategy == "ddp"
+    assert "exceeds the whole 512.00 MiB budget" in d.reason
+    assert "expect out-of-memory" in d.reason
+
+
+@pytest.mark.parametrize("requested", ["ddp", "fsdp"])
+def test_forced_choices_still_fail_before_training_when_nothing_fits(requested):
+    with pytest.raises(ValueError, match="does not fit in memory even sharded"):
+        StrategyPolicy().decide(requested, ONE_GIB, world_size=4, budget_bytes=100 * MIB)
+
+
+def test_headroom_is_configurable():
+    assert StrategyPolicy(headroom=1.0).decide("auto", ONE_GIB, 1, GIB).strategy == "ddp"
+    assert "fits 100%" in StrategyPolicy(headroom=1.0).decide("auto", ONE_GIB, 1, GIB).reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"requested": "zero3"}, "strategy='zero3'"),
+        ({"world_size": 0}, "world_size=0"),
+        ({"budget_bytes": 0}, "budget_bytes=0"),
+    ],
+)
+def test_decide_rejects_bad_arguments_naming_them(kwargs, match):
+    args = {"requested": "auto", "estimate": ONE_GIB, "world_size": 1, "budget_bytes": GIB}
+    with pytest.raises(ValueError, match=match):
+        StrategyPolicy().decide(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("headroom", [0.0, 1.5])
+def test_policy_rejects_a_headroom_outside_zero_to_one(headroom):
+    with pytest.raises(ValueError, match="headroom"):
+        StrategyPolicy(headroom=headroom)
+
+
+# ---------------------------------------------------------------------------------------------
+# budgets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cpu_budget_is_the_configured_gib():
+    assert cpu_budget_bytes(2.0) == 2 * GIB
+    assert cpu_budget_bytes(0.5, ranks_per_host=4) == GIB // 2  # configured: already per rank
+
+
+def test_cpu_budget_defaults_to_host_memory_split_among_local_ranks():
+    whole = cpu_budget_bytes(None)
+    assert whole > 64 * MIB
+    assert cpu_budget_bytes(None, ranks_per_host=4) == whole // 4
+
+
+def test_too_big_a_block_says_more_workers_cannot_help():
+    e = MemoryEstimate(GIB, GIB, 2 * GIB, activation_bytes=0, largest_block_bytes=GIB)
+    with pytest.raises(ValueError, match="more workers cannot help"):
+        StrategyPolicy().decide("auto", e, world_size=8, budget_bytes=GIB)
+
+
+def test_cpu_budget_rejects_nonsense():
+    with pytest.raises(ValueError, match="memory_budget_gb"):
+        cpu_budget_bytes(0.0)
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        cpu_budget_bytes(None, ranks_per_host=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_budget_is_the_devices_total_memory():
+    assert gpu_budget_bytes(0) == torch.cuda.get_device_properties(0).total_memory
+
+
+# ---------------------------------------------------------------------------------------------
+# probe_activation_bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def _sum_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).sum()
+
+
+def test_probe_counts_saved_activations_but_not_the_weights():
+    model = nn.Sequential(nn.Linear(100, 100, bias=False), nn.Linear(100, 100, bias=False))
+    # the input (for the first weight's grad) and the hidden (for the second's), 32x100 fp32 each
+    assert probe_activation_bytes(model, _sum_loss, torch.randn(32, 100)) == 2 * 32 * 100 * 4
+
+
+def test_probe_leaves_the_rng_and_buffers_as_it_found_them():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    batch = torch.randn(16, 8)
+    before_buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    before_rng = torch.get_rng_state()
+    assert probe_activation_bytes(model, _sum_loss, batch) > 0
+    assert torch.equal(torch.get_rng_state(), before_rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_buffers[k]), k
