@@ -25,7 +25,7 @@ from raymesh._src import backend
 from raymesh._src.endpoint import endpoint_names
 from raymesh._src.errors import RemoteFailure, SupervisionError
 from raymesh._src.future import Future
-from raymesh._src.shape import Shape
+from raymesh._src.shape import MeshTrait, Shape
 from raymesh._src.value_mesh import ValueMesh
 
 T = TypeVar("T")
@@ -111,7 +111,7 @@ def _has_large(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class ActorMesh(Generic[T]):
+class ActorMesh(MeshTrait, Generic[T]):
     """One actor per proc of a proc mesh (or of a slice of one). Picklable: send it to another
     actor and call it from there; supervision still goes to the mesh's owner."""
 
@@ -139,24 +139,8 @@ class ActorMesh(Generic[T]):
     def name(self) -> str:
         return self._state.name
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    def size(self, axis: str | None = None) -> int:
-        return self._shape.size(axis)
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def slice(self, **axes: int | slice) -> ActorMesh[T]:
-        return ActorMesh(self._state, self._shape.slice(**axes))
-
-    def flatten(self, name: str) -> ActorMesh[T]:
-        return ActorMesh(self._state, self._shape.flatten(name))
-
-    def rename(self, **names: str) -> ActorMesh[T]:
-        return ActorMesh(self._state, self._shape.rename(**names))
+    def _new_with_shape(self, shape: Shape) -> ActorMesh[T]:
+        return ActorMesh(self._state, shape)
 
     def stop(self) -> None:
         """Remove these actors from their procs (the procs keep running)."""

@@ -27,7 +27,7 @@ from raymesh._src import backend
 from raymesh._src.context import current_actor_context, current_rank
 from raymesh._src.errors import MeshFailure, SupervisionError
 from raymesh._src.proc import ProcRuntime
-from raymesh._src.shape import Extent, Point, Shape
+from raymesh._src.shape import Extent, MeshTrait, Point, Shape
 
 logger = logging.getLogger("raymesh")
 
@@ -39,25 +39,15 @@ _GPU_AXIS = "gpus"
 _STOP_TIMEOUT_S = 30.0
 
 
-class HostMesh:
+class HostMesh(MeshTrait):
     """Hosts (Ray nodes) along the axis `hosts`."""
 
     def __init__(self, nodes: list[backend.NodeInfo], shape: Shape | None = None) -> None:
         self._nodes = nodes
         self._shape = shape or Shape.of({"hosts": len(nodes)})
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    def size(self, axis: str | None = None) -> int:
-        return self._shape.size(axis)
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def slice(self, **axes: int | slice) -> HostMesh:
-        return HostMesh(self._nodes, self._shape.slice(**axes))
+    def _new_with_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh(self._nodes, shape)
 
     @property
     def node_ids(self) -> list[str]:
@@ -239,7 +229,7 @@ def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S)
             raise TimeoutError(f"procs {alive} of mesh {state.name!r} still run after {timeout}s")
 
 
-class ProcMesh:
+class ProcMesh(MeshTrait):
     """Processes over named axes. Slicing gives a view of the same processes."""
 
     def __init__(self, state: ProcMeshState, shape: Shape) -> None:
@@ -250,24 +240,8 @@ class ProcMesh:
     def name(self) -> str:
         return self._state.name
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    def size(self, axis: str | None = None) -> int:
-        return self._shape.size(axis)
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def slice(self, **axes: int | slice) -> ProcMesh:
-        return ProcMesh(self._state, self._shape.slice(**axes))
-
-    def flatten(self, name: str) -> ProcMesh:
-        return ProcMesh(self._state, self._shape.flatten(name))
-
-    def rename(self, **names: str) -> ProcMesh:
-        return ProcMesh(self._state, self._shape.rename(**names))
+    def _new_with_shape(self, shape: Shape) -> ProcMesh:
+        return ProcMesh(self._state, shape)
 
     @property
     def pids(self) -> list[int]:

@@ -17,8 +17,12 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["Extent", "Point", "Shape"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["Extent", "MeshTrait", "Point", "Shape"]
 
 
 def _check_labels(labels: tuple[str, ...]) -> None:
@@ -238,3 +242,37 @@ def _fmt_slice(s: slice) -> str:
     if s.step is not None:
         parts.append(str(s.step))
     return ":".join(parts)
+
+
+class MeshTrait:
+    """Shape operations shared by every mesh (hosts, procs, actors, values): a subclass has a
+    `_shape` and makes a view of itself over another shape with `_new_with_shape`."""
+
+    _shape: Shape
+
+    def _new_with_shape(self, shape: Shape) -> Self:
+        raise NotImplementedError
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Axis name -> size."""
+        return self._shape.sizes
+
+    def size(self, axis: str | None = None) -> int:
+        """The size of `axis`, or the number of elements when no axis is given."""
+        return self._shape.size(axis)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **axes: int | slice) -> Self:
+        """A view of part of the mesh: an int removes its axis, a slice keeps it."""
+        return self._new_with_shape(self._shape.slice(**axes))
+
+    def flatten(self, name: str) -> Self:
+        """A view with one axis called `name` over all elements, row-major."""
+        return self._new_with_shape(self._shape.flatten(name))
+
+    def rename(self, **names: str) -> Self:
+        """A view with axes renamed: `rename(procs="gpus")`."""
+        return self._new_with_shape(self._shape.rename(**names))

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from raymesh._src.shape import Point, Shape
+from raymesh._src.shape import MeshTrait, Point, Shape
 
 R = TypeVar("R")
 
 __all__ = ["ValueMesh"]
 
 
-class ValueMesh(Generic[R]):
+class ValueMesh(MeshTrait, Generic[R]):
     """Values indexed by points of the mesh that was called. Iterating yields (point, value)."""
 
     def __init__(self, shape: Shape, values: list[R]) -> None:
@@ -24,13 +24,6 @@ class ValueMesh(Generic[R]):
     @property
     def shape(self) -> Shape:
         return self._shape
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    def size(self, axis: str | None = None) -> int:
-        return self._shape.size(axis)
 
     def values(self) -> list[R]:
         """The values in row-major order of the mesh."""
@@ -54,16 +47,12 @@ class ValueMesh(Generic[R]):
         sub = self._shape.slice(**coords)
         return self._values[self._shape.ranks.index(sub.ranks[0])]
 
-    def slice(self, **axes: int | slice) -> ValueMesh[R]:
-        sub = self._shape.slice(**axes)
+    def _new_with_shape(self, shape: Shape) -> ValueMesh[R]:
         pos = {r: i for i, r in enumerate(self._shape.ranks)}
-        return ValueMesh(sub, [self._values[pos[r]] for r in sub.ranks])
+        return ValueMesh(shape, [self._values[pos[r]] for r in shape.ranks])
 
     def __iter__(self) -> Iterator[tuple[Point, R]]:
         return self.items()
-
-    def __len__(self) -> int:
-        return len(self._values)
 
     def __repr__(self) -> str:
         return f"ValueMesh({self._shape}, {self._values!r})"

@@ -173,6 +173,7 @@ class TrainController:
         self.weights: dict[str, torch.Tensor] = {}
         run_dir = config.run_dir or (config.checkpoint.dir if config.checkpoint else None)
         self.metrics_path = Path(run_dir) / "metrics.jsonl" if run_dir else None
+        self.tensorboard = _tensorboard(Path(run_dir)) if run_dir else None
 
     def transition(self, state: str, reason: str) -> None:
         self.transitions.append((state, reason))
@@ -233,9 +234,12 @@ class TrainController:
                     "another checkpoint.dir, or resume=False to start fresh"
                 )
         if manifest.data_position >= cfg.steps:
-            raise ValueError(
-                f"checkpoint {str(path)!r} is already at step {manifest.data_position}, "
-                f"steps={cfg.steps}: raise steps to train further"
+            logger.warning(
+                "raymesh.train: %s is already at step %d (steps=%d): nothing to train; raise "
+                "steps to train further",
+                path,
+                manifest.data_position,
+                cfg.steps,
             )
         logger.info("raymesh.train: resuming from %s (step %d)", path, manifest.data_position)
         return str(path)
@@ -257,6 +261,11 @@ class TrainController:
             with self.metrics_path.open("a") as f:
                 for row in rows:
                     f.write(json.dumps({**row, "time": time.time()}) + "\n")
+        if self.tensorboard is not None:
+            for row in rows:
+                self.tensorboard.add_scalar("loss", row["loss"], int(row["step"]))
+                self.tensorboard.add_scalar("samples_per_s", rate, int(row["step"]))
+            self.tensorboard.flush()
         if self.progress is not None:
             remaining = cfg.steps - self.step
             self.progress(
@@ -269,6 +278,15 @@ class TrainController:
                     "ranks": [{"rank": r, "loss": m[-1]["loss"]} for r, m in enumerate(per_rank)],
                 }
             )
+
+
+def _tensorboard(run_dir: Path) -> Any:
+    """A TensorBoard writer in the run folder when TensorBoard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional; metrics.jsonl has everything
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def _use_gpus(cfg: TrainConfig) -> bool:

@@ -17,7 +17,6 @@ CUDA context); `headroom` (default 80%) is the allowance for everything it leave
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -38,7 +37,6 @@ __all__ = [
     "probe_activation_bytes",
 ]
 
-logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _REQUESTS = ("auto", "ddp", "fsdp")
@@ -292,7 +290,6 @@ class StrategyPolicy:
                     f"(forced by strategy={requested!r}; expect out-of-memory)"
                 )
             reason = f"{chosen}: {total} {verdict}"
-        logger.info("strategy %s", reason)
         return StrategyDecision(
             strategy=chosen, reason=reason, estimate=estimate, budget_bytes=budget_bytes
         )

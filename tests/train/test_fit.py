@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +60,10 @@ def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     assert second.resumed_from == 6
     assert [h["step"] for h in second.history] == list(range(7, 13))
     assert _equal(whole, second.state_dict())
+    rows = [json.loads(x) for x in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert any((tmp_path / "ckpt" / "tensorboard").iterdir())
 
 
 def test_a_checkpoint_saved_at_four_workers_resumes_at_two(tmp_path):
