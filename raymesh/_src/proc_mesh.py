@@ -123,6 +123,9 @@ class ProcMeshState:
         self.lock = threading.Lock()
         self.dead: dict[int, MeshFailure] = {}  # proc rank -> how it died
         self.reported: set[int] = set()  # dead ranks already handed to supervision
+        # The owner handles failures itself (e.g. the training controller heals them): record
+        # them on the mesh, but do not escalate them to the unhandled fault hook.
+        self.handled_by_owner = False
         self.actor_failures: dict[str, MeshFailure] = {}  # actor key -> unhandled failure
 
     def record(self, actor_key: str | None, failure: MeshFailure) -> bool:
@@ -174,8 +177,9 @@ class ProcMeshState:
                     "the mesh was stopped; spawn a new one with spawn_procs()",
                 )
             )
-        if self.dead:
-            return SupervisionError(next(iter(self.dead.values())))
+        dead = [self.dead[r] for r in ranks if r in self.dead]
+        if dead:  # calls to slices that avoid the dead procs still go through
+            return SupervisionError(dead[0])
         if actor_key is not None and actor_key in self.actor_failures:
             return SupervisionError(self.actor_failures[actor_key])
         return None
@@ -247,6 +251,11 @@ class ProcMesh(MeshTrait):
     def pids(self) -> list[int]:
         """The process ids of the procs, in this view's order (for tests and tools)."""
         return [self._state.procs[r].pid for r in self._shape.ranks]
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node id each proc runs on, in this view's order."""
+        return [self._state.procs[r].node_id for r in self._shape.ranks]
 
     def spawn(self, name: str, cls: type[T], *args: Any, **kwargs: Any) -> Any:
         """Construct `cls(*args, **kwargs)` on every proc; returns the `ActorMesh`.

@@ -61,6 +61,9 @@ def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) 
     if not state.record(actor_key, failure):
         return  # the mesh was stopped, or this failure is already known
 
+    if state.handled_by_owner:
+        return
+
     def deliver() -> None:
         runtime = current_runtime()
         if state.owner_key is not None and runtime is not None:

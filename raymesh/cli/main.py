@@ -2,7 +2,8 @@
 
     raymesh --version
     raymesh info [--json]      Ray address, hosts with their CPUs/GPUs, versions
-    raymesh train JOB.toml     run a training job (TrainConfig as TOML) with a progress bar
+    raymesh train JOB.toml [--inject kill:rank=1:step=100] [--resume] [--steps N]
+                               run a training job (TrainConfig as TOML) with a progress bar
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
 starts the embedded local Ray (and stops it again on exit).
@@ -66,7 +67,12 @@ def _train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         config = train.load_config(args.job)
-        overrides = {k: v for k, v in (("steps", args.steps), ("workers", args.workers)) if v}
+        pairs = (("steps", args.steps), ("workers", args.workers), ("spares", args.spares))
+        overrides: dict[str, Any] = {k: v for k, v in pairs if v is not None}
+        if args.inject:
+            overrides["faults"] = tuple(args.inject)
+        if args.resume:
+            overrides["resume"] = True
         if overrides:
             config = dataclasses.replace(config, **overrides)
         if config.build is None:
@@ -75,10 +81,15 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as e:  # a user mistake: one clear line, no traceback
         print(f"raymesh train: {e}", file=sys.stderr)
         return 2
-    except train.TrainError as e:
+    except (train.TrainError, train.TooManyFailures) as e:
         print(f"raymesh train: {e}", file=sys.stderr)
         return 1
     last = result.history[-1] if result.history else {"step": result.resumed_from, "loss": 0.0}
+    for f in result.failures:
+        print(
+            f"healed: {f} (recovered in {f.recovery_s or 0:.2f}s, "
+            f"{f.steps_recomputed or 0} step(s) recomputed)"
+        )
     print(
         f"done: step {last['step']}, loss {last['loss']:.4f}, "
         f"strategy {result.decision.strategy}, checkpoint {result.checkpoint}"
@@ -96,6 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("job", help="TOML file whose keys are TrainConfig's fields")
     tr.add_argument("--steps", type=int, help="override steps (e.g. to train further)")
     tr.add_argument("--workers", type=int, help="override workers")
+    tr.add_argument("--spares", type=int, help="override spares (warm procs for healing)")
+    tr.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint (e.g. after the controller died)",
+    )
+    tr.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND:rank=R:step=S",
+        help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
+    )
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)

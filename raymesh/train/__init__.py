@@ -12,13 +12,16 @@ the checkpoints.
 from raymesh.train.api import fit
 from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
 from raymesh.train.controller import Result, TrainError
+from raymesh.train.failure import FailureRecord, TooManyFailures
 from raymesh.train.task import Context, Task
 
 __all__ = [
     "CheckpointConfig",
     "Context",
+    "FailureRecord",
     "Result",
     "Task",
+    "TooManyFailures",
     "TrainConfig",
     "TrainError",
     "fit",

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raymesh.testing.faults import Fault, parse_fault
+
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 
 Strategy = Literal["auto", "ddp", "fsdp"]
@@ -33,7 +35,10 @@ class CheckpointConfig:
     dir: str  # folder of the run's checkpoints (step-00000050/, ...); created if missing
     every: int = 0  # save every N steps (0: only at the end)
     keep: int = 3  # keep the newest K committed checkpoints
-    async_save: bool = True  # overlap writing with the next steps where torch supports it
+    # Overlap writing with the next steps (torch's async DCP save). The commit then waits for
+    # the next save or the end of the run, and a failure before that loses this checkpoint (the
+    # previous one stands), so it is off by default.
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
@@ -60,6 +65,11 @@ class TrainConfig:
     gpus: bool | Literal["auto"] = "auto"  # one GPU per rank when the cluster has GPUs
     build: str | None = None  # "module:function" (config files; fit() takes the function)
     timeout_s: float = 600.0  # longest wait for any one controller step (setup, a report)
+    step_timeout_s: float = 30.0  # floor of the hang timeout (else 10x the measured step time)
+    max_failures: int = 3  # failures the job heals; one more stops it (TooManyFailures)
+    failure_window_s: float | None = None  # count only failures this recent (None: all)
+    spares: int = 0  # warm spare procs kept ready to replace a lost rank at once
+    faults: tuple[Fault, ...] = ()  # injected faults, for tests and demos (raymesh.testing)
 
     def __post_init__(self) -> None:
         _positive_int("workers", self.workers)
@@ -102,13 +112,33 @@ class TrainConfig:
             raise _bad("build", self.build, "name the build function as 'module:function'")
         if not self.timeout_s > 0:
             raise _bad("timeout_s", self.timeout_s, "must be > 0 seconds")
+        if not self.step_timeout_s > 0:
+            raise _bad("step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
+        _positive_int("max_failures", self.max_failures, minimum=0)
+        if self.failure_window_s is not None and not self.failure_window_s > 0:
+            raise _bad("failure_window_s", self.failure_window_s, "must be > 0 seconds, or None")
+        _positive_int("spares", self.spares, minimum=0)
+        faults = tuple(parse_fault(f) if isinstance(f, str) else f for f in self.faults)
+        for f in faults:
+            if not isinstance(f, Fault):
+                raise _bad(
+                    "faults", f, "use raymesh.testing.kill/fail/hang(...) or 'kill:rank=1:step=30'"
+                )
+            if f.rank >= self.workers:
+                raise _bad(
+                    "faults", str(f), f"rank {f.rank} does not exist with workers={self.workers}"
+                )
+        object.__setattr__(self, "faults", faults)
 
     @property
     def per_rank_batch(self) -> int:
         return self.global_batch_size // self.workers
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data (faults as their CLI strings), e.g. for a checkpoint's manifest."""
+        data = dataclasses.asdict(self)
+        data["faults"] = [str(f) for f in self.faults]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

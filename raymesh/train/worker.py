@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from raymesh._src import backend
-from raymesh.actor import Actor, current_rank, endpoint
+from raymesh.actor import Actor, endpoint
+from raymesh.testing.faults import Fault
 from raymesh.train import data as data_order
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
@@ -69,6 +71,29 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+# This process's training progress. The trainer updates it; the Monitor actor on the same proc
+# reads it while the trainer is busy (actors sharing a proc run concurrently), which is how a
+# hung rank is told apart from the ranks waiting for it in a collective.
+_PHASES = ("idle", "start", "forward", "backward", "optimizer", "done")
+_progress: dict[str, Any] = {"step": 0, "phase": "idle", "since": time.monotonic()}
+
+
+def _mark(step: int, phase: str) -> None:
+    _progress.update(step=step, phase=phase, since=time.monotonic())
+
+
+class Monitor(Actor):
+    """Reports the trainer's progress in this proc, even while the trainer is stuck."""
+
+    @endpoint
+    def status(self) -> dict[str, Any]:
+        p = dict(_progress)
+        p["phase_index"] = _PHASES.index(p["phase"])
+        p["for_s"] = time.monotonic() - p.pop("since")
+        p["pid"] = os.getpid()
+        return p
+
+
 class TrainWorker(Actor):
     """One rank of a training job (see the module docstring for its guarantees)."""
 
@@ -81,25 +106,19 @@ class TrainWorker(Actor):
         self.model: torch.nn.Module | None = None  # the wrapped (DDP/FSDP) model
         self.checkpointer: Checkpointer | None = None
         self.decision: StrategyDecision | None = None
+        self.done = 0  # steps completed (the data position)
 
     @endpoint
     def address(self) -> tuple[str, int]:
         """Where this rank can host the process group's store (rank 0 is asked)."""
         return backend.node_ip(), _free_port()
 
-    @endpoint
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the process group, run the user's build function, estimate memory.
-
-        The rank is this actor's linear rank in its mesh; the local rank its coordinate on the
-        mesh's last (per-host) axis."""
+    def _join(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+    ) -> None:
+        """Join (a new generation of) the process group."""
         cfg = self.config
-        point = current_rank()
-        rank, world_size = point.rank, point.extent.nelem
-        local_rank = point.coords[-1] if point.coords else 0
         self.rank, self.world_size = rank, world_size
-        use_cuda = torch.cuda.is_available() and cfg.gpus is not False
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -111,12 +130,22 @@ class TrainWorker(Actor):
         if master_addr.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
+            "nccl" if self.device.type == "cuda" else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
         )
+
+    @endpoint
+    def setup(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+    ) -> dict[str, Any]:
+        """Join the process group as `rank`, run the user's build function, estimate memory."""
+        cfg = self.config
+        use_cuda = torch.cuda.is_available() and cfg.gpus is not False
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+        self._join(master_addr, master_port, rank, world_size, local_rank)
         if not use_cuda:
             torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -160,7 +189,29 @@ class TrainWorker(Actor):
         model = self.task.model
         names = {id(p): n for n, p in model.named_parameters()}
         groups = [[names[id(p)] for p in g["params"]] for g in self.task.optimizer.param_groups]
+        self._wrap()
         if decision.strategy == "fsdp":
+            # fully_shard replaced the parameters with sharded ones: point the user's optimizer
+            # (class, groups, hyperparameters unchanged; no state yet) at the new objects.
+            params = dict(model.named_parameters())
+            for group, ns in zip(self.task.optimizer.param_groups, groups):
+                group["params"] = [params[n] for n in ns]
+            self.task.optimizer.state.clear()
+        self.optimizer = self.task.optimizer
+        self._new_checkpointer()
+        start = 0
+        if self.checkpointer is not None and resume is not None:
+            assert self.model is not None
+            manifest: Manifest = self.checkpointer.load(Path(resume), self.model, self.optimizer)
+            start = manifest.data_position
+        self.done = start
+        return start
+
+    def _wrap(self) -> None:
+        """Wrap the user's model for the current process group, as the strategy decided."""
+        assert self.task is not None and self.decision is not None
+        model = self.task.model
+        if self.decision.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
             for unit in fsdp_blocks(model):
@@ -170,25 +221,60 @@ class TrainWorker(Actor):
         else:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        # fully_shard replaces parameters with sharded ones: point the user's optimizer (its
-        # class, groups and hyperparameters unchanged; no state yet) at the new objects.
-        params = dict(model.named_parameters())
-        self.optimizer = self.task.optimizer
-        for group, ns in zip(self.optimizer.param_groups, groups):
-            group["params"] = [params[n] for n in ns]
-        self.optimizer.state.clear()
-        cfg = self.config
-        start = 0
-        if cfg.checkpoint is not None:
-            self.checkpointer = Checkpointer(
-                cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
-            )
-            if resume is not None:
-                manifest: Manifest = self.checkpointer.load(
-                    Path(resume), self.model, self.optimizer
-                )
-                start = manifest.data_position
-        return start
+
+    def _new_checkpointer(self) -> None:
+        ckpt = self.config.checkpoint
+        if ckpt is not None:
+            self.checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep, async_save=ckpt.async_save)
+
+    def _abort(self) -> None:
+        """Leave a broken process group at once, so peers blocked on us fail fast too."""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.wait()
+            except Exception:
+                pass  # its group is broken too; the last committed checkpoint stands
+        # Drop the wrapper first: DDP's reducer holds the process group, and the group's
+        # sockets only close (failing the peers' collectives) once nothing holds it.
+        self.model = None
+        gc.collect()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.warning("raymesh.train: rank %d: destroying its process group failed")
+
+    @endpoint
+    def reform(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+    ) -> None:
+        """Join the next generation of the process group as `rank` (a survivor of a failure),
+        and wrap the model for it. DDP only: the caller then restores state with set_state."""
+        assert self.task is not None
+        self._abort()
+        self._join(master_addr, master_port, rank, world_size, local_rank)
+        self._wrap()
+        self._new_checkpointer()
+
+    @endpoint
+    def get_state(self) -> dict[str, Any]:
+        """This rank's model and optimizer state and its completed steps (DDP: a full replica)."""
+        assert self.task is not None
+        return {
+            "model": self.task.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "done": self.done,
+        }
+
+    @endpoint
+    def set_state(self, state: dict[str, Any]) -> int:
+        """Load a peer's state (tensors arrive as read-only shared memory: copy them first)."""
+        assert self.task is not None
+        state = _clone(state)
+        self.task.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.done = state["done"]
+        return self.done
 
     def _indices(self, step: int) -> list[int]:
         cfg = self.config
@@ -210,9 +296,12 @@ class TrainWorker(Actor):
         for i, m in enumerate(micro):
             last = i == len(micro) - 1
             with self._no_sync(not last):
+                _mark(step + 1, "forward")
                 loss = self.task.loss_fn(self.model, self._batch(m)) * (len(m) / len(indices))
+                _mark(step + 1, "backward")
                 loss.backward()
             total += loss.detach()
+        _mark(step + 1, "optimizer")
         self.optimizer.step()
         return float(total)
 
@@ -226,18 +315,48 @@ class TrainWorker(Actor):
         return _resync(self.model)
 
     @endpoint
-    def run(self, start: int, stop: int) -> list[dict[str, float]]:
-        """Train steps [start, stop) (0-based); checkpoint on the configured steps. Returns this
-        rank's metrics per step ("step" is 1-based: the number of steps done)."""
-        out = []
+    def run(self, start: int, stop: int, faults: list[Fault] | None = None) -> dict[str, Any]:
+        """Train steps [start, stop) (0-based); checkpoint on the configured steps.
+
+        Returns {"metrics": per completed step ("step" is 1-based), "done": steps completed,
+        "error": None or why the chunk stopped early}. A failing step is not retried here: the
+        rank leaves its process group at once (so peers blocked on it fail fast) and the
+        controller heals the job."""
+        out: list[dict[str, float]] = []
         ckpt = self.config.checkpoint
-        for step in range(start, stop):
-            t0 = time.perf_counter()
-            loss = self._step(step)
-            out.append({"step": step + 1, "loss": loss, "step_s": time.perf_counter() - t0})
-            if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
-                self._save(step + 1)
-        return out
+        if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
+            return {"metrics": out, "done": self.done, "error": "no process group", "cause": "peer"}
+        try:
+            for step in range(start, stop):
+                _mark(step + 1, "start")
+                for fault in faults or ():
+                    if fault.rank == self.rank and fault.at_step == step + 1:
+                        fault.fire()
+                t0 = time.perf_counter()
+                loss = self._step(step)
+                self.done = step + 1
+                out.append(
+                    {
+                        "step": step + 1,
+                        "loss": loss,
+                        "step_s": time.perf_counter() - t0,
+                        "end": time.time(),
+                    }
+                )
+                if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
+                    self._save(step + 1)
+                _mark(step + 1, "done")
+        except Exception as e:
+            self._abort()
+            return {
+                "metrics": out,
+                "done": self.done,
+                "error": f"{type(e).__name__}: {str(e)[:500]}",
+                # "peer": a collective failed because another rank went away; "own": this
+                # rank's step itself raised (it is then replaced).
+                "cause": "peer" if _is_comm_error(e) else "own",
+            }
+        return {"metrics": out, "done": self.done, "error": None}
 
     def _save(self, done: int) -> None:
         assert self.checkpointer is not None and self.decision is not None
@@ -275,6 +394,24 @@ class TrainWorker(Actor):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    markers = ("Connection closed", "Connection reset", "Broken pipe", "gloo", "NCCL", "Socket")
+    return any(m in text for m in markers)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
 
 
 @contextlib.contextmanager

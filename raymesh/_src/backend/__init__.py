@@ -10,6 +10,7 @@ from raymesh._src.backend.procs import (
     create_procs,
     host_agent,
     kill,
+    kill_pid,
     self_proc,
     wait_exited,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "host_agent",
     "is_ref",
     "kill",
+    "kill_pid",
     "node_ip",
     "nodes",
     "put",

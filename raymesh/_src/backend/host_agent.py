@@ -126,6 +126,14 @@ class _HostAgent:
             alive = [p for p in alive if _is_running(p)]
         return alive
 
+    def kill(self, pid: int) -> None:
+        """SIGKILL `pid` (a proc on this node) if it still runs."""
+        if _is_running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
 

@@ -224,6 +224,11 @@ def wait_exited(procs: Sequence[RayProc], timeout: float) -> list[int]:
     return alive
 
 
+def kill_pid(node_id: str, pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL a proc's process through its host's agent (works for any node)."""
+    ray.get(host_agent(node_id).kill.remote(pid), timeout=timeout)
+
+
 def self_proc() -> RayProc | None:
     """This process's own proc, when it is one (inside an actor); None in the controller."""
     if not ray.is_initialized():

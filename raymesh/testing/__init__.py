@@ -1,0 +1,17 @@
+"""Fault injection for training jobs, as a public API.
+
+    from raymesh.testing import kill, fail, hang
+    TrainConfig(..., faults=[kill(rank=1, at_step=30), fail(rank=0, at_step=50)])
+
+and on the command line, `raymesh train job.toml --inject kill:rank=1:step=30`.
+
+A fault fires once per job, on the rank it names, as that rank starts the given step (1-based:
+`at_step=30` is the 30th step, the one in flight when it fires):
+- `kill`: SIGKILL of the rank's process (no cleanup, like the OOM killer);
+- `fail`: the step raises `InjectedFault` on that rank;
+- `hang`: the rank stops making progress for `seconds` (default: until it is killed).
+"""
+
+from raymesh.testing.faults import Fault, InjectedFault, fail, hang, kill, parse_fault
+
+__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault"]

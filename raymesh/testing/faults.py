@@ -1,0 +1,83 @@
+"""Faults as plain data (`Fault`), their constructors, and the CLI syntax `kind:rank=R:step=S`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault"]
+
+_KINDS = ("kill", "fail", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """Raised in a rank by a `fail` fault."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    kind: str  # "kill" | "fail" | "hang"
+    rank: int  # the rank it fires on (in the current world)
+    at_step: int  # 1-based step that is in flight when it fires
+    seconds: float | None = None  # for "hang": how long (None: until killed)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"fault kind={self.kind!r}: use one of {list(_KINDS)}")
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"fault rank={self.rank!r}: must be an integer >= 0")
+        if not isinstance(self.at_step, int) or self.at_step < 1:
+            raise ValueError(f"fault at_step={self.at_step!r}: must be an integer >= 1")
+
+    def fire(self) -> None:
+        """Carry the fault out, here, in the rank's process."""
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "fail":
+            raise InjectedFault(f"injected failure on rank {self.rank} at step {self.at_step}")
+        deadline = None if self.seconds is None else time.monotonic() + self.seconds
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def __str__(self) -> str:
+        extra = f":seconds={self.seconds:g}" if self.seconds is not None else ""
+        return f"{self.kind}:rank={self.rank}:step={self.at_step}{extra}"
+
+
+def kill(*, rank: int, at_step: int) -> Fault:
+    """SIGKILL `rank` as it starts step `at_step`."""
+    return Fault(kind="kill", rank=rank, at_step=at_step)
+
+
+def fail(*, rank: int, at_step: int) -> Fault:
+    """Raise `InjectedFault` in `rank` as it starts step `at_step`."""
+    return Fault(kind="fail", rank=rank, at_step=at_step)
+
+
+def hang(*, rank: int, at_step: int, seconds: float | None = None) -> Fault:
+    """Stop `rank` making progress at step `at_step`, for `seconds` (None: until killed)."""
+    return Fault(kind="hang", rank=rank, at_step=at_step, seconds=seconds)
+
+
+def parse_fault(text: str) -> Fault:
+    """Parse the CLI syntax `kind:rank=R:step=S[:seconds=T]`, e.g. `kill:rank=1:step=30`."""
+    kind, *parts = text.strip().split(":")
+    fields: dict[str, str] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"--inject {text!r}: expected key=value after the kind, got {part!r}")
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - {"rank", "step", "seconds"}
+    if unknown or "rank" not in fields or "step" not in fields:
+        raise ValueError(
+            f"--inject {text!r}: use kind:rank=R:step=S[:seconds=T], e.g. kill:rank=1:step=30"
+        )
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+        seconds = float(fields["seconds"]) if "seconds" in fields else None
+    except ValueError:
+        raise ValueError(f"--inject {text!r}: rank and step must be integers") from None
+    return Fault(kind=kind, rank=rank, at_step=step, seconds=seconds)

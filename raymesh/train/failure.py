@@ -1,0 +1,109 @@
+"""Failures of a training job as data, and the policy that decides what to do about them.
+
+The policy is pure: given what failed and what the cluster can offer, it returns a
+`FailureDecision` (replace the lost ranks, shrink the world, or abort) with its reason. The
+controller logs the reason and carries the decision out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["FailureDecision", "FailurePolicy", "FailureRecord", "TooManyFailures"]
+
+Action = Literal["replace", "shrink", "abort"]
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failure: which rank, at which step (the step in flight), why, and how it ended."""
+
+    rank: int
+    step: int
+    cause: str
+    kind: str  # "died" (the process is gone), "error" (a step raised), "hung" (no progress)
+    time: float = field(default_factory=time.time)
+    recovery_s: float | None = None  # from detection to the first step completed after healing
+    steps_recomputed: int | None = None  # steps trained again because of this failure
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} at step {self.step}: {self.kind}: {self.cause}"
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: Action
+    reason: str
+    world_size: int  # the world size to continue with
+
+
+class TooManyFailures(RuntimeError):
+    """More failures than `max_failures` (within `failure_window_s`): the job stopped.
+
+    `failures` lists every failure (rank, step, cause); the newest valid checkpoint, if
+    checkpoints are on, is `checkpoint`."""
+
+    def __init__(self, failures: list[FailureRecord], checkpoint: str | None) -> None:
+        self.failures = failures
+        self.checkpoint = checkpoint
+        listed = "; ".join(str(f) for f in failures)
+        super().__init__(
+            f"{len(failures)} failures, more than the job allows: {listed}. "
+            f"Last valid checkpoint: {checkpoint or 'none'}"
+        )
+
+
+class FailurePolicy:
+    """Replace lost ranks while the failure budget lasts.
+
+    max_failures: how many failures the job survives; the next one aborts it.
+    window_s: count only failures this recent (None: the whole job).
+    """
+
+    def __init__(self, *, max_failures: int, window_s: float | None = None) -> None:
+        self.max_failures = max_failures
+        self.window_s = window_s
+
+    def decide(
+        self,
+        failures: list[FailureRecord],
+        world_size: int,
+        *,
+        replacements: int,
+        lost: int,
+        min_workers: int,
+    ) -> FailureDecision:
+        """failures: all so far (the newest last); lost: ranks to replace now; replacements:
+        how many new ranks can be placed now."""
+        now = failures[-1].time if failures else time.time()
+        counted = [f for f in failures if self.window_s is None or now - f.time <= self.window_s]
+        window = f" in the last {self.window_s:g}s" if self.window_s is not None else ""
+        if len(counted) > self.max_failures:
+            return FailureDecision(
+                "abort",
+                f"{len(counted)} failures{window}, more than max_failures={self.max_failures}",
+                world_size,
+            )
+        if replacements >= lost:
+            return FailureDecision(
+                "replace",
+                f"replace {lost} lost rank(s); failure {len(counted)} of "
+                f"max_failures={self.max_failures}{window}",
+                world_size,
+            )
+        survivors = world_size - lost + replacements
+        if survivors >= min_workers:
+            return FailureDecision(
+                "shrink",
+                f"only {replacements} of {lost} lost rank(s) can be replaced: continue with "
+                f"{survivors} (min {min_workers})",
+                survivors,
+            )
+        return FailureDecision(
+            "abort",
+            f"{survivors} rank(s) left, fewer than min workers {min_workers}, and no capacity "
+            "to replace the lost ones",
+            world_size,
+        )
