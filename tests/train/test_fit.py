@@ -150,3 +150,9 @@ def test_config_is_validated_in_python_too():
     base = _config()
     with pytest.raises(ValueError, match="micro_batch_size=5"):
         dataclasses.replace(base, micro_batch_size=5)
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch():
+    whole = train.fit(MLP, _config(steps=6)).state_dict()
+    accumulated = train.fit(MLP, _config(steps=6, micro_batch_size=4)).state_dict()
+    assert _close(whole, accumulated, rtol=1e-5, atol=1e-6)
