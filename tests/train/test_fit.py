@@ -10,27 +10,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from raymesh import train
 
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
+from .weights import MLP, close, equal
 
-MLP = "raymesh.examples.mlp:build"
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 
 def _config(**kw) -> train.TrainConfig:
     base = dict(workers=2, steps=12, global_batch_size=32, seed=0, report_every=4)
     base.update(kw)
     return train.TrainConfig(**base)
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _close(a: dict, b: dict, **tol) -> bool:
-    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], **tol) for k in a)
 
 
 def test_loss_falls_on_the_mlp_and_history_has_every_step():
@@ -46,9 +37,9 @@ def test_loss_falls_on_the_mlp_and_history_has_every_step():
 def test_two_runs_with_the_same_seed_give_bitwise_identical_weights():
     a = train.fit(MLP, _config()).state_dict()
     b = train.fit(MLP, _config()).state_dict()
-    assert _equal(a, b)
+    assert equal(a, b)
     c = train.fit(MLP, _config(seed=1)).state_dict()
-    assert not _equal(a, c)
+    assert not equal(a, c)
 
 
 def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
@@ -59,7 +50,7 @@ def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     second = train.fit(MLP, _config(steps=12, checkpoint=ckpt))
     assert second.resumed_from == 6
     assert [h["step"] for h in second.history] == list(range(7, 13))
-    assert _equal(whole, second.state_dict())
+    assert equal(whole, second.state_dict())
     rows = [json.loads(x) for x in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     if importlib.util.find_spec("tensorboard") is not None:
@@ -73,14 +64,14 @@ def test_a_checkpoint_saved_at_four_workers_resumes_at_two(tmp_path):
     train.fit(MLP, _config(steps=6, checkpoint=ckpt, **four))
     resumed = train.fit(MLP, _config(steps=12, checkpoint=ckpt, workers=2))
     assert resumed.resumed_from == 6
-    assert _close(reference, resumed.state_dict(), rtol=1e-4, atol=1e-6)
+    assert close(reference, resumed.state_dict(), rtol=1e-4, atol=1e-6)
 
 
 def test_fsdp_and_ddp_agree_on_the_same_seed():
     ddp = train.fit(MLP, _config(strategy="ddp"))
     fsdp = train.fit(MLP, _config(strategy="fsdp"))
     assert fsdp.decision.strategy == "fsdp"
-    assert _close(ddp.state_dict(), fsdp.state_dict(), rtol=1e-4, atol=1e-6)
+    assert close(ddp.state_dict(), fsdp.state_dict(), rtol=1e-4, atol=1e-6)
 
 
 def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate():
@@ -155,4 +146,4 @@ def test_config_is_validated_in_python_too():
 def test_gradient_accumulation_matches_one_big_micro_batch():
     whole = train.fit(MLP, _config(steps=6)).state_dict()
     accumulated = train.fit(MLP, _config(steps=6, micro_batch_size=4)).state_dict()
-    assert _close(whole, accumulated, rtol=1e-5, atol=1e-6)
+    assert close(whole, accumulated, rtol=1e-5, atol=1e-6)

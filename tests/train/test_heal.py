@@ -4,24 +4,19 @@ place, loses at most the step in flight, and ends with the failure-free run's ex
 from __future__ import annotations
 
 import pytest
-import torch
 
 from raymesh import train
 from raymesh.testing import fail, hang, kill
 
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
+from .weights import MLP, close, equal
 
-MLP = "raymesh.examples.mlp:build"
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 
 def _config(**kw) -> train.TrainConfig:
     base = dict(workers=2, steps=12, global_batch_size=48, seed=0, report_every=2)
     base.update(kw)
     return train.TrainConfig(**base)
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -43,33 +38,30 @@ def test_a_sigkilled_rank_is_replaced_and_the_weights_match_a_clean_run(
     assert [h["step"] for h in result.history] == list(range(1, 13))
     assert [s for s, _ in result.transitions].count("Healing") == 1
     if workers == 2:  # the guarantee: bit for bit at the same world size
-        assert _equal(reference[workers], result.state_dict())
+        assert equal(reference[workers], result.state_dict())
     else:  # gloo sums 3 ranks' gradients in an order that can differ after re-forming
-        ref = reference[workers]
-        assert all(
-            torch.allclose(ref[k], v, rtol=1e-5, atol=1e-7) for k, v in result.state_dict().items()
-        )
+        assert close(reference[workers], result.state_dict(), rtol=1e-5, atol=1e-7)
 
 
 def test_a_rank_that_raises_is_replaced(reference):
     result = train.fit(MLP, _config(faults=[fail(rank=1, at_step=4)]))
     [failure] = result.failures
     assert failure.kind == "error" and "InjectedFault" in failure.cause
-    assert _equal(reference[2], result.state_dict())
+    assert equal(reference[2], result.state_dict())
 
 
 def test_a_hung_rank_is_detected_killed_and_replaced(reference):
     result = train.fit(MLP, _config(step_timeout_s=4.0, faults=[hang(rank=0, at_step=6)]))
     [failure] = result.failures
     assert (failure.rank, failure.kind) == (0, "hung")
-    assert _equal(reference[2], result.state_dict())
+    assert equal(reference[2], result.state_dict())
 
 
 def test_three_kills_in_one_run_with_a_warm_spare(reference):
     faults = [kill(rank=1, at_step=3), kill(rank=0, at_step=6), kill(rank=1, at_step=9)]
     result = train.fit(MLP, _config(spares=1, faults=faults))
     assert [(f.rank, f.step) for f in result.failures] == [(1, 3), (0, 6), (1, 9)]
-    assert _equal(reference[2], result.state_dict())
+    assert equal(reference[2], result.state_dict())
 
 
 def test_more_failures_than_allowed_stop_with_every_failure_and_a_valid_checkpoint(tmp_path):
