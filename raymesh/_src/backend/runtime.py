@@ -83,6 +83,7 @@ def ensure_ray() -> None:
             cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
             _loopback_only()
             ray.init(
+                address="local",  # always a new instance, even if another Ray runs here
                 num_cpus=cpus,
                 include_dashboard=_env_flag("RAYMESH_DASHBOARD", False),
                 _node_ip_address="127.0.0.1",  # the embedded default stays on loopback
