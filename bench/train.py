@@ -20,7 +20,7 @@ counts); raymesh's is the time fit()'s `progress` callback reports step 1 (repor
 1 ms after its ranks finish it. Steady steps/s = (steps - 20) / (t[steps] - t[20]): rank 0's
 stamps; for raymesh the progress callbacks of its report_every=20 fit (two chunks stay in flight,
 so ranks never wait for the controller). Each system: mean of its two runs. Progress goes to
-stderr, one JSON object to stdout. `--child KIND` (internal) runs one subprocess measurement.
+stderr, one JSON object to stdout. `--child JSON` (internal) runs one subprocess measurement.
 """
 
 from __future__ import annotations
@@ -206,7 +206,6 @@ def prime_child(args: argparse.Namespace) -> dict[str, Any]:
     """Untimed: load what the measured runs load, so the page cache favours no system."""
     import ray
     import ray.train.torch
-    import torch.distributed  # noqa: F401
 
     import raymesh.train  # noqa: F401
 
@@ -218,15 +217,13 @@ def prime_child(args: argparse.Namespace) -> dict[str, Any]:
 def run_child(kind: str, warm: bool, plan_path: str, td: str, timeout: float) -> dict[str, Any]:
     """One measurement in a fresh python, in a session of its own (killed as a whole after)."""
     out = os.path.join(td, f"{kind}_{'warm' if warm else 'cold'}")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--plan", plan_path]
-    cmd += ["--out", out, *(["--warm"] if warm else [])]
+    spec = {"kind": kind, "warm": warm, "plan": plan_path, "out": out}
     # Our own Ray temp dir: ray.init() without an address joins the cluster named in
     # /tmp/ray/ray_current_cluster (any `ray start` on this machine, e.g. a test's).
     env = {**os.environ, "RAY_TMPDIR": td}
     t0 = time.time()
-    proc = subprocess.Popen(
-        [*cmd, "--t0", repr(t0)], stdout=sys.stderr, env=env, start_new_session=True
-    )
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps({**spec, "t0": t0})]
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env, start_new_session=True)
     try:
         rc: int | None = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -288,15 +285,12 @@ def report(ddp: list[dict], ray_train: dict[str, dict], mesh: dict[str, dict]) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="60 steps, steady window 20..60")
-    p.add_argument("--child", choices=["ray_train", "raymesh", "prime"], help=argparse.SUPPRESS)
-    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--plan", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)  # JSON: kind, warm, plan, out, t0
     args = p.parse_args()
     if args.child:
+        c = argparse.Namespace(**json.loads(args.child))
         fn = {"ray_train": ray_train_child, "raymesh": raymesh_child, "prime": prime_child}
-        Path(args.out + ".json").write_text(json.dumps(fn[args.child](args)))
+        Path(c.out + ".json").write_text(json.dumps(fn[c.kind](c)))
         return
 
     import ray
