@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -161,10 +160,6 @@ def address() -> str:
     ensure_ray()
     ctx = ray.get_runtime_context()
     return getattr(ctx, "gcs_address", "") or "local"
-
-
-def hostname() -> str:
-    return socket.gethostname()
 
 
 def node_ip() -> str:
