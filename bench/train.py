@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _isolated import run_isolated
 
 WORKERS, BATCH_PER_RANK, N_SAMPLES, SEED, FIRST = 2, 64, 4096, 0, 20
 BUILD = "raymesh.examples.mlp:build_bench"
@@ -223,16 +224,7 @@ def run_child(kind: str, warm: bool, plan_path: str, td: str, timeout: float) ->
     env = {**os.environ, "RAY_TMPDIR": td}
     t0 = time.time()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps({**spec, "t0": t0})]
-    proc = subprocess.Popen(cmd, stdout=sys.stderr, env=env, start_new_session=True)
-    try:
-        rc: int | None = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's Ray and any other leftovers
-        except ProcessLookupError:
-            pass
+    rc = run_isolated(cmd, env, timeout)
     if rc != 0:
         why = f"ran past {timeout:.0f} s" if rc is None else f"exited with {rc}"
         raise RuntimeError(f"{kind} ({'warm' if warm else 'cold'}) {why}")

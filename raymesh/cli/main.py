@@ -2,6 +2,8 @@
 
     raymesh --version
     raymesh info [--json]      Ray address, hosts with their CPUs/GPUs, versions
+    raymesh topology [--json] [--probe-timeout S]
+                               hosts, GPUs, the GPU link matrix, measured network figures
     raymesh train JOB.toml [--inject kill:rank=1:step=100] [--resume] [--steps N]
                                run a training job (TrainConfig as TOML) with a progress bar
 
@@ -17,6 +19,7 @@ import sys
 from typing import Any
 
 from raymesh._version import __version__
+from raymesh.cli import topology as topology_cli
 
 
 def _info() -> dict[str, Any]:
@@ -55,6 +58,18 @@ def _print_info(info: dict[str, Any]) -> None:
             f"{h['hostname'][:20]:<20} {h['ip']:<16} {h['cpus']:>6g} {h['gpus']:>5g} "
             f"{h['memory_gib']:>7.1f} GiB  {h['node_id'][:12]}"
         )
+
+
+def _workers(text: str) -> int | tuple[int, int]:
+    try:
+        if ":" in text:
+            low, high = text.split(":")
+            return (int(low), int(high))
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a count such as 4, or min:max such as 2:4"
+        ) from None
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -106,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="run a training job described by a TOML file")
     tr.add_argument("job", help="TOML file whose keys are TrainConfig's fields")
     tr.add_argument("--steps", type=int, help="override steps (e.g. to train further)")
-    tr.add_argument("--workers", type=int, help="override workers")
+    tr.add_argument(
+        "--workers", type=_workers, help="override workers: N, or MIN:MAX for elastic training"
+    )
     tr.add_argument("--spares", type=int, help="override spares (warm procs for healing)")
     tr.add_argument(
         "--resume",
@@ -120,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KIND:rank=R:step=S",
         help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
     )
+    topology_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "topology":
+        return topology_cli.run(args)
     if args.command == "train":
         return _train(args)
     if args.command == "info":

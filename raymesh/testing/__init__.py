@@ -9,9 +9,10 @@ A fault fires once per job, on the rank it names, as that rank starts the given 
 `at_step=30` is the 30th step, the one in flight when it fires):
 - `kill`: SIGKILL of the rank's process (no cleanup, like the OOM killer);
 - `fail`: the step raises `InjectedFault` on that rank;
-- `hang`: the rank stops making progress for `seconds` (default: until it is killed).
+- `hang`: the rank stops making progress for `seconds` (default: until it is killed);
+- `slow`: from that step on, the rank takes `factor` times as long per step (a straggler).
 """
 
-from raymesh.testing.faults import Fault, InjectedFault, fail, hang, kill, parse_fault
+from raymesh.testing.faults import Fault, InjectedFault, fail, hang, kill, parse_fault, slow
 
-__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault"]
+__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]

@@ -7,9 +7,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault"]
+__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]
 
-_KINDS = ("kill", "fail", "hang")
+_KINDS = ("kill", "fail", "hang", "slow")
 
 
 class InjectedFault(RuntimeError):
@@ -18,10 +18,11 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    kind: str  # "kill" | "fail" | "hang"
+    kind: str  # "kill" | "fail" | "hang" | "slow"
     rank: int  # the rank it fires on (in the current world)
     at_step: int  # 1-based step that is in flight when it fires
     seconds: float | None = None  # for "hang": how long (None: until killed)
+    factor: float | None = None  # for "slow": each step takes this many times as long
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -30,9 +31,16 @@ class Fault:
             raise ValueError(f"fault rank={self.rank!r}: must be an integer >= 0")
         if not isinstance(self.at_step, int) or self.at_step < 1:
             raise ValueError(f"fault at_step={self.at_step!r}: must be an integer >= 1")
+        if (self.kind == "slow") != (self.factor is not None):
+            raise ValueError(f"fault {self.kind!r}: factor is for (and required by) 'slow'")
+        if self.factor is not None and not self.factor >= 1:
+            raise ValueError(f"fault factor={self.factor!r}: must be >= 1 (2: twice as slow)")
 
     def fire(self) -> None:
-        """Carry the fault out, here, in the rank's process."""
+        """Carry the fault out, here, in the rank's process ("slow" is carried out by the
+        trainer, which stretches each step from then on)."""
+        if self.kind == "slow":
+            return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "fail":
@@ -43,6 +51,7 @@ class Fault:
 
     def __str__(self) -> str:
         extra = f":seconds={self.seconds:g}" if self.seconds is not None else ""
+        extra += f":factor={self.factor:g}" if self.factor is not None else ""
         return f"{self.kind}:rank={self.rank}:step={self.at_step}{extra}"
 
 
@@ -61,8 +70,15 @@ def hang(*, rank: int, at_step: int, seconds: float | None = None) -> Fault:
     return Fault(kind="hang", rank=rank, at_step=at_step, seconds=seconds)
 
 
+def slow(*, rank: int, factor: float, at_step: int = 1) -> Fault:
+    """Make `rank` `factor` times slower from step `at_step` on (it sleeps for the difference
+    between its forward and backward passes: a straggler, for load-balancing tests)."""
+    return Fault(kind="slow", rank=rank, at_step=at_step, factor=factor)
+
+
 def parse_fault(text: str) -> Fault:
-    """Parse the CLI syntax `kind:rank=R:step=S[:seconds=T]`, e.g. `kill:rank=1:step=30`."""
+    """Parse the CLI syntax `kind:rank=R:step=S[:seconds=T][:factor=F]`, e.g.
+    `kill:rank=1:step=30` or `slow:rank=3:step=1:factor=2`."""
     kind, *parts = text.strip().split(":")
     fields: dict[str, str] = {}
     for part in parts:
@@ -70,14 +86,18 @@ def parse_fault(text: str) -> Fault:
         if not sep:
             raise ValueError(f"--inject {text!r}: expected key=value after the kind, got {part!r}")
         fields[key.strip()] = value.strip()
-    unknown = set(fields) - {"rank", "step", "seconds"}
+    unknown = set(fields) - {"rank", "step", "seconds", "factor"}
     if unknown or "rank" not in fields or "step" not in fields:
         raise ValueError(
-            f"--inject {text!r}: use kind:rank=R:step=S[:seconds=T], e.g. kill:rank=1:step=30"
+            f"--inject {text!r}: use kind:rank=R:step=S[:seconds=T][:factor=F], e.g. "
+            "kill:rank=1:step=30"
         )
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
         seconds = float(fields["seconds"]) if "seconds" in fields else None
+        factor = float(fields["factor"]) if "factor" in fields else None
     except ValueError:
-        raise ValueError(f"--inject {text!r}: rank and step must be integers") from None
-    return Fault(kind=kind, rank=rank, at_step=step, seconds=seconds)
+        raise ValueError(
+            f"--inject {text!r}: rank and step must be integers, seconds and factor numbers"
+        ) from None
+    return Fault(kind=kind, rank=rank, at_step=step, seconds=seconds, factor=factor)

@@ -49,7 +49,9 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    workers: int = 1  # ranks (trainer actors, one proc each)
+    # Ranks (trainer actors, one proc each). `(min, max)`: elastic; start at max, continue with
+    # fewer (down to min) when a lost rank cannot be replaced, grow back when capacity returns.
+    workers: int | tuple[int, int] = 1
     steps: int = 1  # optimizer steps in total (raise it and resume to train further)
     global_batch_size: int = 1  # samples per step, across all ranks
     micro_batch_size: int | None = None  # per-rank forward size; None: the rank's whole share
@@ -69,30 +71,37 @@ class TrainConfig:
     max_failures: int = 3  # failures the job heals; one more stops it (TooManyFailures)
     failure_window_s: float | None = None  # count only failures this recent (None: all)
     spares: int = 0  # warm spare procs kept ready to replace a lost rank at once
+    replace_timeout_s: float = 60.0  # wait this long to place a replacement, then shrink/abort
+    grow_interval_s: float = 30.0  # elastic: how often to look for capacity to grow back
+    # Split each global batch in proportion to the ranks' measured speed (DDP), so a straggler
+    # does not hold every step back (raymesh.train.balance). Off: equal shares, bit-for-bit
+    # reproducible runs (a rebalanced run is equal to float precision, not bitwise).
+    rebalance: bool = False
     faults: tuple[Fault, ...] = ()  # injected faults, for tests and demos (raymesh.testing)
 
     def __post_init__(self) -> None:
-        _positive_int("workers", self.workers)
+        if isinstance(self.workers, list):  # a TOML array
+            object.__setattr__(self, "workers", tuple(self.workers))
+        if isinstance(self.workers, tuple):
+            if len(self.workers) != 2:
+                raise _bad("workers", self.workers, "give a count, or (min, max) for elastic")
+            for bound in self.workers:
+                _positive_int("workers", bound)
+            if self.workers[0] > self.workers[1]:
+                raise _bad("workers", self.workers, "min must be <= max, as in (2, 4)")
+        else:
+            _positive_int("workers", self.workers)
         _positive_int("steps", self.steps)
         _positive_int("global_batch_size", self.global_batch_size)
-        if self.global_batch_size % self.workers:
+        if self.global_batch_size < self.max_workers:
             raise _bad(
                 "global_batch_size",
                 self.global_batch_size,
-                f"must divide evenly among workers={self.workers} "
-                f"({self.global_batch_size} % {self.workers} = "
-                f"{self.global_batch_size % self.workers}); use a multiple of {self.workers}",
+                f"gives some of the {self.max_workers} workers no samples; use at least "
+                f"{self.max_workers} (a multiple of the world size splits evenly)",
             )
         if self.micro_batch_size is not None:
             _positive_int("micro_batch_size", self.micro_batch_size)
-            share = self.global_batch_size // self.workers
-            if share % self.micro_batch_size:
-                raise _bad(
-                    "micro_batch_size",
-                    self.micro_batch_size,
-                    f"must divide each rank's share of the batch ({share} = "
-                    f"global_batch_size {self.global_batch_size} / workers {self.workers})",
-                )
         if self.strategy not in _STRATEGIES:
             raise _bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -118,21 +127,33 @@ class TrainConfig:
         if self.failure_window_s is not None and not self.failure_window_s > 0:
             raise _bad("failure_window_s", self.failure_window_s, "must be > 0 seconds, or None")
         _positive_int("spares", self.spares, minimum=0)
+        if self.rebalance not in (True, False):
+            raise _bad("rebalance", self.rebalance, "use True or False")
+        if not self.replace_timeout_s > 0:
+            raise _bad("replace_timeout_s", self.replace_timeout_s, "must be > 0 seconds")
+        if not self.grow_interval_s > 0:
+            raise _bad("grow_interval_s", self.grow_interval_s, "must be > 0 seconds")
         faults = tuple(parse_fault(f) if isinstance(f, str) else f for f in self.faults)
         for f in faults:
             if not isinstance(f, Fault):
                 raise _bad(
                     "faults", f, "use raymesh.testing.kill/fail/hang(...) or 'kill:rank=1:step=30'"
                 )
-            if f.rank >= self.workers:
+            if f.rank >= self.max_workers:
                 raise _bad(
                     "faults", str(f), f"rank {f.rank} does not exist with workers={self.workers}"
                 )
         object.__setattr__(self, "faults", faults)
 
     @property
-    def per_rank_batch(self) -> int:
-        return self.global_batch_size // self.workers
+    def min_workers(self) -> int:
+        """The fewest ranks the job continues with (`workers` when it is not elastic)."""
+        return self.workers[0] if isinstance(self.workers, tuple) else self.workers
+
+    @property
+    def max_workers(self) -> int:
+        """The world size the job starts with and grows back to."""
+        return self.workers[1] if isinstance(self.workers, tuple) else self.workers
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (faults as their CLI strings), e.g. for a checkpoint's manifest."""

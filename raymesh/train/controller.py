@@ -1,9 +1,9 @@
 """The training controller: an explicit state machine, driven from the user's process.
 
     Starting --> Running --> Finishing --> Finished
-                  |   ^
-                  v   |
-                 Healing --> Failed   (and any state --> Failed on an unrecoverable error)
+                 |  ^  ^
+                 v  |  |
+           Healing  Resizing              (and any state --> Failed on an unrecoverable error)
 
 Each state is a small class whose `next(controller)` does one phase and returns the next state;
 every transition is logged with its reason and kept in `Result.transitions`. Decisions come from
@@ -20,7 +20,15 @@ procs; all ranks form the next generation of the process group; the survivor tha
 the most steps sends its model and optimizer state to every rank; training resumes at the first
 step not completed. At most the step in flight is lost, and since the data order depends only
 on the step, the final weights equal an uninterrupted run's at the same world size.
-FSDP ranks hold only shards, so an FSDP job heals from its newest checkpoint instead.
+FSDP ranks hold only shards, so an FSDP job heals from its newest checkpoint instead: every rank
+rebuilds (in its warm process) and loads it, resharded for the new world.
+
+Elastic (`workers=(min, max)`): a lost rank that cannot be replaced within `replace_timeout_s`
+is dropped and the job continues with fewer ranks (never below min), with the same global batch
+split among them. A background recruiter keeps looking for capacity (and refills the warm
+spares); when it has ranks ready, Running drains its chunks at a step boundary and Resizing
+grows the world back. Each rank is its own proc and placement group, so stopping a lost rank
+frees exactly its resources.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import dataclasses
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +49,19 @@ import torch
 
 from raymesh._src import backend
 from raymesh._src.errors import ActorError, SupervisionError
-from raymesh._src.proc_mesh import this_host
+from raymesh._src.proc_mesh import HostMesh, ProcMesh
 from raymesh.testing.faults import Fault
+from raymesh.train.balance import BalancePolicy
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
-from raymesh.train.failure import FailurePolicy, FailureRecord, TooManyFailures
+from raymesh.train.data import split_sizes
+from raymesh.train.failure import (
+    FailureDecision,
+    FailurePolicy,
+    FailureRecord,
+    GrowPolicy,
+    TooManyFailures,
+)
 from raymesh.train.strategy import MemoryEstimate, StrategyDecision, StrategyPolicy
 from raymesh.train.worker import Monitor, TrainWorker
 
@@ -69,12 +87,17 @@ class TrainError(RuntimeError):
 class Result:
     """What `fit` returns."""
 
-    history: list[dict[str, float]]  # one entry per step: step (1-based), loss (mean of ranks)
+    # One entry per step: step (1-based), loss (mean of ranks), samples_per_s, end (wall time
+    # the step was complete on every rank).
+    history: list[dict[str, float]]
     decision: StrategyDecision  # the strategy and its arithmetic
     checkpoint: str | None  # the newest committed checkpoint folder, if checkpoints were on
     resumed_from: int  # the step the run started from (0: fresh)
     transitions: list[tuple[str, str]]  # (state, reason), in order
     failures: list[FailureRecord] = field(default_factory=list)  # and how each was healed
+    # Each rebalance (rebalance=True): {"step", "sizes", "flagged", "reason"}
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+    placement: str | None = None  # why the ranks run where they do (multi-host: the plan)
     _weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -82,14 +105,25 @@ class Result:
         return dict(self._weights)
 
 
-@dataclass
+@dataclass(eq=False)
 class Rank:
-    """One member of the world: its trainer, the monitor beside it, and its process."""
+    """One member of the world (or a spare): its trainer, the monitor beside it, its proc."""
 
     worker: Any  # ActorMesh of one TrainWorker
     monitor: Any  # ActorMesh of one Monitor, on the same proc
+    procs: ProcMesh  # a mesh of this one proc, with its own placement group
     pid: int
     node_id: str
+
+    def alive(self) -> bool:
+        return self.procs._state.check((0,), None) is None
+
+    def stop(self) -> None:
+        """End the proc and release its resources (it may already be dead)."""
+        try:
+            self.procs.stop(timeout=10.0)
+        except Exception as e:  # its resources are released either way
+            logger.debug("raymesh.train: stopping %s: %s", self.procs.name, e)
 
 
 class State:
@@ -107,17 +141,36 @@ class Starting(State):
 
     def next(self, c: TrainController) -> State:
         cfg = c.config
-        c.ranks = c.spawn_ranks(cfg.workers, "trainers")
-        c.spares = c.spawn_ranks(cfg.spares, "spares") if cfg.spares else []
+        nodes = c.place(cfg.max_workers)
+        # Resources a previous job just released can take the cluster a moment to report free.
+        deadline = time.monotonic() + min(cfg.replace_timeout_s, 10.0)
+        while len(nodes) < cfg.max_workers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            nodes = c.place(cfg.max_workers)
+        world = cfg.max_workers
+        if len(nodes) < world and len(nodes) >= cfg.min_workers:
+            world = len(nodes)  # elastic: start with what fits; the recruiter grows it later
+            logger.warning(
+                "raymesh.train: room for %d of max %d workers now: starting with %d",
+                world,
+                cfg.max_workers,
+                world,
+            )
+        c.ranks = c.spawn_ranks(world, "trainer", nodes=nodes[:world])
+        room = c.pick_nodes(cfg.spares)  # spares where there is room now; the recruiter the rest
+        c.spares = c.spawn_spares(len(room), nodes=room)
         infos = c.join([(r, "setup") for r in c.ranks])
         est: MemoryEstimate = infos[0]["estimate"]
         budget = min(i["budget_bytes"] for i in infos)
-        c.decision = c.strategy_policy.decide(cfg.strategy, est, cfg.workers, budget)
+        c.decision = c.strategy_policy.decide(cfg.strategy, est, world, budget)
         logger.info("raymesh.train: %s", c.decision.reason)
         resume = c.find_resume()
         start = c.gather([r.worker.prepare.call_one(c.decision, resume) for r in c.ranks])
         c.step = c.resumed_from = start[0]
-        c.transition("Running", f"{infos[0]['params']:,} parameters, {c.decision.reason}")
+        c.recruit()
+        c.transition(
+            "Running", f"{world} ranks, {infos[0]['params']:,} parameters, {c.decision.reason}"
+        )
         return Running()
 
 
@@ -132,15 +185,20 @@ class Running(State):
         spans = list(itertools.pairwise(bounds))
         in_flight: list[tuple[tuple[int, int], list[Any]]] = []
         while spans or in_flight:
-            while spans and len(in_flight) < 2:
+            grow = c.can_grow()
+            if grow and not in_flight:  # drained at a step boundary: add the recruited ranks
+                c.transition("Resizing", grow.reason)
+                return Resizing(grow)
+            while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
                 faults = [f for f in c.pending_faults if start < f.at_step <= stop]
-                futs = [r.worker.run.call_one(start, stop, faults) for r in c.ranks]
+                futs = [r.worker.run.call_one(start, stop, faults, c.sizes) for r in c.ranks]
                 in_flight.append(((start, stop), futs))
             (start, stop), futs = in_flight.pop(0)
             results = c.settle(futs, c.chunk_timeout(stop - start))
             if all(isinstance(r, dict) and r["error"] is None for r in results):
                 c.record([r["metrics"] for r in results])
+                c.rebalance([r["metrics"] for r in results])
                 continue
             # A failure: keep the steps every reporting rank completed (a lost rank's reply
             # can be lost with it), let the chunk queued behind it fail too, then heal.
@@ -158,15 +216,17 @@ class Running(State):
 
 
 class Healing(State):
-    """Find the lost ranks, decide, replace them, re-form the process group, restore state."""
+    """Find the lost ranks, decide, replace them (or shrink), re-form, restore state."""
 
     name = "Healing"
 
     def next(self, c: TrainController) -> State:
         cfg = c.config
         detected = time.time()
+        t0 = time.monotonic()
         start, _, results = c.failed_chunk
         lost, started = c.find_lost(results, start)
+        t_found = time.monotonic()
         now_failures = [
             FailureRecord(rank=i, step=started, cause=cause, kind=kind) for i, kind, cause in lost
         ]
@@ -176,46 +236,85 @@ class Healing(State):
         for f in c.pending_faults[:]:
             if any(f.rank == i for i, _, _ in lost) and f.at_step <= started:
                 c.pending_faults.remove(f)
-        decision = c.failure_policy.decide(
-            c.failures, len(c.ranks), replacements=len(lost), lost=len(lost), min_workers=1
-        )
+        lost_ranks = sorted({i for i, _, _ in lost})
+        world = len(c.ranks)
+        # The failure budget first: no point waiting for capacity for a job that stops anyway.
+        budget = c.decide(world, lost=len(lost_ranks), replacements=len(lost_ranks))
+        if budget.action == "abort":
+            logger.warning("raymesh.train: %s -> abort (%s)", c.describe(results), budget.reason)
+            raise TooManyFailures(c.failures, c.latest_checkpoint())
+        for i in lost_ranks:  # make sure a rank that raised or hung is gone, its room freed
+            try:
+                backend.kill_pid(c.ranks[i].node_id, c.ranks[i].pid)
+            except Exception:  # its node may be gone with it
+                pass
+            c.ranks[i].stop()
+        survivors = [i for i in range(world) if i not in lost_ranks]
+        done = {i: results[i]["done"] for i in survivors if isinstance(results[i], dict)}
+        # The survivor with the most completed steps holds the newest state. A survivor that
+        # did not report was stuck in a collective with the lost rank, which fails (and frees
+        # it) now that the rank is killed.
+        if done:
+            source: Rank | None = c.ranks[max(done, key=lambda i: done[i])]
+        else:
+            source = c.ranks[survivors[0]] if survivors else None
+        t_stopped = time.monotonic()
+        got = c.replacements(len(lost_ranks), cfg.replace_timeout_s)
+        t_replaced = time.monotonic()
+        decision = c.decide(world, lost=len(lost_ranks), replacements=len(got))
         logger.warning(
             "raymesh.train: %s -> %s (%s)", c.describe(results), decision.action, decision.reason
         )
         if decision.action == "abort":
-            raise TooManyFailures(c.failures, c.latest_checkpoint())
-        lost_ranks = {i for i, _, _ in lost}
-        for i in lost_ranks:  # make sure a rank that raised or hung is gone for good
-            backend.kill_pid(c.ranks[i].node_id, c.ranks[i].pid)
-        survivors = [i for i in range(len(c.ranks)) if i not in lost_ranks]
-        if not survivors or c.decision is None or c.decision.strategy != "ddp":
-            why = "no survivor holds the state" if not survivors else "FSDP ranks hold shards"
-            raise TrainError(
-                f"cannot heal in place ({why}); rerun to resume from the newest checkpoint",
-                cause=None,
-                history=c.history,
-            )
-        done = {i: results[i]["done"] for i in survivors if isinstance(results[i], dict)}
-        source = max(done, key=lambda i: done[i]) if done else survivors[0]
-        state = c.ranks[source].worker.get_state.call_one().get(timeout=cfg.timeout_s)
-        for i in sorted(lost_ranks):
-            c.ranks[i] = c.spares.pop(0) if c.spares else c.spawn_ranks(1, f"trainer-r{i}")[0]
-        addr, port = c.ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
-        calls = []
-        for i, r in enumerate(c.ranks):
-            args = (addr, port, i, len(c.ranks), i)
-            if i in lost_ranks:
-                calls.append(r.worker.setup.call_one(*args))
-                calls.append(r.worker.prepare.call_one(c.decision, None))
-            else:
-                calls.append(r.worker.reform.call_one(*args))
-        c.gather(calls)
-        c.gather([r.worker.set_state.call_one(state) for r in c.ranks])
-        c.step = state["done"]
+            for r in got:
+                r.stop()
+            raise TrainError(f"cannot heal: {decision.reason}", cause=None, history=c.history)
+        # Replacements take the lost ranks' places (same rank order, so the same reduction
+        # order: bitwise-equal results at the same world size); places left empty are dropped.
+        ranks: list[Rank | None] = list(c.ranks)
+        for i, r in zip(lost_ranks, got):
+            ranks[i] = r
+        for i in lost_ranks[len(got) :]:
+            ranks[i] = None
+        c.reshape([r for r in ranks if r is not None], fresh=set(got), source=source)
+        logger.info(
+            "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop them %.2fs, "
+            "replacements %.2fs, re-form and restore %.2fs",
+            time.monotonic() - t0,
+            t_found - t0,
+            t_stopped - t_found,
+            t_replaced - t_stopped,
+            time.monotonic() - t_replaced,
+        )
         for record in now_failures:
             c.healing.append((record, detected, started - c.step))
-        c.generation += 1
-        c.transition("Running", f"healed: generation {c.generation}, resuming at step {c.step}")
+        c.recruit()
+        c.transition(
+            "Running",
+            f"healed ({decision.action}): generation {c.generation}, {len(c.ranks)} ranks, "
+            f"resuming at step {c.step}",
+        )
+        return Running()
+
+
+class Resizing(State):
+    """Grow the world with recruited ranks, at a step boundary (elastic jobs)."""
+
+    name = "Resizing"
+
+    def __init__(self, decision: FailureDecision) -> None:
+        self.decision = decision
+
+    def next(self, c: TrainController) -> State:
+        new = c.take_spares(self.decision.world_size - len(c.ranks))
+        if new:
+            if c.decision is not None and c.decision.strategy == "fsdp":
+                c.gather([r.worker.save.call_one(c.step) for r in c.ranks])
+            c.reshape(c.ranks + new, fresh=set(new), source=c.ranks[0])
+        c.recruit()
+        c.transition(
+            "Running", f"grew by {len(new)}: generation {c.generation}, {len(c.ranks)} ranks"
+        )
         return Running()
 
 
@@ -257,12 +356,23 @@ class TrainController:
         self.config = config
         self.progress = progress
         self.strategy_policy = StrategyPolicy()
+        self.balance_policy = BalancePolicy()
+        self.grow_policy = GrowPolicy()
+        self.sizes: list[int] | None = None  # samples per rank for the next chunks (None: even)
+        self.placement: str | None = None  # the topology plan's reason, when one was made
+        self.rebalances: list[dict[str, Any]] = []
         self.failure_policy = FailurePolicy(
             max_failures=config.max_failures, window_s=config.failure_window_s
         )
         self.proc_meshes: list[Any] = []
         self.ranks: list[Rank] = []
         self.spares: list[Rank] = []
+        self.use_gpus = _use_gpus(config)
+        self.names = itertools.count()
+        self.lock = threading.Lock()  # spares and proc_meshes, shared with the recruiter
+        self.recruiter: threading.Thread | None = None
+        self.claimed = 0  # spares taken for a reshape that has not finished
+        self.stopping = threading.Event()
         self.decision: StrategyDecision | None = None
         self.step = 0
         self.resumed_from = 0
@@ -287,7 +397,7 @@ class TrainController:
 
     def run(self) -> Result:
         state: State = Starting()
-        self.transition("Starting", f"{self.config.workers} workers, {self.config.steps} steps")
+        self.transition("Starting", f"workers={self.config.workers}, {self.config.steps} steps")
         try:
             while not isinstance(state, (Finished, Failed)):
                 state = state.next(self)
@@ -302,6 +412,9 @@ class TrainController:
                 history=self.history,
             ) from e
         finally:
+            self.stopping.set()
+            if self.recruiter is not None:
+                self.recruiter.join(timeout=30.0)
             for procs in self.proc_meshes:
                 try:
                     procs.stop()
@@ -315,26 +428,271 @@ class TrainController:
             resumed_from=self.resumed_from,
             transitions=self.transitions,
             failures=self.failures,
+            rebalances=self.rebalances,
+            placement=self.placement,
             _weights=self.weights,
         )
 
     # ---- ranks -------------------------------------------------------------------------------
-    def spawn_ranks(self, n: int, name: str) -> list[Rank]:
-        """`n` new procs, each with a trainer and a monitor (not yet in the process group)."""
+    def proc_resources(self) -> dict[str, float]:
         cfg = self.config
-        axis = "gpus" if _use_gpus(cfg) else "procs"
-        procs = this_host().spawn_procs(
-            per_host={axis: n}, name=name, cpus_per_proc=cfg.cpus_per_worker, timeout=cfg.timeout_s
+        res = {"CPU": float(cfg.cpus_per_worker)}
+        if self.use_gpus:
+            res["GPU"] = 1.0
+        return {k: v for k, v in res.items() if v > 0} or {"CPU": 0.001}
+
+    def pick_nodes(self, n: int) -> list[str]:
+        """Up to `n` nodes (one per new rank, repeated) with room now, this host first."""
+        out: list[str] = []
+        for node, fits in backend.free_slots(self.proc_resources()).items():
+            out.extend([node] * min(fits, n - len(out)))
+        return out
+
+    def place(self, n: int) -> list[str]:
+        """Nodes for the first `n` ranks, in rank order. With room on several hosts, the
+        topology planner orders them so that each process group crosses the fewest and fastest
+        links (raymesh.topology); on one host there is nothing to choose."""
+        free = backend.free_slots(self.proc_resources())
+        if len(free) < 2:
+            return self.pick_nodes(n)
+        from raymesh import topology
+
+        topo = topology.discover(probe_timeout=5.0)
+        if not self.use_gpus:  # CPU procs: plan over the room there is now
+            hosts = tuple(
+                dataclasses.replace(h, cpus=float(free.get(h.node_id, 0))) for h in topo.hosts
+            )
+            topo = dataclasses.replace(topo, hosts=hosts)
+        shape = topology.JobShape(
+            world_size=n,
+            strategy="fsdp" if self.config.strategy == "fsdp" else "ddp",
+            device="gpu" if self.use_gpus else "cpu",
+        )
+        try:
+            placement = topology.plan(topo, shape)
+        except ValueError as e:  # less room than ranks: take what there is (elastic may start)
+            logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
+            return self.pick_nodes(n)
+        self.placement = placement.reason
+        logger.info("raymesh.train: placement: %s", placement.reason)
+        return placement.node_ids
+
+    def spawn_ranks(
+        self, n: int, name: str, *, nodes: list[str] | None = None, timeout: float | None = None
+    ) -> list[Rank]:
+        """`n` new ranks (not yet in the process group), each a proc of its own with a trainer
+        and a monitor, on `nodes` (default: where there is room, this host first; ranks
+        without a node wait for room on this host, up to the timeout). Spawned concurrently;
+        if one cannot be placed, the others are stopped and PlacementError raised."""
+        if n == 0:
+            return []
+        nodes = list(self.pick_nodes(n) if nodes is None else nodes)
+        nodes += [backend.current_node_id()] * (n - len(nodes))
+        timeout = self.config.timeout_s if timeout is None else timeout
+        with ThreadPoolExecutor(n) as pool:
+            futures = [
+                pool.submit(self._spawn_rank, f"{name}-{next(self.names)}", node, timeout)
+                for node in nodes
+            ]
+        ranks, errors = [], []
+        for f in futures:
+            try:
+                ranks.append(f.result())
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            for r in ranks:
+                r.stop()
+            raise errors[0]
+        return ranks
+
+    def _spawn_rank(self, name: str, node_id: str, timeout: float) -> Rank:
+        host = HostMesh([n for n in backend.nodes() if n.node_id == node_id])
+        axis = "gpus" if self.use_gpus else "procs"
+        procs = host.spawn_procs(
+            per_host={axis: 1},
+            name=name,
+            cpus_per_proc=self.config.cpus_per_worker,
+            timeout=timeout,
         )
         procs._state.handled_by_owner = True  # this controller heals its procs' deaths itself
-        self.proc_meshes.append(procs)
-        flat = procs.flatten("rank")
-        workers = flat.spawn("trainer", TrainWorker, self.build, cfg)
-        monitors = flat.spawn("monitor", Monitor)
-        pids, nodes = procs.pids, procs.node_ids
-        return [
-            Rank(workers.slice(rank=i), monitors.slice(rank=i), pids[i], nodes[i]) for i in range(n)
-        ]
+        with self.lock:
+            self.proc_meshes.append(procs)
+        if self.stopping.is_set():  # the job ended while this proc started
+            procs.stop(timeout=10.0)
+            raise backend.PlacementError(f"{name}: the job ended while it started")
+        try:
+            worker = procs.spawn("trainer", TrainWorker, self.build, self.config)
+            monitor = procs.spawn("monitor", Monitor)
+        except BaseException:
+            procs.stop(timeout=10.0)
+            raise
+        return Rank(worker, monitor, procs, procs.pids[0], procs.node_ids[0])
+
+    def spawn_spares(
+        self, n: int, *, nodes: list[str] | None = None, timeout: float | None = None
+    ) -> list[Rank]:
+        """`n` warm spare ranks: spawned, built nothing yet, gloo already loaded."""
+        spares = self.spawn_ranks(n, "spare", nodes=nodes, timeout=timeout)
+        try:
+            self.gather([r.worker.warm.call_one() for r in spares])
+        except BaseException:
+            for r in spares:
+                r.stop()
+            raise
+        return spares
+
+    def take_spares(self, n: int) -> list[Rank]:
+        """Up to `n` live spares (dead ones are stopped and dropped). They count as claimed
+        (not wanted again by the recruiter) until `reshape` makes them ranks."""
+        out: list[Rank] = []
+        dead: list[Rank] = []
+        with self.lock:
+            while self.spares and len(out) < n:
+                spare = self.spares.pop(0)
+                (out if spare.alive() else dead).append(spare)
+            self.claimed += len(out)
+        for spare in dead:
+            spare.stop()
+        return out
+
+    def replacements(self, n: int, timeout: float) -> list[Rank]:
+        """Up to `n` new ranks: warm spares first, then new procs wherever there is room,
+        waiting up to `timeout` seconds for room (a lost node's resources may come back, or the
+        recruiter may have a spare ready). Never longer: what could not be placed by then is
+        left out, and the failure policy decides."""
+        got = self.take_spares(n)
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            nodes = self.pick_nodes(n - len(got))
+            if nodes:
+                try:
+                    got += self.spawn_ranks(len(nodes), "trainer", nodes=nodes, timeout=remaining)
+                except Exception as e:  # someone else took the room, or the proc failed
+                    logger.info("raymesh.train: placing a replacement failed: %s", e)
+                    time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            else:
+                time.sleep(min(0.2, remaining))
+            got += self.take_spares(n - len(got))
+        return got
+
+    def decide(self, world: int, *, lost: int, replacements: int) -> FailureDecision:
+        return self.failure_policy.decide(
+            self.failures,
+            world,
+            replacements=replacements,
+            lost=lost,
+            min_workers=self.config.min_workers,
+        )
+
+    def reshape(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
+        """Make `ranks` the world: the next process group generation, with every rank holding
+        the same state. DDP with a `source` rank: the new ranks build, the others re-form, and
+        all load the source's state (a full replica, sent through the object store). FSDP (or
+        no source): every rank rebuilds in its warm process and loads the newest checkpoint,
+        resharded for the new world."""
+        cfg = self.config
+        assert self.decision is not None
+        n = len(ranks)
+        if self.decision.strategy == "ddp" and source is not None:
+            state = source.worker.get_state.call_one().get(timeout=cfg.timeout_s)
+            addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
+            calls = []
+            for i, r in enumerate(ranks):
+                if r in fresh:
+                    calls.append(r.worker.setup.call_one(addr, port, i, n, i, measure=False))
+                    calls.append(r.worker.prepare.call_one(self.decision, None))
+                else:
+                    calls.append(r.worker.reform.call_one(addr, port, i, n, i))
+            self.gather(calls)
+            self.gather([r.worker.set_state.call_one(state) for r in ranks])
+            self.step = state["done"]
+        else:
+            path = self.latest_checkpoint()
+            if path is None:
+                why = "FSDP ranks hold only shards" if source is not None else "no rank survived"
+                raise TrainError(
+                    f"cannot heal in place ({why}) and there is no checkpoint to heal from; set "
+                    "checkpoint=CheckpointConfig(dir=..., every=N) so a lost rank can be restored",
+                    cause=None,
+                    history=self.history,
+                )
+            addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
+            self.gather(
+                [
+                    r.worker.setup.call_one(addr, port, i, n, i, measure=False)
+                    for i, r in enumerate(ranks)
+                ]
+            )
+            self.step = self.gather(
+                [r.worker.prepare.call_one(self.decision, path) for r in ranks]
+            )[0]
+            # Steps after the checkpoint are trained again: their first rows are void.
+            self.history = [h for h in self.history if h["step"] <= self.step]
+        with self.lock:
+            self.ranks = ranks
+            self.claimed = 0
+        self.sizes = None  # a new world starts from the even split
+        self.balance_policy.reset()
+        self.generation += 1
+
+    def can_grow(self) -> FailureDecision | None:
+        """The grow decision, when recruited ranks are ready for an elastic job below max."""
+        fsdp = self.decision is not None and self.decision.strategy == "fsdp"
+        if fsdp and self.config.checkpoint is None:  # FSDP reshards through a checkpoint
+            return None
+        with self.lock:
+            ready = len(self.spares)
+        return self.grow_policy.decide(
+            len(self.ranks), max_workers=self.config.max_workers, ready=ready
+        )
+
+    def recruit(self) -> None:
+        """Make sure the recruiter runs while the job wants more procs than it has."""
+        with self.lock:
+            if self.recruiter is not None or self._wanted() <= 0:
+                return
+            self.recruiter = threading.Thread(
+                target=self._recruit, name="raymesh-recruiter", daemon=True
+            )
+            self.recruiter.start()
+
+    def _wanted(self) -> int:  # under self.lock
+        cfg = self.config
+        have = len(self.ranks) + len(self.spares) + self.claimed
+        return cfg.spares + cfg.max_workers - have
+
+    def _recruit(self) -> None:
+        # Spawns ranks where there is room (all it can at once), else looks again every
+        # grow_interval_s; new ranks wait as spares (Running grows from them, Healing takes them
+        # first). Spawning takes seconds, so it stays off the training path. It exits (under the
+        # lock, so recruit() can start a new one) when nothing is wanted or the job ends.
+        cfg = self.config
+        while not self.stopping.is_set():
+            with self.lock:
+                wanted = self._wanted()
+                if wanted <= 0:
+                    self.recruiter = None
+                    return
+            try:
+                nodes = self.pick_nodes(wanted)
+                ranks = self.spawn_spares(len(nodes), nodes=nodes, timeout=10.0) if nodes else []
+            except Exception as e:
+                logger.info("raymesh.train: recruiting failed (will retry): %s", e)
+                ranks = []
+            if self.stopping.is_set():
+                for r in ranks:
+                    r.stop()
+                return
+            if ranks:
+                with self.lock:
+                    self.spares.extend(ranks)
+                logger.info("raymesh.train: recruited %d rank(s)", len(ranks))
+            else:
+                self.stopping.wait(cfg.grow_interval_s)
 
     def join(self, members: list[tuple[Rank, str]]) -> list[Any]:
         """Form a process group of `members` (rank = position), calling `setup` on each."""
@@ -399,6 +757,11 @@ class TrainController:
                 lost.append((i, "error", f"{r.remote_type}: {r.remote_message}"))
             elif isinstance(r, dict) and r["error"] is not None and r.get("cause") == "own":
                 lost.append((i, "error", r["error"]))
+        # A rank can report a peer's failure and then die itself (its node going down after
+        # it): its monitor, which answers even for a hung trainer, tells.
+        for i, st in enumerate(statuses):
+            if isinstance(st, SupervisionError) and all(i != j for j, _, _ in lost):
+                lost.append((i, "died", st.failure.cause))
         if lost:  # ranks that neither failed nor finished after a peer failed are stuck too
             for i, r in enumerate(results):
                 if isinstance(r, TimeoutError):
@@ -409,11 +772,41 @@ class TrainController:
             waiting = [
                 (s["step"], s["phase_index"]) if isinstance(s, dict) else (-1, -1) for s in statuses
             ]
-            slowest = min(w for i, w in enumerate(waiting) if isinstance(results[i], TimeoutError))
+            stuck = [w for i, w in enumerate(waiting) if isinstance(results[i], TimeoutError)]
+            slowest = min(stuck, default=None)  # None: every rank failed on a peer, none lost
             for i, w in enumerate(waiting):
                 if isinstance(results[i], TimeoutError) and w == slowest:
                     lost.append((i, "hung", f"no progress past step {w[0]} for the step timeout"))
         return lost, started
+
+    def rebalance(self, per_rank: list[list[dict[str, float]]]) -> None:
+        """Ask the balance policy for a new split from the chunk's measured speeds; a new split
+        applies from the next chunk queued (every rank gets it with that chunk)."""
+        fsdp = self.decision is not None and self.decision.strategy != "ddp"
+        if not self.config.rebalance or fsdp or len(self.ranks) < 2:
+            return
+        steps = len(per_rank[0])
+        samples = [sum(m["samples"] for m in ms) / steps for ms in per_rank]
+        seconds = [sum(m["compute_s"] for m in ms) / steps for ms in per_rank]
+        sizes = self.sizes or split_sizes(self.config.global_batch_size, len(self.ranks))
+        decision = self.balance_policy.decide(samples, seconds, sizes)
+        if decision is None:
+            return
+        self.sizes = list(decision.sizes)
+        logger.info("raymesh.train: rebalance at step %d: %s", self.step, decision.reason)
+        if decision.flagged:
+            logger.warning(
+                "raymesh.train: rank(s) %s flagged for replacement (far slower than the rest)",
+                list(decision.flagged),
+            )
+        self.rebalances.append(
+            {
+                "step": self.step,
+                "sizes": self.sizes,
+                "flagged": list(decision.flagged),
+                "reason": decision.reason,
+            }
+        )
 
     def describe(self, results: list[Any]) -> str:
         parts = []
@@ -475,7 +868,8 @@ class TrainController:
         rows = []
         for i in range(n):
             loss = sum(r[i]["loss"] for r in per_rank) / len(per_rank)
-            row = {"step": per_rank[0][i]["step"], "loss": loss, "samples_per_s": rate}
+            end = max(r[i]["end"] for r in per_rank)  # wall time the last rank finished it
+            row = {"step": per_rank[0][i]["step"], "loss": loss, "samples_per_s": rate, "end": end}
             rows.append(row)
         self.history.extend(rows)
         self.step = int(rows[-1]["step"])
@@ -491,7 +885,7 @@ class TrainController:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with self.metrics_path.open("a") as f:
                 for row in rows:
-                    f.write(json.dumps({**row, "time": time.time()}) + "\n")
+                    f.write(json.dumps(row) + "\n")
         if self.tensorboard is not None:
             for row in rows:
                 self.tensorboard.add_scalar("loss", row["loss"], int(row["step"]))
@@ -508,6 +902,7 @@ class TrainController:
                     "eta_s": remaining * seconds / n,
                     "ranks": [{"rank": r, "loss": m[-1]["loss"]} for r, m in enumerate(per_rank)],
                     "failures": len(self.failures),
+                    "world_size": len(self.ranks),
                 }
             )
 
@@ -533,6 +928,6 @@ def _use_gpus(cfg: TrainConfig) -> bool:
     if cfg.gpus is False:
         return False
     have = sum(n.gpus for n in backend.nodes())
-    if cfg.gpus is True and have < cfg.workers:
-        raise ValueError(f"gpus=True asks for {cfg.workers} GPUs; the cluster has {have:g}")
-    return have >= cfg.workers
+    if cfg.gpus is True and have < cfg.min_workers:
+        raise ValueError(f"gpus=True asks for {cfg.min_workers} GPUs; the cluster has {have:g}")
+    return have >= cfg.min_workers

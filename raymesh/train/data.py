@@ -11,7 +11,9 @@ Guarantees:
   given torch version (`torch.randperm` draws the permutation).
 - World-size independent: `global_batch` takes no world size, so a job resumed at step `s` on any
   number of ranks trains on exactly the samples an uninterrupted run would have, in the same
-  global order; only the split across ranks changes.
+  global order; only the split across ranks changes. Shares may be uneven (a world size that
+  does not divide the batch, or a split rebalanced for a slow rank): the trainer weights each
+  rank's loss by its share, so the gradient is the global batch's mean either way.
 - Every sample once per epoch: each epoch is a permutation of `range(n)`. Batches run straight
   across epoch boundaries (no sample is dropped or repeated to pad the last batch of an epoch).
 """
@@ -23,7 +25,14 @@ import hashlib
 
 import torch
 
-__all__ = ["epoch_of", "epoch_order", "global_batch", "micro_batches", "rank_share"]
+__all__ = [
+    "epoch_of",
+    "epoch_order",
+    "global_batch",
+    "micro_batches",
+    "rank_share",
+    "split_sizes",
+]
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:
@@ -85,42 +94,56 @@ def global_batch(seed: int, step: int, batch_size: int, n: int) -> list[int]:
     return batch
 
 
-def rank_share(batch: list[int], world_size: int, rank: int) -> list[int]:
-    """Rank `rank`'s contiguous, equal slice of `batch`.
+def split_sizes(batch_size: int, world_size: int) -> list[int]:
+    """How many samples of a `batch_size` batch each of `world_size` ranks reads: as even as it
+    can be (the first `batch_size % world_size` ranks read one more). Raises ValueError if there
+    are fewer samples than ranks."""
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("world_size", world_size, minimum=1)
+    if batch_size < world_size:
+        raise ValueError(
+            f"a batch of {batch_size} samples cannot give each of world_size={world_size} ranks "
+            f"one; use global_batch_size >= {world_size}"
+        )
+    base, extra = divmod(batch_size, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def rank_share(
+    batch: list[int], world_size: int, rank: int, sizes: list[int] | None = None
+) -> list[int]:
+    """Rank `rank`'s contiguous slice of `batch`: `sizes[rank]` samples (default: the even split
+    of `split_sizes`).
 
     Concatenating the shares of ranks `0 .. world_size - 1` gives back `batch`, so the global
-    order holds at any world size. Raises ValueError if the batch does not split evenly or the
-    rank is out of range.
+    order holds at any world size and any split. Raises ValueError if the rank is out of range
+    or `sizes` does not split the batch.
     """
     _check_int("world_size", world_size, minimum=1)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: must be in [0, world_size={world_size})")
-    if len(batch) % world_size:
+    if sizes is None:
+        sizes = split_sizes(len(batch), world_size)
+    elif len(sizes) != world_size or sum(sizes) != len(batch) or min(sizes) < 0:
         raise ValueError(
-            f"a batch of {len(batch)} samples does not split evenly across "
-            f"world_size={world_size} ({len(batch)} % {world_size} = {len(batch) % world_size}); "
-            f"use a global batch size that is a multiple of {world_size}"
+            f"sizes={sizes!r} do not split a batch of {len(batch)} samples among "
+            f"world_size={world_size} ranks; give {world_size} counts summing to {len(batch)}"
         )
-    share = len(batch) // world_size
-    return batch[rank * share : (rank + 1) * share]
+    begin = sum(sizes[:rank])
+    return batch[begin : begin + sizes[rank]]
 
 
 def micro_batches(indices: list[int], micro_batch_size: int | None) -> list[list[int]]:
-    """Split a rank's share into consecutive micro batches of `micro_batch_size` indices.
+    """Split a rank's share into consecutive micro batches of `micro_batch_size` indices (the
+    last one smaller when the size does not divide the share).
 
-    `None` gives exactly one micro batch, the whole share. Raises ValueError if
-    `micro_batch_size` does not divide `len(indices)` (gradient accumulation then averages equal
-    sized pieces, so the result matches one big batch).
+    `None` gives exactly one micro batch, the whole share. The trainer weights each micro
+    batch's loss by its share of the global batch, so gradient accumulation matches one big
+    batch whatever the sizes.
     """
     if micro_batch_size is None:
         return [list(indices)]
     _check_int("micro_batch_size", micro_batch_size, minimum=1)
-    if len(indices) % micro_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} does not divide a share of {len(indices)} "
-            f"samples ({len(indices)} % {micro_batch_size} = "
-            f"{len(indices) % micro_batch_size}); use a divisor of {len(indices)}"
-        )
     return [
         list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)
     ]

@@ -1,8 +1,9 @@
-"""Failures of a training job as data, and the policy that decides what to do about them.
+"""Failures of a training job as data, and the policies that decide the world's size.
 
-The policy is pure: given what failed and what the cluster can offer, it returns a
-`FailureDecision` (replace the lost ranks, shrink the world, or abort) with its reason. The
-controller logs the reason and carries the decision out.
+The policies are pure: given what failed and what the cluster can offer, `FailurePolicy`
+returns a `FailureDecision` (replace the lost ranks, shrink the world, or abort), and
+`GrowPolicy` says when an elastic job grows back (grow), each with its reason. The controller
+logs the reason and carries the decision out.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["FailureDecision", "FailurePolicy", "FailureRecord", "TooManyFailures"]
+__all__ = ["FailureDecision", "FailurePolicy", "FailureRecord", "GrowPolicy", "TooManyFailures"]
 
-Action = Literal["replace", "shrink", "abort"]
+Action = Literal["replace", "shrink", "grow", "abort"]
 
 
 @dataclass(frozen=True)
@@ -106,4 +107,20 @@ class FailurePolicy:
             f"{survivors} rank(s) left, fewer than min workers {min_workers}, and no capacity "
             "to replace the lost ones",
             world_size,
+        )
+
+
+class GrowPolicy:
+    """Grow an elastic job back toward max_workers as soon as recruited ranks are ready (the
+    controller then resizes at the next step boundary)."""
+
+    def decide(self, world_size: int, *, max_workers: int, ready: int) -> FailureDecision | None:
+        add = min(max_workers - world_size, ready)
+        if add <= 0:
+            return None
+        return FailureDecision(
+            "grow",
+            f"capacity returned: {add} rank(s) ready, {world_size} -> {world_size + add} "
+            f"(max {max_workers})",
+            world_size + add,
         )

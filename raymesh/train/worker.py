@@ -107,6 +107,26 @@ class TrainWorker(Actor):
         self.checkpointer: Checkpointer | None = None
         self.decision: StrategyDecision | None = None
         self.done = 0  # steps completed (the data position)
+        self.sizes: list[int] | None = None  # samples per rank (None: the even split)
+        self.slow = 1.0  # a `slow` fault's factor, once it fired
+        self.compute_s = 0.0  # this rank's own forward + backward time in the last step
+        self.samples = 0  # and how many samples it trained on
+        self.step_samples = 0  # samples of the last step (compute_s may be one step late)
+        self.base_s = 0.0  # compute_s without a `slow` fault's sleep
+        self.slept_s = 0.0  # that sleep, in the last step
+
+    @endpoint
+    def warm(self) -> None:
+        """Get a spare ready to join fast: pay the one-time costs of a process while waiting,
+        not while the job waits for it. The first use_deterministic_algorithms imports
+        torch._inductor (0.7-2.5 s here); a first process group loads gloo."""
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if dist.is_initialized():
+            return
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.all_reduce(torch.zeros(1))
+        dist.destroy_process_group()
 
     @endpoint
     def address(self) -> tuple[str, int]:
@@ -139,10 +159,26 @@ class TrainWorker(Actor):
 
     @endpoint
     def setup(
-        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        measure: bool = True,
     ) -> dict[str, Any]:
-        """Join the process group as `rank`, run the user's build function, estimate memory."""
+        """Join the process group as `rank`, run the user's build function, and (`measure`)
+        estimate memory for the strategy decision: at the start only, not when healing.
+
+        On a rank that was set up before (an FSDP job healing or resizing), it first leaves the
+        old group and drops the old model: the process stays warm, the state is rebuilt."""
         cfg = self.config
+        if self.task is not None:
+            self._abort()
+            self.task = None
+            self.__dict__.pop("optimizer", None)
+            gc.unfreeze()  # the old task was frozen with the rest (see _wrap)
+            gc.collect()
         use_cuda = torch.cuda.is_available() and cfg.gpus is not False
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
         self._join(master_addr, master_port, rank, world_size, local_rank)
@@ -165,6 +201,9 @@ class TrainWorker(Actor):
         self.task = task
         self.n = len(task.dataset)
         self.collate = task.collate_fn or default_collate
+        params = sum(p.numel() for p in task.model.parameters())
+        if not measure:
+            return {"params": params, "device": str(self.device)}
         activation = cfg.activation_bytes
         if activation is None:
             first = data_order.micro_batches(self._indices(0), cfg.micro_batch_size)[0]
@@ -177,7 +216,7 @@ class TrainWorker(Actor):
         return {
             "estimate": est,
             "budget_bytes": budget,
-            "params": sum(p.numel() for p in task.model.parameters()),
+            "params": params,
             "device": str(self.device),
         }
 
@@ -210,6 +249,12 @@ class TrainWorker(Actor):
     def _wrap(self) -> None:
         """Wrap the user's model for the current process group, as the strategy decided."""
         assert self.task is not None and self.decision is not None
+        # Everything alive now (Ray, torch, the user's task) outlives this wrapper: freeze it
+        # out of the garbage collector, so the collection that drops the wrapper after a
+        # failure (see _abort) scans little and takes milliseconds, not ~0.25 s. Collect first,
+        # so no garbage of the build (or of a failed step) is frozen with it.
+        gc.collect()
+        gc.freeze()
         model = self.task.model
         if self.decision.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -220,7 +265,10 @@ class TrainWorker(Actor):
             self.model = model
         else:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            if self.config.rebalance:  # per-step compute timings (see _ddp_compute_s)
+                ddp._set_ddp_runtime_logging_sample_rate(1)
+            self.model = ddp
 
     def _new_checkpointer(self) -> None:
         ckpt = self.config.checkpoint
@@ -236,8 +284,9 @@ class TrainWorker(Actor):
                 pass  # its group is broken too; the last committed checkpoint stands
         # Drop the wrapper first: DDP's reducer holds the process group, and the group's
         # sockets only close (failing the peers' collectives) once nothing holds it.
-        self.model = None
-        gc.collect()
+        if self.model is not None:
+            self.model = None
+            gc.collect()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -279,7 +328,7 @@ class TrainWorker(Actor):
     def _indices(self, step: int) -> list[int]:
         cfg = self.config
         batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
-        return data_order.rank_share(batch, self.world_size, self.rank)
+        return data_order.rank_share(batch, self.world_size, self.rank, self.sizes)
 
     def _batch(self, indices: list[int]) -> Any:
         assert self.task is not None
@@ -293,17 +342,68 @@ class TrainWorker(Actor):
         micro = data_order.micro_batches(indices, cfg.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
+        wall = 0.0  # forward + backward wall time
+        quiet, quiet_samples = 0.0, 0  # of which micro batches that do not reduce (no waiting)
+        slept = 0.0  # of which a `slow` fault's sleep
         for i, m in enumerate(micro):
             last = i == len(micro) - 1
             with self._no_sync(not last):
                 _mark(step + 1, "forward")
-                loss = self.task.loss_fn(self.model, self._batch(m)) * (len(m) / len(indices))
+                # The loss is a mean over the micro batch; weighting it by the micro batch's
+                # share of the global batch (x world size, as the reduction averages ranks)
+                # makes the averaged gradient the global batch's mean for any split.
+                weight = len(m) * self.world_size / cfg.global_batch_size
+                t0 = time.perf_counter()
+                loss = self.task.loss_fn(self.model, self._batch(m)) * weight
+                if self.slow > 1 and last:  # a straggler: stretch the step by the factor
+                    slept = (self.slow - 1) * self.base_s
+                    time.sleep(slept)
                 _mark(step + 1, "backward")
                 loss.backward()
+                seconds = time.perf_counter() - t0
+                wall += seconds
+                if not last:  # only the last micro batch reduces, so only it waits for peers
+                    quiet, quiet_samples = quiet + seconds, quiet_samples + len(m)
             total += loss.detach()
+        self._account(len(indices), len(micro) == 1, wall, (quiet, quiet_samples), slept)
         _mark(step + 1, "optimizer")
         self.optimizer.step()
         return float(total)
+
+    def _account(
+        self, samples: int, single: bool, wall: float, quiet: tuple[float, int], slept: float
+    ) -> None:
+        """Record this step's own compute time (for load balancing) and the base a `slow` fault
+        stretches. quiet: (seconds, samples) of the micro batches that did not reduce."""
+        measured = self._ddp_compute_s() if single else None
+        if quiet[1]:  # gradient accumulation: the quiet micro batches measure the rank alone
+            self.compute_s, self.samples = quiet
+        elif measured is not None:  # DDP's figures are the previous step's: pair them so
+            self.compute_s, self.samples = measured, self.step_samples
+        else:  # wall times include waiting, except on the slowest rank
+            self.compute_s, self.samples = wall, samples
+        self.step_samples = samples
+        # A straggler's own compute: DDP's figure when there is one (the previous step's, with
+        # the previous sleep); else the wall time, which is the compute while this rank is the
+        # slowest (the last to reach the reduction).
+        base = measured - self.slept_s if measured is not None else wall - slept
+        self.base_s, self.slept_s = max(base, 0.0), slept
+
+    def _ddp_compute_s(self) -> float | None:
+        """The forward + backward compute DDP measured on this rank, without the time spent
+        waiting for peers in the all-reduce (its runtime logging, on when rebalancing). DDP
+        logs a step when the next one starts, so this is the previous step's; None when
+        there is no such figure (not rebalancing, not DDP, the first step)."""
+        if not self.config.rebalance:
+            return None
+        if not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            stats = self.model._get_ddp_logging_data()
+            seconds = (stats["forward_compute_time"] + stats["backward_compute_time"]) / 1e9
+        except (AttributeError, KeyError, RuntimeError):  # a torch without these stats
+            return None
+        return seconds if seconds > 0 else None
 
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         """Gradient accumulation: no gradient reduction until the last micro batch."""
@@ -315,8 +415,15 @@ class TrainWorker(Actor):
         return _resync(self.model)
 
     @endpoint
-    def run(self, start: int, stop: int, faults: list[Fault] | None = None) -> dict[str, Any]:
-        """Train steps [start, stop) (0-based); checkpoint on the configured steps.
+    def run(
+        self,
+        start: int,
+        stop: int,
+        faults: list[Fault] | None = None,
+        sizes: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """Train steps [start, stop) (0-based) with `sizes` samples per rank (None: the even
+        split); checkpoint on the configured steps.
 
         Returns {"metrics": per completed step ("step" is 1-based), "done": steps completed,
         "error": None or why the chunk stopped early}. A failing step is not retried here: the
@@ -326,11 +433,14 @@ class TrainWorker(Actor):
         ckpt = self.config.checkpoint
         if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
             return {"metrics": out, "done": self.done, "error": "no process group", "cause": "peer"}
+        self.sizes = sizes
         try:
             for step in range(start, stop):
                 _mark(step + 1, "start")
                 for fault in faults or ():
                     if fault.rank == self.rank and fault.at_step == step + 1:
+                        if fault.factor is not None:
+                            self.slow = fault.factor
                         fault.fire()
                 t0 = time.perf_counter()
                 loss = self._step(step)
@@ -341,6 +451,8 @@ class TrainWorker(Actor):
                         "loss": loss,
                         "step_s": time.perf_counter() - t0,
                         "end": time.time(),
+                        "compute_s": self.compute_s,
+                        "samples": self.samples,
                     }
                 )
                 if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
@@ -357,6 +469,13 @@ class TrainWorker(Actor):
                 "cause": "peer" if _is_comm_error(e) else "own",
             }
         return {"metrics": out, "done": self.done, "error": None}
+
+    @endpoint
+    def save(self, done: int) -> None:
+        """Checkpoint now, at `done` completed steps (collective), and wait for the commit."""
+        self._save(done)
+        assert self.checkpointer is not None
+        self.checkpointer.wait()
 
     def _save(self, done: int) -> None:
         assert self.checkpointer is not None and self.decision is not None

@@ -103,7 +103,8 @@ BAD = {
     "unknown field": ("workers = 2\nsteps = 2\nglobal_batch_size = 4\nwrokers = 3\n", "wrokers"),
     "workers=0": ("workers = 0\nsteps = 2\nglobal_batch_size = 4\n", "workers=0"),
     "steps<1": ("workers = 2\nsteps = 0\nglobal_batch_size = 4\n", "steps=0"),
-    "batch not divisible": ("workers = 3\nsteps = 2\nglobal_batch_size = 4\n", "divide evenly"),
+    "batch too small": ("workers = 3\nsteps = 2\nglobal_batch_size = 2\n", "no samples"),
+    "elastic min > max": ("workers = [4, 2]\nsteps = 2\nglobal_batch_size = 4\n", "min must be"),
     "unknown strategy": (
         'workers = 1\nsteps = 1\nglobal_batch_size = 1\nstrategy = "zero"\n',
         "strategy='zero'",
@@ -134,13 +135,17 @@ def test_bad_configs_give_one_clear_error_and_no_traceback(case, tmp_path):
 
 
 def test_config_is_validated_in_python_too():
-    with pytest.raises(ValueError, match=r"global_batch_size=10.*multiple of 4"):
-        train.TrainConfig(workers=4, global_batch_size=10)
+    with pytest.raises(ValueError, match=r"global_batch_size=3: gives some of the 4 workers"):
+        train.TrainConfig(workers=(2, 4), global_batch_size=3)
+    with pytest.raises(ValueError, match=r"workers=\(1, 2, 3\)"):
+        train.TrainConfig(workers=(1, 2, 3))  # type: ignore[arg-type]
+    elastic = train.TrainConfig.from_dict({"workers": [2, 4], "global_batch_size": 8})
+    assert (elastic.min_workers, elastic.max_workers) == (2, 4)
     with pytest.raises(ValueError, match=r"TrainConfig: unknown field\(s\) \['stpes'\]"):
         train.TrainConfig.from_dict({"stpes": 3})
     base = _config()
-    with pytest.raises(ValueError, match="micro_batch_size=5"):
-        dataclasses.replace(base, micro_batch_size=5)
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        dataclasses.replace(base, micro_batch_size=0)
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch():

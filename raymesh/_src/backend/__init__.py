@@ -3,11 +3,13 @@ pending results and failures; this package maps them onto Ray actors, placement 
 object store.
 """
 
+from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
 from raymesh._src.backend.procs import (
     PlacementError,
     ProcGroup,
     RayProc,
     create_procs,
+    free_slots,
     host_agent,
     kill,
     kill_pid,
@@ -37,6 +39,7 @@ from raymesh._src.backend.runtime import (
 __all__ = [
     "NodeInfo",
     "PlacementError",
+    "ProbeReport",
     "ProcGone",
     "ProcGroup",
     "RayProc",
@@ -45,6 +48,7 @@ __all__ = [
     "current_node_id",
     "describe_unpicklable",
     "ensure_ray",
+    "free_slots",
     "get",
     "host_agent",
     "is_ref",
@@ -52,11 +56,13 @@ __all__ = [
     "kill_pid",
     "node_ip",
     "nodes",
+    "probe",
     "put",
     "roundtrip",
     "self_proc",
     "shutdown",
     "started_local",
+    "stop_probes",
     "wait",
     "wait_exited",
 ]

@@ -24,18 +24,28 @@ _agents: dict[str, Any] = {}
 _agents_lock = threading.Lock()
 
 
-def host_agent(node_id: str) -> Any:
-    """The host agent of a node, created on first use (named, so every process shares it)."""
-    with _agents_lock:
-        agent = _agents.get(node_id)
-        if agent is None:
-            agent = HostAgent.options(
-                name=f"raymesh-host-{node_id[:16]}",
+def node_alive(node_id: str) -> bool:
+    return any(n.node_id == node_id for n in runtime.nodes())
+
+
+def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> Any:
+    """The actor `cls` of a node, pinned there and created on first use; named
+    `{prefix}-{node id}`, so every process of the cluster shares the one actor."""
+    with lock:
+        actor = cache.get(node_id)
+        if actor is None:
+            actor = cls.options(
+                name=f"{prefix}-{node_id[:16]}",
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote()
-            _agents[node_id] = agent
-        return agent
+            cache[node_id] = actor
+        return actor
+
+
+def host_agent(node_id: str) -> Any:
+    """The host agent of a node (see `node_actor`)."""
+    return node_actor(HostAgent, "raymesh-host", node_id, _agents, _agents_lock)
 
 
 @dataclass
@@ -72,6 +82,8 @@ class RayProc:
 
     def exit_status(self, timeout: float) -> dict[str, Any] | None:
         """How this proc's process ended, as its host agent saw it (None if unknown)."""
+        if not node_alive(self.node_id):  # no agent to ask (and creating one would hang)
+            return {"cause": f"was lost with its node {self.node_id[:12]}"}
         try:
             return ray.get(
                 host_agent(self.node_id).exit_status.remote(self.pid, timeout),
@@ -191,6 +203,26 @@ def _check_feasible(
     return per_node
 
 
+def free_slots(resources: dict[str, float]) -> dict[str, int]:
+    """How many procs of `resources` each alive node could hold right now (nodes with room
+    only), in `runtime.nodes()` order: the caller's node first. A snapshot: another spawn may
+    take the room before this caller does."""
+    from ray._private import state  # Ray has no public per-node view of free resources
+
+    runtime.ensure_ray()
+    free = state.available_resources_per_node()
+    out: dict[str, int] = {}
+    for node in runtime.nodes():
+        have = free.get(node.node_id, {})
+        fits = min(
+            (int(have.get(k, 0.0) / v + 1e-9) if v > 0 else 1 << 30 for k, v in resources.items()),
+            default=0,
+        )
+        if fits > 0:
+            out[node.node_id] = fits
+    return out
+
+
 def _fmt_res(res: dict[str, float]) -> str:
     keys = [k for k in ("CPU", "GPU", "memory") if k in res]
     return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
@@ -214,18 +246,22 @@ def kill(group: ProcGroup) -> None:
 def wait_exited(procs: Sequence[RayProc], timeout: float) -> list[int]:
     """Wait until the procs' processes are gone; return the pids still running."""
     by_node: dict[str, list[int]] = {}
+    alive = {n.node_id for n in runtime.nodes()}
     for p in procs:
-        if p.pid > 0:
+        if p.pid > 0 and p.node_id in alive:  # a lost node's processes went with it
             by_node.setdefault(p.node_id, []).append(p.pid)
     refs = [host_agent(n).wait_exited.remote(pids, timeout) for n, pids in by_node.items()]
-    alive: list[int] = []
+    running: list[int] = []
     for r in ray.get(refs, timeout=timeout + 10):
-        alive.extend(r)
-    return alive
+        running.extend(r)
+    return running
 
 
 def kill_pid(node_id: str, pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL a proc's process through its host's agent (works for any node)."""
+    """SIGKILL a proc's process through its host's agent (works for any node; a no-op for a
+    node that is gone, with its processes)."""
+    if not node_alive(node_id):
+        return
     ray.get(host_agent(node_id).kill.remote(pid), timeout=timeout)
 
 

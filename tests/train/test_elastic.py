@@ -1,0 +1,182 @@
+"""Healing that changes more than one rank: an FSDP rank lost (every rank rebuilds from the
+checkpoint), and elastic training on a multi-node local cluster (a node is lost, the job shrinks
+to the ranks that fit, and grows back when a node joins)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from raymesh import train
+from raymesh.testing import kill
+
+from .weights import MLP, close
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(tmp_path, **kw) -> train.TrainConfig:
+    base = dict(
+        workers=2,
+        steps=12,
+        global_batch_size=48,
+        seed=0,
+        report_every=2,
+        strategy="fsdp",
+        checkpoint=train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4),
+    )
+    base.update(kw)
+    return train.TrainConfig(**base)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
+    clean = train.fit(MLP, _config(tmp_path / "clean"))
+    result = train.fit(MLP, _config(tmp_path / "healed", faults=[kill(rank=1, at_step=6)]))
+    [failure] = result.failures
+    assert (failure.rank, failure.step, failure.kind) == (1, 6, "died")
+    # Shards do not survive their rank: steps 5 and 6 are trained again from step 4's checkpoint.
+    assert failure.steps_recomputed == 2
+    assert [h["step"] for h in result.history][-1] == 12
+    assert result.decision.strategy == "fsdp"
+    assert close(clean.state_dict(), result.state_dict(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_fsdp_job_without_checkpoints_fails_with_a_clear_error(tmp_path):
+    config = _config(tmp_path, checkpoint=None, faults=[kill(rank=1, at_step=3)])
+    with pytest.raises(train.TrainError, match=r"no checkpoint to heal from.*CheckpointConfig"):
+        train.fit(MLP, config)
+
+
+# Node loss on a real 3-node Ray cluster (head without CPUs, two 2-CPU nodes): 4 ranks, one per
+# CPU. At step 20 one node is removed, taking 2 ranks with it; no node has room for
+# replacements, so the job continues with 2 (min). Then a node joins, and the job grows back to
+# 4. A sleep in the loss keeps the run long enough for that, and does not change the math: the
+# weights must match a failure-free run at 4 ranks (allclose: the reductions ran at other world
+# sizes in between).
+ELASTIC = textwrap.dedent(
+    """
+    import dataclasses, json, time
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        },
+    )
+    cluster.add_node(num_cpus=2)
+    doomed = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    import ray
+    ray.init(address=cluster.address)
+    import logging
+    import torch
+    from raymesh import train
+    from raymesh.examples import mlp
+
+    placing = []  # what the controller said about placement, to explain a failure
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "placement" in record.getMessage():
+                placing.append(record.getMessage()[:300])
+
+    logging.getLogger("raymesh").addHandler(Keep())
+    logging.getLogger("raymesh").setLevel(logging.INFO)
+
+    def slow(ctx):
+        task = mlp.build(ctx)
+        loss_fn = task.loss_fn
+        def loss(model, batch):
+            time.sleep(0.03)
+            return loss_fn(model, batch)
+        return dataclasses.replace(task, loss_fn=loss)
+
+    config = train.TrainConfig(
+        workers=(2, 4), steps=STEPS, global_batch_size=8, seed=0, report_every=4,
+        replace_timeout_s=2.0, grow_interval_s=0.5, step_timeout_s=20.0,
+    )
+    # Where the 4 ranks would go: with room on two hosts, the topology planner orders them.
+    from raymesh.train.controller import TrainController
+
+    planner = TrainController(mlp.build, config)
+    planned = [planner.place(4), planner.placement]
+    t0 = time.time()
+    clean = train.fit(mlp.build, dataclasses.replace(config, report_every=50))
+    t1 = time.time()
+    worlds, events = [], []
+
+    def progress(p):
+        worlds.append((p["step"], p["world_size"]))
+        if p["step"] >= 20 and not events:
+            events.append("removed")
+            cluster.remove_node(doomed, allow_graceful=False)
+        elif events == ["removed"] and p["world_size"] == 2:
+            events.append("added")
+            cluster.add_node(num_cpus=2)
+            # Hold the controller (the ranks train on) until the recruiter has placed ranks on
+            # the new node, so the test does not race the end of the run on a slow machine.
+            deadline = time.time() + 120
+            while ray.available_resources().get("CPU", 0) > 0 and time.time() < deadline:
+                time.sleep(0.5)
+
+    result = train.fit(slow, config, progress=progress)
+    same = all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(clean.state_dict().values(), result.state_dict().values())
+    )
+    print("RESULT", json.dumps({
+        "events": events,
+        "worlds": worlds,
+        "transitions": result.transitions,
+        "failures": [[f.rank, f.kind, f.cause] for f in result.failures],
+        "steps": [h["step"] for h in result.history],
+        "same": same,
+        "planned": planned,
+        "placing": placing,
+        "seconds": [t1 - t0, time.time() - t1],
+    }))
+    ray.shutdown()
+    cluster.shutdown()
+    """
+)
+
+
+def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
+    script = tmp_path / "elastic.py"
+    steps = 500
+    script.write_text(ELASTIC.replace("STEPS", str(steps)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    [line] = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    got = json.loads(line[len("RESULT ") :])
+    assert got["events"] == ["removed", "added"], got
+    worlds = [w for _, w in got["worlds"]]
+    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, got["worlds"]
+    states = [s for s, _ in got["transitions"]]
+    assert "Healing" in states and "Resizing" in states, got["transitions"]
+    assert any("shrink" in reason for _, reason in got["transitions"]), got["transitions"]
+    assert len(got["failures"]) == 2 and {f[1] for f in got["failures"]} <= {"died", "hung"}
+    assert got["steps"] == list(range(1, steps + 1))
+    assert got["same"], "the weights differ from the failure-free run's"
+    nodes, reason = got["planned"]
+    assert reason and "ddp on 4 CPU procs of 2 host(s)" in reason, got["placing"]
+    # Two ranks per host, each host's ranks next to each other (one cross-host hop in the ring).
+    assert len(set(nodes)) == 2 and sum(a != b for a, b in itertools.pairwise(nodes)) == 1, nodes

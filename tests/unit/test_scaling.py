@@ -1,0 +1,38 @@
+"""The failure and grow policies' decisions (pure: no Ray, no torch)."""
+
+from __future__ import annotations
+
+from raymesh.train.failure import FailurePolicy, FailureRecord, GrowPolicy
+
+
+def _failures(n: int) -> list[FailureRecord]:
+    return [FailureRecord(rank=1, step=10 * i, cause="SIGKILL", kind="died") for i in range(n)]
+
+
+def test_lost_ranks_are_replaced_while_there_is_room_and_budget() -> None:
+    policy = FailurePolicy(max_failures=2)
+    d = policy.decide(_failures(1), 4, replacements=1, lost=1, min_workers=4)
+    assert (d.action, d.world_size) == ("replace", 4)
+    assert "failure 1 of max_failures=2" in d.reason
+
+
+def test_without_room_an_elastic_job_shrinks_down_to_min_and_no_further() -> None:
+    policy = FailurePolicy(max_failures=5)
+    d = policy.decide(_failures(2), 4, replacements=0, lost=2, min_workers=2)
+    assert (d.action, d.world_size) == ("shrink", 2)
+    d = policy.decide(_failures(3), 4, replacements=0, lost=3, min_workers=2)
+    assert d.action == "abort" and "fewer than min workers 2" in d.reason
+
+
+def test_past_the_budget_the_job_aborts() -> None:
+    d = FailurePolicy(max_failures=1).decide(_failures(2), 2, replacements=1, lost=1, min_workers=2)
+    assert d.action == "abort" and "more than max_failures=1" in d.reason
+
+
+def test_grow_back_to_max_with_the_ranks_that_are_ready() -> None:
+    policy = GrowPolicy()
+    assert policy.decide(4, max_workers=4, ready=2) is None
+    assert policy.decide(2, max_workers=4, ready=0) is None
+    d = policy.decide(2, max_workers=4, ready=1)
+    assert d is not None and (d.action, d.world_size) == ("grow", 3)
+    assert "2 -> 3 (max 4)" in d.reason
