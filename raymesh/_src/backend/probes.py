@@ -83,19 +83,25 @@ class _Probe:
         # wrapped in a list so that Ray hands back the reference, not the bytes.
         return [ray.put(bytes(nbytes))]
 
-    def measure(self, peer: Any, nbytes: int) -> tuple[float, float]:
-        """(one-way latency, bandwidth) from this node to `peer`'s."""
-        ray.get(peer.ping.remote())  # warm-up: the first call sets up the connection
+    def measure(self, peer: Any, nbytes: int, seconds: float) -> tuple[float, float]:
+        """(one-way latency, bandwidth) from this node to `peer`'s, within `seconds` (a
+        wedged peer raises GetTimeoutError here instead of holding this actor's thread)."""
+        deadline = time.monotonic() + seconds
+
+        def get(ref: Any) -> Any:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
+
+        get(peer.ping.remote())  # warm-up: the first call sets up the connection
         rtts = []
         for _ in range(_PINGS):
             t = time.perf_counter()
-            ray.get(peer.ping.remote())
+            get(peer.ping.remote())
             rtts.append(time.perf_counter() - t)
         best = 0.0
         for _ in range(_TRANSFERS):
-            [ref] = ray.get(peer.payload.remote(nbytes))
+            [ref] = get(peer.payload.remote(nbytes))
             t = time.perf_counter()
-            ray.get(ref)
+            get(ref)
             best = max(best, nbytes / max(time.perf_counter() - t, 1e-9))
             del ref
         return statistics.median(rtts) / 2, best
@@ -245,7 +251,12 @@ def probe(
             break
         pairs = [(alive[a], alive[b]) for a, b in round_]
         done, failed = _collect(
-            {(a, b): actors[a].measure.remote(actors[b], payload_bytes) for a, b in pairs},
+            {
+                (a, b): actors[a].measure.remote(
+                    actors[b], payload_bytes, max(deadline - time.monotonic(), 0.001)
+                )
+                for a, b in pairs
+            },
             deadline,
         )
         links.update(done)
