@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,23 +11,17 @@ import pytest
 import raymesh
 from raymesh._src import backend
 
+from ..scripts import run_cluster_script, run_python
+
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-def _run(args: list[str], env: dict[str, str], timeout: float = 180) -> str:
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def test_version_and_info_on_an_existing_cluster():
     env = dict(os.environ, RAYMESH_ADDRESS=backend.address())
-    assert _run(["-m", "raymesh.cli.main", "--version"], env).strip() == (
+    assert run_python(["-m", "raymesh.cli.main", "--version"], env).strip() == (
         f"raymesh {raymesh.__version__}"
     )
-    info = json.loads(_run(["-m", "raymesh.cli.main", "info", "--json"], env))
+    info = json.loads(run_python(["-m", "raymesh.cli.main", "info", "--json"], env))
     assert info["raymesh"] == raymesh.__version__
     assert info["address"] == backend.address()  # joined this session's cluster, started none
     [host] = info["hosts"]
@@ -56,7 +48,7 @@ MULTI_HOST = textwrap.dedent(
     hosts = host_mesh()
     procs = hosts.spawn_procs(per_host={"procs": 2})
     nodes = procs.spawn("where", Where).node.call().get(timeout=120)
-    print(json.dumps({
+    print("RESULT", json.dumps({
         "sizes": procs.sizes,
         "host_ids": hosts.node_ids,
         "by_point": [[dict(p), n] for p, n in nodes.items()],
@@ -69,10 +61,7 @@ MULTI_HOST = textwrap.dedent(
 
 
 def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
-    script = tmp_path / "multi.py"
-    script.write_text(MULTI_HOST)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
-    out = json.loads(_run([str(script)], env, timeout=300).strip().splitlines()[-1])
+    out = run_cluster_script(tmp_path / "multi.py", MULTI_HOST, timeout=300)
     assert out["sizes"] == {"hosts": 2, "procs": 2}
     hosts = out["host_ids"]
     for point, node in out["by_point"]:

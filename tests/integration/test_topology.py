@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -20,13 +19,7 @@ from raymesh._src import backend
 from raymesh.cli.main import main as cli_main
 from raymesh.topology.discovery import read_cpus, read_gpus
 
-
-def _run(args: list[str], env: dict[str, str], timeout: float) -> str:
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+from ..scripts import run_cluster_script, run_python
 
 
 def _nvml_gpus() -> int:
@@ -68,7 +61,9 @@ def test_discover_sees_this_one_host_and_measures_its_loopback_within_the_timeou
 @pytest.mark.usefixtures("ray_cluster")
 def test_topology_command_prints_json_and_a_table_for_the_session_cluster(capsys):
     env = dict(os.environ, RAYMESH_ADDRESS=backend.address())
-    out = _run(["-m", "raymesh.cli.main", "topology", "--json", "--probe-timeout", "10"], env, 90)
+    out = run_python(
+        ["-m", "raymesh.cli.main", "topology", "--json", "--probe-timeout", "10"], env, 90
+    )
     topo = topology.Topology.from_dict(json.loads(out))
     assert [h.node_id for h in topo.hosts] == [backend.current_node_id()]  # joined, started none
     assert cli_main(["topology", "--probe-timeout", "10"]) == 0  # in-process, the same Ray
@@ -94,7 +89,7 @@ TWO_GPU_HOSTS = textwrap.dedent(
     from raymesh import topology
     topo = topology.discover(probe_timeout=30)
     shape = topology.JobShape(world_size=4, strategy="hsdp", replicate=2, shard=2)
-    print(json.dumps({"topology": topo.to_dict(),
+    print("RESULT", json.dumps({"topology": topo.to_dict(),
                       "plan": topology.plan(topo, shape).to_dict()}))
     ray.shutdown()
     cluster.shutdown()
@@ -103,10 +98,7 @@ TWO_GPU_HOSTS = textwrap.dedent(
 
 
 def test_discover_on_a_two_node_cluster_sees_simulated_gpus_and_measures_the_link(tmp_path):
-    script = tmp_path / "two_hosts.py"
-    script.write_text(TWO_GPU_HOSTS)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
-    out = json.loads(_run([str(script)], env, timeout=110).strip().splitlines()[-1])
+    out = run_cluster_script(tmp_path / "two_hosts.py", TWO_GPU_HOSTS, timeout=110)
     topo = topology.Topology.from_dict(out["topology"])
     assert sorted(h.name for h in topo.hosts) == ["a", "b"]
     by_name = {h.name: h for h in topo.hosts}

@@ -5,10 +5,6 @@ to the ranks that fit, and grows back when a node joins)."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +12,7 @@ import pytest
 from raymesh import train
 from raymesh.testing import kill
 
+from ..scripts import run_cluster_script
 from .weights import MLP, close
 
 pytestmark = pytest.mark.timeout(300)
@@ -152,21 +149,9 @@ ELASTIC = textwrap.dedent(
 
 
 def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
-    script = tmp_path / "elastic.py"
     steps = 500
-    script.write_text(ELASTIC.replace("STEPS", str(steps)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    [line] = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    got = json.loads(line[len("RESULT ") :])
+    script = ELASTIC.replace("STEPS", str(steps))
+    got = run_cluster_script(tmp_path / "elastic.py", script, timeout=280)
     assert got["events"] == ["removed", "added"], got
     worlds = [w for _, w in got["worlds"]]
     assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, got["worlds"]

@@ -1,0 +1,32 @@
+"""Running Python in a subprocess from a test: a command line, or a script that starts its own
+local multi-node Ray cluster (`ray.cluster_utils.Cluster`), away from the session's cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULT = "RESULT "  # a cluster script prints its answer as one line: RESULT <json>
+
+
+def run_python(args: list[str], env: dict[str, str], timeout: float = 180) -> str:
+    """`python *args`; asserts it exits 0 (showing its output if not); returns its stdout."""
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def run_cluster_script(path: Path, text: str, timeout: float) -> Any:
+    """Write `text` to `path` and run it without this session's Ray address (so its own cluster
+    is the one it joins); returns the JSON of its RESULT line."""
+    path.write_text(text)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
+    stdout = run_python([str(path)], env, timeout)
+    [line] = [x for x in stdout.splitlines() if x.startswith(RESULT)]
+    return json.loads(line[len(RESULT) :])
