@@ -4,6 +4,8 @@
 - `HostMesh.spawn_procs(per_host={"gpus": 8})`: one proc (process) per point of
   `hosts x per_host`, gang-scheduled with one Ray placement group: all procs start, or none do.
   An axis named `gpus` gives each proc one GPU; any other name gives CPU procs.
+  `spawn_procs(placement=topology.plan(...))`: one proc per rank of a plan, each on its planned
+  host, along the plan's group axes (`replicate`, `shard`, `tp`).
 - `ProcMesh.spawn(name, Actor, ...)`: one actor per proc, constructed before `spawn` returns.
 - `this_proc()`: the caller's own process as a mesh of one (the controller's, or an actor's).
 
@@ -21,13 +23,16 @@ import threading
 import uuid
 import weakref
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raymesh._src import backend
 from raymesh._src.context import current_actor_context, current_rank
 from raymesh._src.errors import MeshFailure, SupervisionError
 from raymesh._src.proc import ProcRuntime
 from raymesh._src.shape import Extent, MeshTrait, Point, Shape
+
+if TYPE_CHECKING:
+    from raymesh.topology.planner import Placement
 
 logger = logging.getLogger("raymesh")
 
@@ -57,16 +62,25 @@ class HostMesh(MeshTrait):
         self,
         per_host: Mapping[str, int] | None = None,
         *,
+        placement: Placement | None = None,
         name: str | None = None,
         cpus_per_proc: float = 1.0,
         timeout: float = 60.0,
     ) -> ProcMesh:
-        """One proc per point of this host mesh's axes plus `per_host`.
+        """One proc per point of this host mesh's axes plus `per_host`; or, with `placement`
+        (a `raymesh.topology.plan`), one proc per rank of the plan, rank r on its planned
+        host, along the plan's group axes: `replicate`, `shard` and `tp` where they have more
+        than one rank (DDP: `replicate`; FSDP: `shard`; HSDP: both), so that
+        `procs.slice(replicate=0)` is a shard group. A GPU plan gives each proc one GPU (Ray
+        picks which GPU of the host).
 
         cpus_per_proc: logical CPUs each proc reserves (the embedded local Ray has many logical
             CPUs; see `raymesh._src.backend.runtime`). timeout: seconds to wait for resources.
-        Raises ValueError for a bad `per_host`, PlacementError when the cluster cannot hold it.
+        Raises ValueError for a bad `per_host` or a plan for hosts outside this mesh,
+        PlacementError when the cluster cannot hold it.
         """
+        if placement is not None:
+            return self._spawn_placed(placement, name, cpus_per_proc, timeout)
         per_host = dict(per_host or {"procs": 1})
         asked = f"spawn_procs(per_host={per_host})"
         for axis, n in per_host.items():
@@ -92,6 +106,36 @@ class HostMesh(MeshTrait):
         state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
         _own(state)
         return ProcMesh(state, Shape.of(dict(extent)))
+
+    def _spawn_placed(
+        self, placement: Placement, name: str | None, cpus_per_proc: float, timeout: float
+    ) -> ProcMesh:
+        asked = f"spawn_procs(placement=<{placement.shape.describe()}>)"
+        mine = set(self.node_ids)
+        outside = sorted({a.host for a in placement.assignments if a.node_id not in mine})
+        if outside:
+            raise ValueError(
+                f"{asked}: the plan places ranks on host(s) {outside}, which are not in this "
+                f"host mesh ({len(mine)} host(s)). Fix: plan on this mesh's hosts, or spawn "
+                "from host_mesh()"
+            )
+        if not cpus_per_proc >= 0:
+            raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
+        dims = dict(zip(("replicate", "shard", "tp"), placement.shape.dims))
+        axes = {k: v for k, v in dims.items() if v > 1} or {"replicate": 1}
+        extent = Extent.of(axes)
+        resources = {"CPU": float(cpus_per_proc)}
+        if any(a.device is not None for a in placement.assignments):
+            resources["GPU"] = 1.0
+        resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
+        mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
+        # Points in row-major order are ranks in the plan's layout ((r * shard + s) * tp + t).
+        group = backend.create_procs(
+            mesh_name, list(extent.points()), placement.node_ids, resources, timeout, asked
+        )
+        state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
+        _own(state)
+        return ProcMesh(state, Shape.of(axes))
 
     def __repr__(self) -> str:
         return f"HostMesh({self._shape})"

@@ -25,15 +25,16 @@ the same input always gives the same plan.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raymesh.topology.job import JobShape
-from raymesh.topology.model import GIB, Topology
+from raymesh.topology.model import GIB, Host, Topology
 from raymesh.topology.search import Problem, Slot, exact, heuristic
 
-__all__ = ["EXACT_MAX_SLOTS", "Assignment", "JobShape", "Placement", "plan"]
+__all__ = ["EXACT_MAX_SLOTS", "Assignment", "JobShape", "Placement", "plan", "used"]
 
 METHODS = ("auto", "exact", "heuristic")
 EXACT_MAX_SLOTS = 8  # up to 8! = 40320 orders: a fraction of a second with branch and bound
@@ -188,6 +189,36 @@ def plan(topology: Topology, shape: JobShape, *, method: str = "auto") -> Placem
     if cost > naive_cost:  # cannot happen (naive is a candidate); kept as the guarantee's guard
         best, cost = naive, naive_cost
     return _placement(prob, best, cost, naive_cost, method, notes, device)
+
+
+def used(topology: Topology, placement: Placement) -> Topology:
+    """The part of `topology` that `placement` runs on: its hosts, each with just the devices
+    it assigned (links kept between them) and as many CPUs as it placed CPU procs there.
+
+    Planning another shape of the same job on it compares strategies on the very places the
+    ranks hold (e.g. DDP against HSDP once the procs are spawned)."""
+    procs = Counter(a.node_id for a in placement.assignments if a.device is None)
+    devices: dict[str, set[int]] = {}
+    for a in placement.assignments:
+        if a.device is not None:
+            devices.setdefault(a.node_id, set()).add(a.device)
+    keep = [i for i, h in enumerate(topology.hosts) if h.node_id in procs or h.node_id in devices]
+
+    def trim(host: Host) -> Host:
+        mine = devices.get(host.node_id, set())
+        pos = [i for i, d in enumerate(host.devices) if d.index in mine]
+        return replace(
+            host,
+            cpus=float(procs.get(host.node_id, 0)),
+            devices=tuple(host.devices[i] for i in pos),
+            links=tuple(tuple(host.links[i][j] for j in pos) for i in pos),
+        )
+
+    return replace(
+        topology,
+        hosts=tuple(trim(topology.hosts[i]) for i in keep),
+        network=tuple(tuple(topology.network[a][b] for b in keep) for a in keep),
+    )
 
 
 # -- the result and its reason ---------------------------------------------------------------

@@ -17,8 +17,8 @@ from raymesh.testing.faults import Fault, parse_fault
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 
-Strategy = Literal["auto", "ddp", "fsdp"]
-_STRATEGIES = ("auto", "ddp", "fsdp")
+Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
+_STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 
 
 def _bad(name: str, value: Any, fix: str) -> ValueError:
@@ -56,7 +56,10 @@ class TrainConfig:
     global_batch_size: int = 1  # samples per step, across all ranks
     micro_batch_size: int | None = None  # per-rank forward size; None: the rank's whole share
     seed: int = 0  # model init, data order: same seed, same run, bit for bit
-    strategy: Strategy = "auto"  # "auto" picks DDP or FSDP from a memory estimate
+    strategy: Strategy = "auto"  # "auto" picks DDP, HSDP or FSDP from a memory estimate
+    # HSDP's shard group: ranks each replica is sharded over (a divisor of workers). None: the
+    # ranks of one host, when the ranks fill several hosts evenly.
+    shard_size: int | None = None
     memory_budget_gb: float | None = None  # per-rank budget on CPU (GPU: the device's memory)
     activation_bytes: int | None = None  # per-rank activation memory hint (else measured)
     checkpoint: CheckpointConfig | None = None
@@ -104,6 +107,22 @@ class TrainConfig:
             _positive_int("micro_batch_size", self.micro_batch_size)
         if self.strategy not in _STRATEGIES:
             raise _bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
+        if self.shard_size is not None:
+            _positive_int("shard_size", self.shard_size, minimum=2)
+            if self.strategy not in ("auto", "hsdp"):
+                raise _bad(
+                    "shard_size",
+                    self.shard_size,
+                    f"is for strategy 'hsdp' (or 'auto'), not {self.strategy!r}; drop it or "
+                    "use strategy='hsdp'",
+                )
+            if self.max_workers % self.shard_size or self.max_workers == self.shard_size:
+                raise _bad(
+                    "shard_size",
+                    self.shard_size,
+                    f"must split workers={self.max_workers} into 2 or more equal shard groups; "
+                    f"use a divisor of {self.max_workers} below it",
+                )
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise _bad("memory_budget_gb", self.memory_budget_gb, "must be > 0 (GiB per rank)")
         if isinstance(self.checkpoint, dict):

@@ -51,6 +51,7 @@ from raymesh._src import backend
 from raymesh._src.errors import ActorError, SupervisionError
 from raymesh._src.proc_mesh import HostMesh, ProcMesh
 from raymesh.testing.faults import Fault
+from raymesh.topology.planner import Placement
 from raymesh.train.balance import BalancePolicy
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
@@ -62,7 +63,12 @@ from raymesh.train.failure import (
     GrowPolicy,
     TooManyFailures,
 )
-from raymesh.train.strategy import MemoryEstimate, StrategyDecision, StrategyPolicy
+from raymesh.train.strategy import (
+    MemoryEstimate,
+    StrategyDecision,
+    StrategyPolicy,
+    host_shard_size,
+)
 from raymesh.train.worker import Monitor, TrainWorker
 
 logger = logging.getLogger("raymesh")
@@ -162,7 +168,16 @@ class Starting(State):
         infos = c.join([(r, "setup") for r in c.ranks])
         est: MemoryEstimate = infos[0]["estimate"]
         budget = min(i["budget_bytes"] for i in infos)
-        c.decision = c.strategy_policy.decide(cfg.strategy, est, world, budget)
+        shard = cfg.shard_size or host_shard_size([r.node_id for r in c.ranks])
+        if shard and (world % shard or world == shard) and cfg.strategy == "auto":
+            shard = None  # an elastic start below max: no whole shard groups to consider
+        comm = {k: p.cost for k, p in c.plans.items()} if world == cfg.max_workers else None
+        c.decision = c.strategy_policy.decide(
+            cfg.strategy, est, world, budget, shard_size=shard, comm=comm if shard else None
+        )
+        c.base_decision = c.decision
+        if c.decision.strategy in c.plans:
+            c.placement = c.plans[c.decision.strategy].reason
         logger.info("raymesh.train: %s", c.decision.reason)
         resume = c.find_resume()
         start = c.gather([r.worker.prepare.call_one(c.decision, resume) for r in c.ranks])
@@ -308,7 +323,7 @@ class Resizing(State):
     def next(self, c: TrainController) -> State:
         new = c.take_spares(self.decision.world_size - len(c.ranks))
         if new:
-            if c.decision is not None and c.decision.strategy == "fsdp":
+            if c.decision is not None and c.decision.sharded:
                 c.gather([r.worker.save.call_one(c.step) for r in c.ranks])
             c.reshape(c.ranks + new, fresh=set(new), source=c.ranks[0])
         c.recruit()
@@ -360,6 +375,7 @@ class TrainController:
         self.grow_policy = GrowPolicy()
         self.sizes: list[int] | None = None  # samples per rank for the next chunks (None: even)
         self.placement: str | None = None  # the topology plan's reason, when one was made
+        self.plans: dict[str, Placement] = {}  # by strategy, on the places the ranks hold
         self.rebalances: list[dict[str, Any]] = []
         self.failure_policy = FailurePolicy(
             max_failures=config.max_failures, window_s=config.failure_window_s
@@ -374,6 +390,7 @@ class TrainController:
         self.claimed = 0  # spares taken for a reshape that has not finished
         self.stopping = threading.Event()
         self.decision: StrategyDecision | None = None
+        self.base_decision: StrategyDecision | None = None  # from the start; resized per world
         self.step = 0
         self.resumed_from = 0
         self.generation = 0
@@ -451,11 +468,17 @@ class TrainController:
     def place(self, n: int) -> list[str]:
         """Nodes for the first `n` ranks, in rank order. With room on several hosts, the
         topology planner orders them so that each process group crosses the fewest and fastest
-        links (raymesh.topology); on one host there is nothing to choose."""
+        links (raymesh.topology), each host's ranks next to each other (one ring hop across
+        hosts; HSDP's shard groups can be one host each). Where HSDP may be chosen, the
+        strategies are planned on the same places too (`self.plans`), so the decision can weigh
+        their communication; on one host there is nothing to choose."""
+        cfg = self.config
+        self.plans = {}
         free = backend.free_slots(self.proc_resources())
         if len(free) < 2:
             return self.pick_nodes(n)
         from raymesh import topology
+        from raymesh.topology.planner import used
 
         topo = topology.discover(probe_timeout=5.0)
         if not self.use_gpus:  # CPU procs: plan over the room there is now
@@ -463,19 +486,30 @@ class TrainController:
                 dataclasses.replace(h, cpus=float(free.get(h.node_id, 0))) for h in topo.hosts
             )
             topo = dataclasses.replace(topo, hosts=hosts)
-        shape = topology.JobShape(
-            world_size=n,
-            strategy="fsdp" if self.config.strategy == "fsdp" else "ddp",
-            device="gpu" if self.use_gpus else "cpu",
-        )
+        device = "gpu" if self.use_gpus else "cpu"
+        base = "fsdp" if cfg.strategy == "fsdp" else "ddp"
         try:
-            placement = topology.plan(topo, shape)
+            placement = topology.plan(
+                topo, topology.JobShape(world_size=n, strategy=base, device=device)
+            )
         except ValueError as e:  # less room than ranks: take what there is (elastic may start)
             logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
             return self.pick_nodes(n)
+        # One group of every rank costs the same in any order: keep each host's ranks together.
+        order = {node: i for i, node in reversed(list(enumerate(placement.node_ids)))}
+        nodes = sorted(placement.node_ids, key=order.__getitem__)
+        self.plans[base] = placement
+        shard = cfg.shard_size or host_shard_size(nodes)
+        if cfg.strategy in ("auto", "hsdp") and shard and n % shard == 0 and n > shard:
+            there = used(topo, placement)
+            for strategy in ("ddp", "fsdp", "hsdp"):
+                dims = {"replicate": n // shard, "shard": shard} if strategy == "hsdp" else {}
+                shape = topology.JobShape(world_size=n, strategy=strategy, device=device, **dims)
+                self.plans[strategy] = topology.plan(there, shape)
+            nodes = self.plans["hsdp"].node_ids  # also a best order for DDP and FSDP
         self.placement = placement.reason
         logger.info("raymesh.train: placement: %s", placement.reason)
-        return placement.node_ids
+        return nodes
 
     def spawn_ranks(
         self, n: int, name: str, *, nodes: list[str] | None = None, timeout: float | None = None
@@ -591,13 +625,18 @@ class TrainController:
     def reshape(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
         """Make `ranks` the world: the next process group generation, with every rank holding
         the same state. DDP with a `source` rank: the new ranks build, the others re-form, and
-        all load the source's state (a full replica, sent through the object store). FSDP (or
-        no source): every rank rebuilds in its warm process and loads the newest checkpoint,
-        resharded for the new world."""
+        all load the source's state (a full replica, sent through the object store). FSDP and
+        HSDP (or no source): every rank rebuilds in its warm process and loads the newest
+        checkpoint, resharded for the new world (HSDP falls back to FSDP while the world does
+        not split into its shard groups)."""
         cfg = self.config
-        assert self.decision is not None
+        assert self.decision is not None and self.base_decision is not None
         n = len(ranks)
-        if self.decision.strategy == "ddp" and source is not None:
+        decision = self.base_decision.resized(n)
+        if decision.strategy != self.decision.strategy:
+            logger.warning("raymesh.train: %s", decision.reason)
+        self.decision = decision
+        if not self.decision.sharded and source is not None:
             state = source.worker.get_state.call_one().get(timeout=cfg.timeout_s)
             addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
             calls = []
@@ -613,7 +652,11 @@ class TrainController:
         else:
             path = self.latest_checkpoint()
             if path is None:
-                why = "FSDP ranks hold only shards" if source is not None else "no rank survived"
+                why = (
+                    f"{self.decision.strategy.upper()} ranks hold only shards"
+                    if source is not None
+                    else "no rank survived"
+                )
                 raise TrainError(
                     f"cannot heal in place ({why}) and there is no checkpoint to heal from; set "
                     "checkpoint=CheckpointConfig(dir=..., every=N) so a lost rank can be restored",
@@ -641,8 +684,8 @@ class TrainController:
 
     def can_grow(self) -> FailureDecision | None:
         """The grow decision, when recruited ranks are ready for an elastic job below max."""
-        fsdp = self.decision is not None and self.decision.strategy == "fsdp"
-        if fsdp and self.config.checkpoint is None:  # FSDP reshards through a checkpoint
+        sharded = self.decision is not None and self.decision.sharded
+        if sharded and self.config.checkpoint is None:  # shards move through a checkpoint
             return None
         with self.lock:
             ready = len(self.spares)
@@ -765,7 +808,7 @@ class TrainController:
         if lost:  # ranks that neither failed nor finished after a peer failed are stuck too
             for i, r in enumerate(results):
                 if isinstance(r, TimeoutError):
-                    lost.append((i, "hung", "stuck in a collective after a peer failed"))
+                    lost.append((i, "stuck", "stuck in a collective after a peer failed"))
         else:
             # Nobody died or raised: the ranks that timed out are stuck. Those behind the
             # others (not yet in backward, where the waiting ranks sit) are the hung ones.
@@ -782,8 +825,8 @@ class TrainController:
     def rebalance(self, per_rank: list[list[dict[str, float]]]) -> None:
         """Ask the balance policy for a new split from the chunk's measured speeds; a new split
         applies from the next chunk queued (every rank gets it with that chunk)."""
-        fsdp = self.decision is not None and self.decision.strategy != "ddp"
-        if not self.config.rebalance or fsdp or len(self.ranks) < 2:
+        sharded = self.decision is not None and self.decision.sharded
+        if not self.config.rebalance or sharded or len(self.ranks) < 2:
             return
         steps = len(per_rank[0])
         samples = [sum(m["samples"] for m in ms) / steps for ms in per_rank]

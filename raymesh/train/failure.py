@@ -24,7 +24,10 @@ class FailureRecord:
     rank: int
     step: int
     cause: str
-    kind: str  # "died" (the process is gone), "error" (a step raised), "hung" (no progress)
+    # "died" (the process is gone), "error" (a step raised), "hung" (no progress), "stuck" (a
+    # survivor still blocked in a collective with a failed peer: gloo cannot abort a group
+    # whose peers are alive, so it is replaced too, as a consequence, not counted as a failure)
+    kind: str
     time: float = field(default_factory=time.time)
     recovery_s: float | None = None  # from detection to the first step completed after healing
     steps_recomputed: int | None = None  # steps trained again because of this failure
@@ -79,7 +82,11 @@ class FailurePolicy:
         """failures: all so far (the newest last); lost: ranks to replace now; replacements:
         how many new ranks can be placed now."""
         now = failures[-1].time if failures else time.time()
-        counted = [f for f in failures if self.window_s is None or now - f.time <= self.window_s]
+        counted = [
+            f
+            for f in failures
+            if f.kind != "stuck" and (self.window_s is None or now - f.time <= self.window_s)
+        ]
         window = f" in the last {self.window_s:g}s" if self.window_s is not None else ""
         if len(counted) > self.max_failures:
             return FailureDecision(

@@ -1,4 +1,4 @@
-"""DDP or FSDP2, chosen from a per-rank memory estimate: pure arithmetic, decisions as data.
+"""DDP, FSDP2 or HSDP, chosen from a per-rank memory estimate: pure arithmetic, decisions as data.
 
 `estimate()` adds up what one rank holds (parameters, gradients, optimizer state, activations);
 `StrategyPolicy.decide()` compares it with the rank's memory budget and returns a
@@ -6,10 +6,15 @@
 carries the decision out; nothing here touches a process group, so every rule is unit-tested
 without one.
 
-The rule (`strategy="auto"`): replicate (DDP) when everything fits in `headroom` of the budget,
-else shard (FSDP2, `fully_shard` per block) when the sharded footprint fits, else fail before
-training with the numbers and the fix. `"ddp"`/`"fsdp"` force the choice, and the reason says if
-it exceeds the budget; a job too big for the budget under either strategy always fails.
+The rule (`strategy="auto"`): replicate (DDP) when everything fits in `headroom` of the budget;
+else, when the ranks form shard groups (`shard_size`: one host's ranks each, or the config's),
+HSDP when sharding within a group fits: FSDP2 inside each group, replicas across groups, so
+only an all-reduce of 1/shard_size of the gradients crosses hosts instead of every all-gather
+and reduce-scatter; else shard over every rank (FSDP2, `fully_shard` per block) when that fits;
+else fail before training with the numbers and the fix. Between HSDP and FSDP the planner's
+communication estimate, when given, has the last word. `"ddp"`/`"fsdp"`/`"hsdp"` force the
+choice, and the reason says if it exceeds the budget; a job too big for the budget under every
+strategy always fails.
 
 The estimate is deliberately simple (no allocator fragmentation, no communication buckets, no
 CUDA context); `headroom` (default 80%) is the allowance for everything it leaves out.
@@ -17,9 +22,10 @@ CUDA context); `headroom` (default 80%) is the allowance for everything it leave
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,13 +39,14 @@ __all__ = [
     "estimate",
     "fsdp_blocks",
     "gpu_budget_bytes",
+    "host_shard_size",
     "largest_block_bytes",
     "probe_activation_bytes",
 ]
 
 
 _GIB = 1 << 30
-_REQUESTS = ("auto", "ddp", "fsdp")
+_REQUESTS = ("auto", "ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -81,10 +88,47 @@ class MemoryEstimate:
 class StrategyDecision:
     """What to wrap the model in, and why (the reason carries the arithmetic, for the log)."""
 
-    strategy: Literal["ddp", "fsdp"]
+    strategy: Literal["ddp", "fsdp", "hsdp"]
     reason: str
     estimate: MemoryEstimate
     budget_bytes: int
+    shard_size: int | None = None  # HSDP: ranks per shard group (replicas: world / shard_size)
+
+    @property
+    def sharded(self) -> bool:
+        """True when no rank holds the whole state (FSDP, HSDP): a lost rank's shard is
+        restored from a replica (HSDP) or a checkpoint, not from any one peer."""
+        return self.strategy != "ddp"
+
+    def mesh(self, world_size: int) -> tuple[int, int] | None:
+        """HSDP's (replicate, shard) device mesh for `world_size` ranks; None otherwise.
+        Rank r is replica r // shard_size, shard r % shard_size: a shard group is contiguous
+        ranks (one host's, as placed), a replicate group ranks shard_size apart."""
+        if self.strategy != "hsdp":
+            return None
+        assert self.shard_size is not None  # set with "hsdp" by StrategyPolicy
+        if world_size % self.shard_size:
+            raise ValueError(
+                f"hsdp: world_size {world_size} is not a multiple of shard_size "
+                f"{self.shard_size}; use resized() for a new world"
+            )
+        return world_size // self.shard_size, self.shard_size
+
+    def resized(self, world_size: int) -> StrategyDecision:
+        """This decision for an elastic job's new world: HSDP stays HSDP while `world_size`
+        still splits into two or more whole shard groups, else it becomes FSDP over every rank
+        (whose shards are no larger while world_size >= shard_size). DDP and FSDP are
+        unchanged."""
+        if self.strategy != "hsdp":
+            return self
+        assert self.shard_size is not None
+        if world_size % self.shard_size == 0 and world_size > self.shard_size:
+            return self
+        reason = (
+            f"fsdp over {_ranks(world_size)}: the world of {world_size} no longer splits into "
+            f"shard groups of {self.shard_size} (was: {self.reason})"
+        )
+        return dataclasses.replace(self, strategy="fsdp", shard_size=None, reason=reason)
 
 
 def _param_bytes(params: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> int:
@@ -226,14 +270,28 @@ class StrategyPolicy:
         self.headroom = headroom
 
     def decide(
-        self, requested: str, estimate: MemoryEstimate, world_size: int, budget_bytes: int
+        self,
+        requested: str,
+        estimate: MemoryEstimate,
+        world_size: int,
+        budget_bytes: int,
+        *,
+        shard_size: int | None = None,
+        comm: Mapping[str, float] | None = None,
     ) -> StrategyDecision:
         """The strategy for `world_size` ranks of `budget_bytes` each.
 
-        "auto": DDP when ddp_bytes <= headroom * budget, else FSDP when fsdp_bytes does, else
-        ValueError. "ddp"/"fsdp": that strategy, with the reason noting any excess over the
-        budget. Under every request, a job that exceeds the whole budget with both strategies
-        raises ValueError before training, with the numbers and the ways out.
+        shard_size: HSDP's shard groups (ranks r*shard_size .. r*shard_size+shard_size-1, e.g.
+        one host's), or None when there are none (one host, uneven hosts): then "auto" never
+        picks HSDP and "hsdp" raises ValueError. comm: the planner's estimated communication
+        seconds per step by strategy, for the reason and to choose between HSDP and FSDP.
+
+        "auto": DDP when ddp_bytes <= headroom * budget; else HSDP when the shard groups'
+        fsdp_bytes(shard_size) does (and `comm` does not rate FSDP cheaper); else FSDP when
+        fsdp_bytes(world_size) does; else ValueError. "ddp"/"fsdp"/"hsdp": that strategy, with
+        the reason noting any excess over the budget. Under every request, a job that exceeds
+        the whole budget with every strategy raises ValueError before training, with the
+        numbers and the ways out.
         """
         if requested not in _REQUESTS:
             raise ValueError(f"strategy={requested!r}: use one of {list(_REQUESTS)}")
@@ -241,7 +299,22 @@ class StrategyPolicy:
             raise ValueError(f"world_size={world_size}: must be >= 1")
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
+        if shard_size is not None and (
+            shard_size < 2 or world_size % shard_size or shard_size == world_size
+        ):
+            raise ValueError(
+                f"shard_size={shard_size}: HSDP needs at least 2 shard groups of at least 2 "
+                f"ranks, so a divisor of the world size {world_size} between 2 and "
+                f"{world_size // 2}"
+            )
+        if requested == "hsdp" and shard_size is None:
+            raise ValueError(
+                f"strategy='hsdp' over {_ranks(world_size)} has no shard groups: set "
+                "shard_size (ranks per group, a divisor of workers), or run on hosts that "
+                "each hold the same number (>= 2) of ranks, one group per host"
+            )
         ddp, fsdp = estimate.ddp_bytes(), estimate.fsdp_bytes(world_size)
+        hsdp = estimate.fsdp_bytes(shard_size) if shard_size else None
         limit = int(self.headroom * budget_bytes)
         unit = _unit(max(ddp, fsdp))  # the estimate's terms share one unit so they add up
         bunit = _unit(budget_bytes)
@@ -255,43 +328,71 @@ class StrategyPolicy:
                 f"both above the per-rank budget of {_fmt(budget_bytes, bunit)}; "
                 f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
             )
-        chosen: Literal["ddp", "fsdp"]
+
+        def summary(strategy: str) -> str:
+            if strategy == "ddp":
+                return _ddp_sum(estimate, unit)
+            if strategy == "hsdp":
+                assert shard_size is not None
+                return _fsdp_sum(estimate, shard_size, unit)
+            return _fsdp_sum(estimate, world_size, unit)
+
+        need = {"ddp": ddp, "fsdp": fsdp, "hsdp": hsdp}
+        chosen: Literal["ddp", "fsdp", "hsdp"]
         if requested == "auto":
+            hsdp_cheaper = comm is None or comm.get("hsdp", 0.0) <= comm.get("fsdp", math.inf)
             if ddp <= limit:
-                chosen, reason = "ddp", f"ddp: {_ddp_sum(estimate, unit)} fits {budget}"
+                chosen, why = "ddp", f"fits {budget}"
+            elif hsdp is not None and hsdp <= limit and hsdp_cheaper:
+                chosen = "hsdp"
+                why = f"fits {budget}; ddp would need {_fmt(ddp, unit)}"
             elif fsdp <= limit:
-                chosen = "fsdp"
-                reason = (
-                    f"fsdp: {_fsdp_sum(estimate, world_size, unit)} fits {budget}; "
-                    f"ddp would need {_fmt(ddp, unit)}"
-                )
+                chosen, why = "fsdp", f"fits {budget}; ddp would need {_fmt(ddp, unit)}"
+                if hsdp is not None and hsdp > limit:
+                    why += f", hsdp over groups of {shard_size} {_fmt(hsdp, unit)}"
             else:
+                hsdp_text = (
+                    f", hsdp over groups of {shard_size} needs {summary('hsdp')}"
+                    if hsdp is not None
+                    else ""
+                )
                 raise ValueError(
                     f"the job does not fit {budget}: ddp needs {_ddp_sum(estimate, unit)}, "
-                    f"fsdp over {_ranks(world_size)} needs "
-                    f"{_fsdp_sum(estimate, world_size, unit)}; "
+                    f"fsdp over {_ranks(world_size)} needs {summary('fsdp')}{hsdp_text}; "
                     f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
                 )
         else:
-            chosen = "ddp" if requested == "ddp" else "fsdp"
-            need = ddp if chosen == "ddp" else fsdp
-            total = (
-                _ddp_sum(estimate, unit)
-                if chosen == "ddp"
-                else _fsdp_sum(estimate, world_size, unit)
-            )
-            if need <= limit:
-                verdict = f"fits {budget}"
-            elif need <= budget_bytes:
-                verdict = f"exceeds {budget} (forced by strategy={requested!r})"
+            chosen = requested  # type: ignore[assignment]
+            bytes_ = need[chosen]
+            assert bytes_ is not None  # hsdp without shard groups was refused above
+            if bytes_ <= limit:
+                why = f"fits {budget}"
+            elif bytes_ <= budget_bytes:
+                why = f"exceeds {budget} (forced by strategy={requested!r})"
             else:
-                verdict = (
+                why = (
                     f"exceeds the whole {_fmt(budget_bytes, bunit)} budget "
                     f"(forced by strategy={requested!r}; expect out-of-memory)"
                 )
-            reason = f"{chosen}: {total} {verdict}"
+        name: str = chosen
+        if chosen == "hsdp":
+            assert shard_size is not None
+            name = (
+                f"hsdp {world_size // shard_size}x{shard_size} (sharded within groups of "
+                f"{shard_size}, replicated across {world_size // shard_size})"
+            )
+        reason = f"{name}: {summary(chosen)} {why}"
+        if comm and chosen in comm:
+            others = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in comm.items() if k != chosen)
+            reason += f"; estimated communication {comm[chosen] * 1e3:.3g} ms per step" + (
+                f" (vs {others})" if others else ""
+            )
         return StrategyDecision(
-            strategy=chosen, reason=reason, estimate=estimate, budget_bytes=budget_bytes
+            strategy=chosen,
+            reason=reason,
+            estimate=estimate,
+            budget_bytes=budget_bytes,
+            shard_size=shard_size if chosen == "hsdp" else None,
         )
 
     def _pct(self) -> str:
@@ -381,3 +482,21 @@ def _host_memory_bytes() -> int:
 def gpu_budget_bytes(device_index: int) -> int:
     """Total memory of CUDA device `device_index` (call only where CUDA is available)."""
     return int(torch.cuda.get_device_properties(device_index).total_memory)
+
+
+def host_shard_size(node_ids: Sequence[str]) -> int | None:
+    """HSDP's natural shard group for ranks placed on `node_ids` (rank order): the ranks of one
+    host, when the ranks fill two or more hosts in contiguous blocks of the same size (>= 2);
+    else None (one host, uneven hosts, or a host's ranks not next to each other)."""
+    blocks: list[tuple[str, int]] = []
+    for node in node_ids:
+        if blocks and blocks[-1][0] == node:
+            blocks[-1] = (node, blocks[-1][1] + 1)
+        else:
+            blocks.append((node, 1))
+    sizes = {n for _, n in blocks}
+    hosts = {node for node, _ in blocks}
+    if len(blocks) < 2 or len(hosts) != len(blocks) or len(sizes) != 1:
+        return None
+    size = sizes.pop()
+    return size if size >= 2 else None

@@ -170,8 +170,9 @@ class TrainWorker(Actor):
         """Join the process group as `rank`, run the user's build function, and (`measure`)
         estimate memory for the strategy decision: at the start only, not when healing.
 
-        On a rank that was set up before (an FSDP job healing or resizing), it first leaves the
-        old group and drops the old model: the process stays warm, the state is rebuilt."""
+        On a rank that was set up before (an FSDP or HSDP job healing or resizing), it first
+        leaves the old group and drops the old model: the process stays warm, the state is
+        rebuilt."""
         cfg = self.config
         if self.task is not None:
             self._abort()
@@ -229,7 +230,7 @@ class TrainWorker(Actor):
         names = {id(p): n for n, p in model.named_parameters()}
         groups = [[names[id(p)] for p in g["params"]] for g in self.task.optimizer.param_groups]
         self._wrap()
-        if decision.strategy == "fsdp":
+        if decision.sharded:
             # fully_shard replaced the parameters with sharded ones: point the user's optimizer
             # (class, groups, hyperparameters unchanged; no state yet) at the new objects.
             params = dict(model.named_parameters())
@@ -256,12 +257,20 @@ class TrainWorker(Actor):
         gc.collect()
         gc.freeze()
         model = self.task.model
-        if self.decision.strategy == "fsdp":
+        if self.decision.sharded:
             from torch.distributed.fsdp import fully_shard
 
+            mesh = None  # FSDP: every rank, one dimension
+            dims = self.decision.mesh(self.world_size)
+            if dims is not None:  # HSDP: reduce-scatter within a shard group, then all-reduce
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh(
+                    self.device.type, dims, mesh_dim_names=("replicate", "shard")
+                )
             for unit in fsdp_blocks(model):
-                fully_shard(unit)
-            fully_shard(model)
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             self.model = model
         else:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -283,7 +292,9 @@ class TrainWorker(Actor):
             except Exception:
                 pass  # its group is broken too; the last committed checkpoint stands
         # Drop the wrapper first: DDP's reducer holds the process group, and the group's
-        # sockets only close (failing the peers' collectives) once nothing holds it.
+        # sockets only close (failing the peers' collectives) once nothing holds it. (FSDP2
+        # keeps its groups alive past this, which is why HSDP's survivors that wait on this
+        # rank in another group stay stuck: the controller replaces them, see find_lost.)
         if self.model is not None:
             self.model = None
             gc.collect()

@@ -30,7 +30,7 @@ def test_version_and_info_on_an_existing_cluster():
 
 MULTI_HOST = textwrap.dedent(
     """
-    import json
+    import dataclasses, json
     from ray.cluster_utils import Cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
     cluster.add_node(num_cpus=4)
@@ -48,12 +48,24 @@ MULTI_HOST = textwrap.dedent(
     hosts = host_mesh()
     procs = hosts.spawn_procs(per_host={"procs": 2})
     nodes = procs.spawn("where", Where).node.call().get(timeout=120)
+    procs.stop()
+
+    # Training across the two hosts, 2 ranks each, with a budget that DDP exceeds: auto weighs
+    # HSDP (a shard group per host) against FSDP over all 4 with the planner's estimate.
+    from raymesh import train
+    from raymesh.examples import mlp
+    config = train.TrainConfig(workers=4, steps=4, global_batch_size=16, cpus_per_worker=2)
+    est = train.fit(mlp.build, dataclasses.replace(config, steps=1)).decision.estimate
+    budget = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8 / 2**30
+    hsdp = train.fit(mlp.build, dataclasses.replace(config, memory_budget_gb=budget))
     print("RESULT", json.dumps({
         "sizes": procs.sizes,
         "host_ids": hosts.node_ids,
         "by_point": [[dict(p), n] for p, n in nodes.items()],
+        "decision": [hsdp.decision.strategy, hsdp.decision.shard_size, hsdp.decision.reason],
+        "placement": hsdp.placement,
+        "losses": [h["loss"] for h in hsdp.history],
     }))
-    procs.stop()
     ray.shutdown()
     cluster.shutdown()
     """
@@ -66,3 +78,8 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
     hosts = out["host_ids"]
     for point, node in out["by_point"]:
         assert node == hosts[point["hosts"]], out
+    strategy, shard_size, reason = out["decision"]
+    assert (strategy, shard_size) == ("hsdp", 2), reason
+    assert "estimated communication" in reason and "vs ddp" in reason, reason
+    assert out["placement"].startswith("hsdp 2x2 on 4 CPU procs of 2 host(s)"), out["placement"]
+    assert len(out["losses"]) == 4 and all(x == x for x in out["losses"])

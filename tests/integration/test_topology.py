@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+import raymesh
 from raymesh import topology
 from raymesh._src import backend
 from raymesh.cli.main import main as cli_main
@@ -56,6 +57,11 @@ def test_discover_sees_this_one_host_and_measures_its_loopback_within_the_timeou
     # and the planner takes it as it is: CPU procs on the one host
     placement = topology.plan(topo, topology.JobShape(world_size=4, strategy="fsdp"))
     assert placement.node_ids == [host.node_id] * 4 and placement.devices == [None] * 4
+    # A plan made for other hosts is refused before anything is spawned, naming the host.
+    elsewhere = topology.Topology.of([topology.Host(node_id="f" * 56, hostname="far", cpus=8)])
+    far = topology.plan(elsewhere, topology.JobShape(world_size=2))
+    with pytest.raises(ValueError, match=r"host\(s\) \['far'\], which are not in this host"):
+        raymesh.this_host().spawn_procs(placement=far)
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -86,11 +92,25 @@ TWO_GPU_HOSTS = textwrap.dedent(
     cluster.wait_for_nodes()
     import ray
     ray.init(address=cluster.address)
-    from raymesh import topology
+    import raymesh
+from raymesh import topology
     topo = topology.discover(probe_timeout=30)
     shape = topology.JobShape(world_size=4, strategy="hsdp", replicate=2, shard=2)
-    print("RESULT", json.dumps({"topology": topo.to_dict(),
-                      "plan": topology.plan(topo, shape).to_dict()}))
+    plan = topology.plan(topo, shape)
+    # Procs that follow the plan: rank r on its host, along the plan's axes.
+    from raymesh import Actor, endpoint, host_mesh
+
+    class Where(Actor):
+        @endpoint
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    procs = host_mesh().spawn_procs(placement=plan, cpus_per_proc=0)
+    nodes = procs.spawn("where", Where).node.call().get(timeout=120)
+    print("RESULT", json.dumps({"topology": topo.to_dict(), "plan": plan.to_dict(),
+                      "sizes": procs.sizes, "by_point": [[dict(p), n] for p, n in nodes.items()],
+                      "group0": procs.slice(replicate=0).sizes}))
+    procs.stop()
     ray.shutdown()
     cluster.shutdown()
     """
@@ -115,6 +135,11 @@ def test_discover_on_a_two_node_cluster_sees_simulated_gpus_and_measures_the_lin
     plan = out["plan"]
     for group in plan["groups"]["shard"]:
         assert len({plan["assignments"][r]["node_id"] for r in group}) == 1, plan["reason"]
+    # spawn_procs(placement=...) put rank (r * shard + s) on its planned host
+    assert out["sizes"] == {"replicate": 2, "shard": 2} and out["group0"] == {"shard": 2}
+    for point, node in out["by_point"]:
+        rank = point["replicate"] * 2 + point["shard"]
+        assert node == plan["assignments"][rank]["node_id"], out["by_point"]
 
 
 def _nvml_skip_reason() -> str | None:

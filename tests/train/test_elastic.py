@@ -46,6 +46,22 @@ def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+def test_a_killed_hsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
+    hsdp = dict(workers=4, strategy="hsdp", shard_size=2)
+    clean = train.fit(MLP, _config(tmp_path / "clean", **hsdp))
+    assert clean.decision.strategy == "hsdp" and clean.decision.mesh(4) == (2, 2)
+    healed = train.fit(MLP, _config(tmp_path / "healed", faults=[kill(rank=2, at_step=6)], **hsdp))
+    # Rank 2's peers in its shard and replicate groups fail at once. Rank 1, blocked on them in
+    # its own groups, cannot be freed (gloo closes a group only with its process) and is
+    # replaced as a consequence, not counted as a failure.
+    [failure] = [f for f in healed.failures if f.kind != "stuck"]
+    assert (failure.rank, failure.kind, failure.steps_recomputed) == (2, "died", 2)
+    assert {f.rank for f in healed.failures if f.kind == "stuck"} <= {1}
+    assert healed.decision.strategy == "hsdp"
+    assert close(clean.state_dict(), healed.state_dict(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.usefixtures("ray_cluster")
 def test_an_fsdp_job_without_checkpoints_fails_with_a_clear_error(tmp_path):
     config = _config(tmp_path, checkpoint=None, faults=[kill(rank=1, at_step=3)])
     with pytest.raises(train.TrainError, match=r"no checkpoint to heal from.*CheckpointConfig"):
@@ -158,7 +174,11 @@ def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
     states = [s for s, _ in got["transitions"]]
     assert "Healing" in states and "Resizing" in states, got["transitions"]
     assert any("shrink" in reason for _, reason in got["transitions"]), got["transitions"]
-    assert len(got["failures"]) == 2 and {f[1] for f in got["failures"]} <= {"died", "hung"}
+    assert len(got["failures"]) == 2 and {f[1] for f in got["failures"]} <= {
+        "died",
+        "hung",
+        "stuck",
+    }
     assert got["steps"] == list(range(1, steps + 1))
     assert got["same"], "the weights differ from the failure-free run's"
     nodes, reason = got["planned"]

@@ -14,6 +14,7 @@ import pytest
 
 from raymesh.topology import Host, JobShape, Link, Placement, Topology, plan
 from raymesh.topology.model import GIB, Device
+from raymesh.topology.planner import used
 
 SLOW = Link(kind="NET", bandwidth=1e9, latency=100e-6)  # a congested or long-haul link
 
@@ -406,3 +407,18 @@ def test_islands_are_nvlink_components_largest_first():
     host = Host.gpu_box("h", gpus=6, islands=[[5], [0, 2, 4], [1, 3]], nvlinks=2, between="PXB")
     assert host.islands() == [[0, 2, 4], [1, 3], [5]]
     assert Link.nominal("NV4").bandwidth == 4 * Link.nominal("NV1").bandwidth
+
+
+def test_used_keeps_only_the_places_a_plan_holds_and_replanning_there_stays_there():
+    topo = hosts_with_one_slow_link(hosts=4, gpus=2)
+    ddp = plan(topo, JobShape(world_size=4, strategy="ddp"))
+    there = used(topo, ddp)
+    assert {h.node_id for h in there.hosts} == set(ddp.node_ids)
+    assert sum(len(h.devices) for h in there.hosts) == 4
+    hsdp = plan(there, JobShape(world_size=4, strategy="hsdp", replicate=2, shard=2))
+    assert sorted(zip(hsdp.node_ids, hsdp.devices)) == sorted(zip(ddp.node_ids, ddp.devices))
+    cpus = used(
+        cpu_hosts(hosts=3, cpus=4),
+        plan(cpu_hosts(hosts=3, cpus=4), JobShape(world_size=6, strategy="ddp", device="cpu")),
+    )
+    assert sorted(h.cpus for h in cpus.hosts) == [2.0, 4.0]

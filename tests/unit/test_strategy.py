@@ -13,6 +13,7 @@ from raymesh.train.strategy import (
     estimate,
     fsdp_blocks,
     gpu_budget_bytes,
+    host_shard_size,
     largest_block_bytes,
     probe_activation_bytes,
 )
@@ -243,6 +244,80 @@ def test_decide_rejects_bad_arguments_naming_them(kwargs, match):
     args = {"requested": "auto", "estimate": ONE_GIB, "world_size": 1, "budget_bytes": GIB}
     with pytest.raises(ValueError, match=match):
         StrategyPolicy().decide(**{**args, **kwargs})
+
+
+# HSDP over 2 hosts x 2 ranks: shard groups of 2 hold 0.5 GiB per rank, FSDP over 4 0.25 GiB.
+
+
+def test_auto_picks_hsdp_over_fsdp_when_a_shard_group_fits_and_ddp_does_not():
+    d = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=GIB, shard_size=2)
+    assert (d.strategy, d.shard_size, d.mesh(4)) == ("hsdp", 2, (2, 2))
+    assert d.sharded
+    assert d.reason == (
+        "hsdp 2x2 (sharded within groups of 2, replicated across 2): 0.50 GiB per rank ((params"
+        " 0.25 + grads 0.25 + optimizer 0.50 = 1.00) / 2 ranks + largest block 0.00 + activations"
+        " 0.00) fits 80% of the 1.00 GiB budget (0.80 GiB); ddp would need 1.00 GiB"
+    )
+
+
+def test_auto_still_picks_ddp_when_it_fits_with_shard_groups_on_offer():
+    d = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=16 * GIB, shard_size=2)
+    assert d.strategy == "ddp" and d.shard_size is None and d.mesh(4) is None
+
+
+def test_auto_falls_back_to_fsdp_when_a_shard_group_is_too_small_and_says_so():
+    d = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=600 * MIB, shard_size=2)
+    assert d.strategy == "fsdp"
+    assert "hsdp over groups of 2 0.50 GiB" in d.reason
+
+
+def test_the_planners_estimate_chooses_between_hsdp_and_fsdp_and_is_in_the_reason():
+    comm = {"ddp": 0.020, "fsdp": 0.030, "hsdp": 0.012}
+    d = StrategyPolicy().decide("auto", ONE_GIB, 4, GIB, shard_size=2, comm=comm)
+    assert d.strategy == "hsdp"
+    assert d.reason.endswith("estimated communication 12 ms per step (vs ddp 20 ms, fsdp 30 ms)")
+    cheaper_fsdp = {"ddp": 0.020, "fsdp": 0.010, "hsdp": 0.012}
+    d = StrategyPolicy().decide("auto", ONE_GIB, 4, GIB, shard_size=2, comm=cheaper_fsdp)
+    assert d.strategy == "fsdp"
+
+
+def test_forced_hsdp_needs_shard_groups_and_names_the_fix():
+    with pytest.raises(ValueError, match="no shard groups: set shard_size"):
+        StrategyPolicy().decide("hsdp", ONE_GIB, world_size=4, budget_bytes=16 * GIB)
+    d = StrategyPolicy().decide("hsdp", ONE_GIB, 4, 16 * GIB, shard_size=2)
+    assert d.strategy == "hsdp" and "fits 80%" in d.reason
+
+
+@pytest.mark.parametrize("shard_size", [1, 3, 4])
+def test_shard_groups_must_split_the_world_in_two_or_more(shard_size):
+    with pytest.raises(ValueError, match=f"shard_size={shard_size}: HSDP needs"):
+        StrategyPolicy().decide("auto", ONE_GIB, 4, GIB, shard_size=shard_size)
+
+
+def test_hsdp_resized_keeps_whole_shard_groups_else_becomes_fsdp():
+    d = StrategyPolicy().decide("hsdp", ONE_GIB, 8, 16 * GIB, shard_size=2)
+    assert d.resized(6).mesh(6) == (3, 2)
+    three = d.resized(3)
+    assert three.strategy == "fsdp" and three.shard_size is None and three.mesh(3) is None
+    assert "no longer splits into shard groups of 2" in three.reason
+    assert d.resized(2).strategy == "fsdp"  # one group is FSDP
+    ddp = StrategyPolicy().decide("auto", ONE_GIB, 4, 16 * GIB)
+    assert ddp.resized(3) is ddp
+
+
+@pytest.mark.parametrize(
+    ("nodes", "size"),
+    [
+        (["a", "a", "b", "b"], 2),
+        (["a", "a", "a", "b", "b", "b"], 3),
+        (["a", "a", "a", "a"], None),  # one host
+        (["a", "a", "a", "b"], None),  # uneven
+        (["a", "b", "a", "b"], None),  # a host's ranks not together
+        (["a", "b", "c"], None),  # one rank per host: that is DDP
+    ],
+)
+def test_host_shard_size_is_one_hosts_ranks_when_they_fill_hosts_evenly(nodes, size):
+    assert host_shard_size(nodes) == size
 
 
 @pytest.mark.parametrize("headroom", [0.0, 1.5])
