@@ -458,10 +458,13 @@ class TrainController:
             res["GPU"] = 1.0
         return {k: v for k, v in res.items() if v > 0} or {"CPU": 0.001}
 
-    def pick_nodes(self, n: int) -> list[str]:
-        """Up to `n` nodes (one per new rank, repeated) with room now, this host first."""
+    def pick_nodes(self, n: int, free: dict[str, int] | None = None) -> list[str]:
+        """Up to `n` nodes (one per new rank, repeated) with room now (or in `free`, procs that
+        fit per node), this host first."""
         out: list[str] = []
-        for node, fits in backend.free_slots(self.proc_resources()).items():
+        if free is None:
+            free = backend.free_slots(self.proc_resources())
+        for node, fits in free.items():
             out.extend([node] * min(fits, n - len(out)))
         return out
 
@@ -475,8 +478,8 @@ class TrainController:
         cfg = self.config
         self.plans = {}
         free = backend.free_slots(self.proc_resources())
-        if len(free) < 2:
-            return self.pick_nodes(n)
+        if len(free) < 2:  # one look at the room: a second could see more, without a plan
+            return self.pick_nodes(n, free)
         from raymesh import topology
         from raymesh.topology.planner import used
 
@@ -494,7 +497,7 @@ class TrainController:
             )
         except ValueError as e:  # less room than ranks: take what there is (elastic may start)
             logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
-            return self.pick_nodes(n)
+            return self.pick_nodes(n, free)
         # One group of every rank costs the same in any order: keep each host's ranks together.
         order = {node: i for i, node in reversed(list(enumerate(placement.node_ids)))}
         nodes = sorted(placement.node_ids, key=order.__getitem__)

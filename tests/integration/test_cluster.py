@@ -52,10 +52,26 @@ MULTI_HOST = textwrap.dedent(
 
     # Training across the two hosts, 2 ranks each, with a budget that DDP exceeds: auto weighs
     # HSDP (a shard group per host) against FSDP over all 4 with the planner's estimate.
+    import logging
     from raymesh import train
     from raymesh.examples import mlp
-    config = train.TrainConfig(workers=4, steps=4, global_batch_size=16, cpus_per_worker=2)
-    est = train.fit(mlp.build, dataclasses.replace(config, steps=1)).decision.estimate
+
+    said = []  # what the controller logged about placement and strategy, to explain a failure
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage()[:400])
+
+    logging.getLogger("raymesh").addHandler(Keep())
+    logging.getLogger("raymesh").setLevel(logging.INFO)
+    import torch
+    from raymesh.train.strategy import estimate
+    config = train.TrainConfig(
+        workers=4, steps=4, global_batch_size=16, cpus_per_worker=2, activation_bytes=0
+    )
+    task = mlp.build(train.Context(rank=0, world_size=4, local_rank=0,
+                                   device=torch.device("cpu"), seed=0, config=config))
+    est = estimate(task.model, task.optimizer, activation_bytes=0)  # what each rank measures
     budget = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8 / 2**30
     hsdp = train.fit(mlp.build, dataclasses.replace(config, memory_budget_gb=budget))
     print("RESULT", json.dumps({
@@ -65,6 +81,7 @@ MULTI_HOST = textwrap.dedent(
         "decision": [hsdp.decision.strategy, hsdp.decision.shard_size, hsdp.decision.reason],
         "placement": hsdp.placement,
         "losses": [h["loss"] for h in hsdp.history],
+        "said": said,
     }))
     ray.shutdown()
     cluster.shutdown()
@@ -80,6 +97,6 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
         assert node == hosts[point["hosts"]], out
     strategy, shard_size, reason = out["decision"]
     assert (strategy, shard_size) == ("hsdp", 2), reason
-    assert "estimated communication" in reason and "vs ddp" in reason, reason
+    assert "estimated communication" in reason and "vs ddp" in reason, "\n".join(out["said"])
     assert out["placement"].startswith("hsdp 2x2 on 4 CPU procs of 2 host(s)"), out["placement"]
     assert len(out["losses"]) == 4 and all(x == x for x in out["losses"])

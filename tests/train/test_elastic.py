@@ -46,11 +46,21 @@ def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_killed_hsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
-    hsdp = dict(workers=4, strategy="hsdp", shard_size=2)
-    clean = train.fit(MLP, _config(tmp_path / "clean", **hsdp))
-    assert clean.decision.strategy == "hsdp" and clean.decision.mesh(4) == (2, 2)
-    healed = train.fit(MLP, _config(tmp_path / "healed", faults=[kill(rank=2, at_step=6)], **hsdp))
+def test_auto_picks_hsdp_when_a_shard_group_fits_and_a_killed_hsdp_rank_is_healed(tmp_path):
+    four = dict(workers=4, shard_size=2)
+    ddp = train.fit(MLP, _config(tmp_path / "ddp", strategy="ddp", workers=4))
+    est = ddp.decision.estimate
+    between = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8  # fits groups of 2, not DDP
+    auto = _config(tmp_path / "auto", strategy="auto", memory_budget_gb=between / 2**30, **four)
+    clean = train.fit(MLP, auto)
+    assert clean.decision.strategy == "hsdp", clean.decision.reason
+    assert clean.decision.shard_size == 2 and clean.decision.mesh(4) == (2, 2)
+    assert "hsdp 2x2" in clean.decision.reason
+    # Replicas reduce in another order than DDP's buckets: equal to float precision.
+    assert close(ddp.state_dict(), clean.state_dict(), rtol=1e-4, atol=1e-6)
+
+    forced = _config(tmp_path / "healed", strategy="hsdp", faults=[kill(rank=2, at_step=6)], **four)
+    healed = train.fit(MLP, forced)
     # Rank 2's peers in its shard and replicate groups fail at once. Rank 1, blocked on them in
     # its own groups, cannot be freed (gloo closes a group only with its process) and is
     # replaced as a consequence, not counted as a failure.

@@ -83,20 +83,6 @@ def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate():
     assert "fsdp" in result.decision.reason
 
 
-def test_auto_picks_hsdp_when_a_shard_group_fits_and_it_trains_like_ddp():
-    four = dict(workers=4, global_batch_size=32)
-    ddp = train.fit(MLP, _config(**four))
-    est = ddp.decision.estimate
-    assert est.fsdp_bytes(2) < est.ddp_bytes()
-    between = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8  # fits groups of 2, not DDP
-    hsdp = train.fit(MLP, _config(memory_budget_gb=between / 2**30, shard_size=2, **four))
-    assert hsdp.decision.strategy == "hsdp", hsdp.decision.reason
-    assert hsdp.decision.shard_size == 2 and hsdp.decision.mesh(4) == (2, 2)
-    assert "hsdp 2x2" in hsdp.decision.reason
-    # Replicas of each shard reduce in another order than DDP's buckets: equal to float precision.
-    assert close(ddp.state_dict(), hsdp.state_dict(), rtol=1e-4, atol=1e-6)
-
-
 def test_a_corrupted_newest_checkpoint_is_skipped(tmp_path):
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4, keep=3)
     train.fit(MLP, _config(steps=8, checkpoint=ckpt))
