@@ -10,6 +10,7 @@ from dataclasses import dataclass
 __all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]
 
 _KINDS = ("kill", "fail", "hang", "slow")
+_WHEN = ("step", "join")
 
 
 class InjectedFault(RuntimeError):
@@ -23,6 +24,10 @@ class Fault:
     at_step: int  # 1-based step that is in flight when it fires
     seconds: float | None = None  # for "hang": how long (None: until killed)
     factor: float | None = None  # for "slow": each step takes this many times as long
+    # "step": as the rank starts step at_step. "join": in the rank joining as `rank` when the
+    # world re-forms (after a failure, or to grow) to resume at step at_step: a failure while
+    # healing.
+    when: str = "step"
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -31,6 +36,10 @@ class Fault:
             raise ValueError(f"fault rank={self.rank!r}: must be an integer >= 0")
         if not isinstance(self.at_step, int) or self.at_step < 1:
             raise ValueError(f"fault at_step={self.at_step!r}: must be an integer >= 1")
+        if self.when not in _WHEN:
+            raise ValueError(f"fault when={self.when!r}: use one of {list(_WHEN)}")
+        if self.kind == "slow" and self.when != "step":
+            raise ValueError("fault 'slow': fires at a step (when='step'), not on joining")
         if (self.kind == "slow") != (self.factor is not None):
             raise ValueError(f"fault {self.kind!r}: factor is for (and required by) 'slow'")
         if self.factor is not None and not self.factor >= 1:
@@ -52,17 +61,19 @@ class Fault:
     def __str__(self) -> str:
         extra = f":seconds={self.seconds:g}" if self.seconds is not None else ""
         extra += f":factor={self.factor:g}" if self.factor is not None else ""
+        extra += f":when={self.when}" if self.when != "step" else ""
         return f"{self.kind}:rank={self.rank}:step={self.at_step}{extra}"
 
 
-def kill(*, rank: int, at_step: int) -> Fault:
-    """SIGKILL `rank` as it starts step `at_step`."""
-    return Fault(kind="kill", rank=rank, at_step=at_step)
+def kill(*, rank: int, at_step: int, when: str = "step") -> Fault:
+    """SIGKILL `rank` as it starts step `at_step` (when="join": as it joins the world that
+    re-forms to resume at `at_step`)."""
+    return Fault(kind="kill", rank=rank, at_step=at_step, when=when)
 
 
-def fail(*, rank: int, at_step: int) -> Fault:
-    """Raise `InjectedFault` in `rank` as it starts step `at_step`."""
-    return Fault(kind="fail", rank=rank, at_step=at_step)
+def fail(*, rank: int, at_step: int, when: str = "step") -> Fault:
+    """Raise `InjectedFault` in `rank` as it starts step `at_step` (or joins, see `kill`)."""
+    return Fault(kind="fail", rank=rank, at_step=at_step, when=when)
 
 
 def hang(*, rank: int, at_step: int, seconds: float | None = None) -> Fault:
@@ -77,7 +88,7 @@ def slow(*, rank: int, factor: float, at_step: int = 1) -> Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """Parse the CLI syntax `kind:rank=R:step=S[:seconds=T][:factor=F]`, e.g.
+    """Parse the CLI syntax `kind:rank=R:step=S[:seconds=T][:factor=F][:when=join]`, e.g.
     `kill:rank=1:step=30` or `slow:rank=3:step=1:factor=2`."""
     kind, *parts = text.strip().split(":")
     fields: dict[str, str] = {}
@@ -86,11 +97,11 @@ def parse_fault(text: str) -> Fault:
         if not sep:
             raise ValueError(f"--inject {text!r}: expected key=value after the kind, got {part!r}")
         fields[key.strip()] = value.strip()
-    unknown = set(fields) - {"rank", "step", "seconds", "factor"}
+    unknown = set(fields) - {"rank", "step", "seconds", "factor", "when"}
     if unknown or "rank" not in fields or "step" not in fields:
         raise ValueError(
-            f"--inject {text!r}: use kind:rank=R:step=S[:seconds=T][:factor=F], e.g. "
-            "kill:rank=1:step=30"
+            f"--inject {text!r}: use kind:rank=R:step=S[:seconds=T][:factor=F][:when=join], "
+            "e.g. kill:rank=1:step=30"
         )
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
@@ -100,4 +111,11 @@ def parse_fault(text: str) -> Fault:
         raise ValueError(
             f"--inject {text!r}: rank and step must be integers, seconds and factor numbers"
         ) from None
-    return Fault(kind=kind, rank=rank, at_step=step, seconds=seconds, factor=factor)
+    return Fault(
+        kind=kind,
+        rank=rank,
+        at_step=step,
+        seconds=seconds,
+        factor=factor,
+        when=fields.get("when", "step"),
+    )

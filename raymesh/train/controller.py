@@ -89,6 +89,15 @@ class TrainError(RuntimeError):
         self.history = history
 
 
+class WorldBroken(Exception):
+    """Ranks were lost while the world re-formed (internal: the controller heals again)."""
+
+    def __init__(self, lost: list[tuple[int, str, str]], state: dict[str, Any] | None) -> None:
+        super().__init__("; ".join(f"rank {i}: {kind}: {cause}" for i, kind, cause in lost))
+        self.lost = lost  # (rank, kind, cause)
+        self.state = state  # the DDP state fetched before it broke, kept for the next try
+
+
 @dataclass
 class Result:
     """What `fit` returns."""
@@ -206,7 +215,9 @@ class Running(State):
                 return Resizing(grow)
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
-                faults = [f for f in c.pending_faults if start < f.at_step <= stop]
+                faults = [
+                    f for f in c.pending_faults if f.when == "step" and start < f.at_step <= stop
+                ]
                 futs = [r.worker.run.call_one(start, stop, faults, c.sizes) for r in c.ranks]
                 in_flight.append(((start, stop), futs))
             (start, stop), futs = in_flight.pop(0)
@@ -236,7 +247,6 @@ class Healing(State):
     name = "Healing"
 
     def next(self, c: TrainController) -> State:
-        cfg = c.config
         detected = time.time()
         t0 = time.monotonic()
         start, _, results = c.failed_chunk
@@ -249,7 +259,8 @@ class Healing(State):
         # A rank is never more than one step ahead of the others (each step ends in an
         # all-reduce), so a lost rank's pending fault at or before the step in flight fired.
         for f in c.pending_faults[:]:
-            if any(f.rank == i for i, _, _ in lost) and f.at_step <= started:
+            fired = f.when == "step" and f.at_step <= started
+            if fired and any(f.rank == i for i, _, _ in lost):
                 c.pending_faults.remove(f)
         lost_ranks = sorted({i for i, _, _ in lost})
         world = len(c.ranks)
@@ -258,12 +269,6 @@ class Healing(State):
         if budget.action == "abort":
             logger.warning("raymesh.train: %s -> abort (%s)", c.describe(results), budget.reason)
             raise TooManyFailures(c.failures, c.latest_checkpoint())
-        for i in lost_ranks:  # make sure a rank that raised or hung is gone, its room freed
-            try:
-                backend.kill_pid(c.ranks[i].node_id, c.ranks[i].pid)
-            except Exception:  # its node may be gone with it
-                pass
-            c.ranks[i].stop()
         survivors = [i for i in range(world) if i not in lost_ranks]
         done = {i: results[i]["done"] for i in survivors if isinstance(results[i], dict)}
         # The survivor with the most completed steps holds the newest state. A survivor that
@@ -274,30 +279,14 @@ class Healing(State):
         else:
             source = c.ranks[survivors[0]] if survivors else None
         t_stopped = time.monotonic()
-        got = c.replacements(len(lost_ranks), cfg.replace_timeout_s)
+        ranks, fresh, decision = c.replace_lost(c.ranks, lost_ranks, c.describe(results))
         t_replaced = time.monotonic()
-        decision = c.decide(world, lost=len(lost_ranks), replacements=len(got))
-        logger.warning(
-            "raymesh.train: %s -> %s (%s)", c.describe(results), decision.action, decision.reason
-        )
-        if decision.action == "abort":
-            for r in got:
-                r.stop()
-            raise TrainError(f"cannot heal: {decision.reason}", cause=None, history=c.history)
-        # Replacements take the lost ranks' places (same rank order, so the same reduction
-        # order: bitwise-equal results at the same world size); places left empty are dropped.
-        ranks: list[Rank | None] = list(c.ranks)
-        for i, r in zip(lost_ranks, got):
-            ranks[i] = r
-        for i in lost_ranks[len(got) :]:
-            ranks[i] = None
-        c.reshape([r for r in ranks if r is not None], fresh=set(got), source=source)
+        c.reform(ranks, fresh=fresh, source=source)
         logger.info(
-            "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop them %.2fs, "
-            "replacements %.2fs, re-form and restore %.2fs",
+            "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop and replace "
+            "them %.2fs, re-form and restore %.2fs",
             time.monotonic() - t0,
             t_found - t0,
-            t_stopped - t_found,
             t_replaced - t_stopped,
             time.monotonic() - t_replaced,
         )
@@ -325,7 +314,7 @@ class Resizing(State):
         if new:
             if c.decision is not None and c.decision.sharded:
                 c.gather([r.worker.save.call_one(c.step) for r in c.ranks])
-            c.reshape(c.ranks + new, fresh=set(new), source=c.ranks[0])
+            c.reform(c.ranks + new, fresh=set(new), source=c.ranks[0])
         c.recruit()
         c.transition(
             "Running", f"grew by {len(new)}: generation {c.generation}, {len(c.ranks)} ranks"
@@ -625,13 +614,81 @@ class TrainController:
             min_workers=self.config.min_workers,
         )
 
-    def reshape(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
+    def replace_lost(
+        self, ranks: list[Rank], lost: list[int], what: str
+    ) -> tuple[list[Rank], set[Rank], FailureDecision]:
+        """Stop the ranks at positions `lost` (killing a hung one), and fill their places
+        with spares or new procs within `replace_timeout_s`; places left empty are dropped
+        (shrink), within the failure policy. Returns the new world (replacements take the lost
+        ranks' places: same rank order, so the same reduction order, hence bitwise-equal
+        results at the same world size), the replacements, and the decision."""
+        for i in lost:  # make sure a rank that raised or hung is gone, its room freed
+            try:
+                backend.kill_pid(ranks[i].node_id, ranks[i].pid)
+            except Exception:  # its node may be gone with it
+                pass
+            ranks[i].stop()
+        got = self.replacements(len(lost), self.config.replace_timeout_s)
+        decision = self.decide(len(ranks), lost=len(lost), replacements=len(got))
+        logger.warning("raymesh.train: %s -> %s (%s)", what, decision.action, decision.reason)
+        if decision.action == "abort":
+            for r in got:
+                r.stop()
+            raise TrainError(f"cannot heal: {decision.reason}", cause=None, history=self.history)
+        places: list[Rank | None] = list(ranks)
+        for i, r in zip(lost, got):
+            places[i] = r
+        for i in lost[len(got) :]:
+            places[i] = None
+        return [r for r in places if r is not None], set(got), decision
+
+    def reform(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
+        """`reshape`, healing again when ranks are lost while the world re-forms (a
+        replacement that dies as it joins, a survivor left stuck by it), until the world
+        forms or the failure policy gives up. A DDP source's state, once fetched, is kept by
+        the controller, so it survives the loss of its rank."""
+        state = None
+        while True:
+            try:
+                self.reshape(ranks, fresh=fresh, source=source, state=state)
+                return
+            except WorldBroken as broken:
+                state = broken.state
+                lost = sorted({i for i, _, _ in broken.lost})
+                records = [
+                    FailureRecord(rank=i, step=self.step + 1, cause=cause, kind=kind)
+                    for i, kind, cause in broken.lost
+                ]
+                self.failures.extend(records)
+                what = "while re-forming: " + "; ".join(str(r) for r in records)
+                if self.decide(len(ranks), lost=len(lost), replacements=len(lost)).action == (
+                    "abort"
+                ):
+                    raise TooManyFailures(self.failures, self.latest_checkpoint()) from None
+                gone = {ranks[i] for i in lost}
+                if source in gone:
+                    source = None  # its state, if fetched, is `state`; else the checkpoint
+                ranks, got, _ = self.replace_lost(ranks, lost, what)
+                fresh = (fresh - gone) | got
+                self.healing.extend((r, r.time, 0) for r in records)
+
+    def reshape(
+        self,
+        ranks: list[Rank],
+        *,
+        fresh: set[Rank],
+        source: Rank | None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
         """Make `ranks` the world: the next process group generation, with every rank holding
-        the same state. DDP with a `source` rank: the new ranks build, the others re-form, and
-        all load the source's state (a full replica, sent through the object store). FSDP and
-        HSDP (or no source): every rank rebuilds in its warm process and loads the newest
-        checkpoint, resharded for the new world (HSDP falls back to FSDP while the world does
-        not split into its shard groups)."""
+        the same state. DDP with a `source` rank (or its `state`, fetched before): the new
+        ranks build, the others re-form, and all load the source's state (a full replica, sent
+        through the object store). FSDP and HSDP (or no source): every rank rebuilds in its
+        warm process and loads the newest checkpoint, resharded for the new world (HSDP falls
+        back to FSDP while the world does not split into its shard groups).
+
+        Raises WorldBroken (naming the ranks, and carrying the DDP state it fetched) when a
+        rank dies, or is stuck once another failed, while the world forms."""
         cfg = self.config
         assert self.decision is not None and self.base_decision is not None
         n = len(ranks)
@@ -639,18 +696,34 @@ class TrainController:
         if decision.strategy != self.decision.strategy:
             logger.warning("raymesh.train: %s", decision.reason)
         self.decision = decision
-        if not self.decision.sharded and source is not None:
-            state = source.worker.get_state.call_one().get(timeout=cfg.timeout_s)
+        # Faults that fire as ranks join this generation (tests of a failure while healing).
+        join = [f for f in self.pending_faults if f.when == "join" and f.at_step == self.step + 1]
+        for f in join:
+            self.pending_faults.remove(f)
+
+        def faults(i: int) -> list[Fault]:
+            return [f for f in join if f.rank == i]
+
+        if not self.decision.sharded and (source is not None or state is not None):
+            if state is None:
+                assert source is not None
+                state = source.worker.get_state.call_one().get(timeout=cfg.timeout_s)
             addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
             calls = []
             for i, r in enumerate(ranks):
                 if r in fresh:
-                    calls.append(r.worker.setup.call_one(addr, port, i, n, i, measure=False))
-                    calls.append(r.worker.prepare.call_one(self.decision, None))
+                    calls.append(
+                        [
+                            r.worker.setup.call_one(
+                                addr, port, i, n, i, measure=False, faults=faults(i)
+                            ),
+                            r.worker.prepare.call_one(self.decision, None),
+                        ]
+                    )
                 else:
-                    calls.append(r.worker.reform.call_one(addr, port, i, n, i))
-            self.gather(calls)
-            self.gather([r.worker.set_state.call_one(state) for r in ranks])
+                    calls.append([r.worker.reform.call_one(addr, port, i, n, i, faults(i))])
+            self.converge(calls, state)
+            self.converge([[r.worker.set_state.call_one(state)] for r in ranks], state)
             self.step = state["done"]
         else:
             path = self.latest_checkpoint()
@@ -667,11 +740,12 @@ class TrainController:
                     history=self.history,
                 )
             addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
-            self.gather(
+            self.converge(
                 [
-                    r.worker.setup.call_one(addr, port, i, n, i, measure=False)
+                    [r.worker.setup.call_one(addr, port, i, n, i, measure=False, faults=faults(i))]
                     for i, r in enumerate(ranks)
-                ]
+                ],
+                None,
             )
             self.step = self.gather(
                 [r.worker.prepare.call_one(self.decision, path) for r in ranks]
@@ -684,6 +758,28 @@ class TrainController:
         self.sizes = None  # a new world starts from the even split
         self.balance_policy.reset()
         self.generation += 1
+
+    def converge(self, calls: list[list[Any]], state: dict[str, Any] | None) -> None:
+        """Wait for each rank's calls (calls[i]: rank i's, in order). A rank that died, or that
+        is still blocked `HEAL_GRACE_S` after another failed (in a rendezvous that cannot
+        complete), breaks the world: WorldBroken. An error on a live rank is collateral when
+        another rank was lost (a peer gone mid-rendezvous), else it is raised as it is."""
+        results = self.settle([f for fs in calls for f in fs], self.config.timeout_s)
+        lost: list[tuple[int, str, str]] = []
+        errors: list[BaseException] = []
+        k = 0
+        for i, fs in enumerate(calls):
+            mine, k = results[k : k + len(fs)], k + len(fs)
+            dead = [r for r in mine if isinstance(r, SupervisionError)]
+            if dead:
+                lost.append((i, "died", dead[0].failure.cause))
+            elif any(isinstance(r, TimeoutError) for r in mine):
+                lost.append((i, "stuck", "stuck joining the new world after a peer failed"))
+            errors.extend(r for r in mine if isinstance(r, BaseException))
+        if lost:
+            raise WorldBroken(lost, state)
+        if errors:
+            raise errors[0]
 
     def can_grow(self) -> FailureDecision | None:
         """The grow decision, when recruited ranks are ready for an elastic job below max."""

@@ -166,13 +166,16 @@ class TrainWorker(Actor):
         world_size: int,
         local_rank: int,
         measure: bool = True,
+        faults: list[Fault] | None = None,
     ) -> dict[str, Any]:
         """Join the process group as `rank`, run the user's build function, and (`measure`)
         estimate memory for the strategy decision: at the start only, not when healing.
 
         On a rank that was set up before (an FSDP or HSDP job healing or resizing), it first
         leaves the old group and drops the old model: the process stays warm, the state is
-        rebuilt."""
+        rebuilt. `faults` (when="join") fire first, as the rank joins."""
+        for fault in faults or ():
+            fault.fire()
         cfg = self.config
         if self.task is not None:
             self._abort()
@@ -306,10 +309,19 @@ class TrainWorker(Actor):
 
     @endpoint
     def reform(
-        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        faults: list[Fault] | None = None,
     ) -> None:
         """Join the next generation of the process group as `rank` (a survivor of a failure),
-        and wrap the model for it. DDP only: the caller then restores state with set_state."""
+        and wrap the model for it. DDP only: the caller then restores state with set_state.
+        `faults` (when="join") fire first."""
+        for fault in faults or ():
+            fault.fire()
         assert self.task is not None
         self._abort()
         self._join(master_addr, master_port, rank, world_size, local_rank)

@@ -43,6 +43,19 @@ def test_a_sigkilled_rank_is_replaced_and_the_weights_match_a_clean_run(
         assert close(reference[workers], result.state_dict(), rtol=1e-5, atol=1e-7)
 
 
+def test_a_replacement_that_dies_as_it_joins_is_replaced_in_turn(reference):
+    # Rank 1 is killed at step 6; its replacement is killed as it joins the re-forming world.
+    # Rank 0, waiting for it in the rendezvous, is stuck and replaced too; the state it sent
+    # before is kept by the controller, so nothing is lost but the step in flight.
+    faults = [kill(rank=1, at_step=6), kill(rank=1, at_step=6, when="join")]
+    result = train.fit(MLP, _config(faults=faults))
+    counted = [(f.rank, f.step, f.kind) for f in result.failures if f.kind != "stuck"]
+    assert counted == [(1, 6, "died"), (1, 6, "died")], result.failures
+    assert all(f.recovery_s is not None for f in result.failures)
+    assert [h["step"] for h in result.history] == list(range(1, 13))
+    assert equal(reference[2], result.state_dict())
+
+
 def test_a_rank_that_raises_is_replaced(reference):
     result = train.fit(MLP, _config(faults=[fail(rank=1, at_step=4)]))
     [failure] = result.failures
