@@ -36,7 +36,7 @@ from raymesh.topology.search import Problem, Slot, exact, heuristic
 
 __all__ = ["EXACT_MAX_SLOTS", "Assignment", "JobShape", "Placement", "plan", "used"]
 
-METHODS = ("auto", "exact", "heuristic")
+METHODS = ("auto", "exact", "heuristic", "naive")
 EXACT_MAX_SLOTS = 8  # up to 8! = 40320 orders: a fraction of a second with branch and bound
 _EXACT_HARD_LIMIT = 10  # "exact" on more devices than this is refused rather than left to run
 
@@ -163,7 +163,8 @@ def plan(topology: Topology, shape: JobShape, *, method: str = "auto") -> Placem
 
     method: "exact" finds the best of all orders (branch and bound; refused past 10 usable
     devices); "heuristic" is islands-first and grown orders plus swaps; "auto" is exact up to
-    EXACT_MAX_SLOTS usable devices, else heuristic.
+    EXACT_MAX_SLOTS usable devices, else heuristic; "naive" is the naive order itself, costed
+    (to price another strategy on the places a plan already chose: see `used`).
     Guarantees: the result's cost is never above the naive order's, and is deterministic for
     a given topology and shape. Raises ValueError (naming the field, the value and the fix)
     when the job cannot fit.
@@ -182,7 +183,7 @@ def plan(topology: Topology, shape: JobShape, *, method: str = "auto") -> Placem
             f"{math.perm(len(slots), shape.world_size):,} orders. Fix: method='heuristic' "
             f"(or 'auto'), or at most {_EXACT_HARD_LIMIT} slots"
         )
-    best = heuristic(prob, naive, naive_cost)
+    best = naive if method == "naive" else heuristic(prob, naive, naive_cost)
     if method == "exact":
         best = exact(prob, best)  # the heuristic's answer is a tight first bound
     cost = prob.total(best)
@@ -258,12 +259,12 @@ def _placement(
         )
     else:
         versus = "the same as the naive order, which is kept"
-    search = (
-        f"exact: the best of all {math.perm(len(prob.slots), shape.world_size):,} orders "
-        "(branch and bound)"
-        if method == "exact"
-        else "heuristic: islands-first and grown orders refined by swaps"
-    )
+    search = {
+        "exact": f"exact: the best of all {math.perm(len(prob.slots), shape.world_size):,} "
+        "orders (branch and bound)",
+        "heuristic": "heuristic: islands-first and grown orders refined by swaps",
+        "naive": "naive: the hosts in order, each host's places in order, as asked",
+    }[method]
     reason = (
         f"{shape.describe()} on {shape.world_size} {what} of {n_hosts} host(s): "
         + "; ".join(parts)

@@ -487,18 +487,19 @@ class TrainController:
         except ValueError as e:  # less room than ranks: take what there is (elastic may start)
             logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
             return self.pick_nodes(n, free)
-        # One group of every rank costs the same in any order: keep each host's ranks together.
-        order = {node: i for i, node in reversed(list(enumerate(placement.node_ids)))}
-        nodes = sorted(placement.node_ids, key=order.__getitem__)
         self.plans[base] = placement
+        # One group of every rank costs the same in any order: keep each host's ranks together,
+        # hosts in topology order (the naive order of the places the plan chose), which is
+        # also where HSDP's shard groups are one host each.
+        there = used(topo, placement)
+        order = [h.node_id for h in there.hosts]
+        nodes = sorted(placement.node_ids, key=order.index)
         shard = cfg.shard_size or host_shard_size(nodes)
         if cfg.strategy in ("auto", "hsdp") and shard and n % shard == 0 and n > shard:
-            there = used(topo, placement)
             for strategy in ("ddp", "fsdp", "hsdp"):
                 dims = {"replicate": n // shard, "shard": shard} if strategy == "hsdp" else {}
                 shape = topology.JobShape(world_size=n, strategy=strategy, device=device, **dims)
-                self.plans[strategy] = topology.plan(there, shape)
-            nodes = self.plans["hsdp"].node_ids  # also a best order for DDP and FSDP
+                self.plans[strategy] = topology.plan(there, shape, method="naive")
         self.placement = placement.reason
         logger.info("raymesh.train: placement: %s", placement.reason)
         return nodes
@@ -740,16 +741,14 @@ class TrainController:
                     history=self.history,
                 )
             addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
-            self.converge(
+            calls = [
                 [
-                    [r.worker.setup.call_one(addr, port, i, n, i, measure=False, faults=faults(i))]
-                    for i, r in enumerate(ranks)
-                ],
-                None,
-            )
-            self.step = self.gather(
-                [r.worker.prepare.call_one(self.decision, path) for r in ranks]
-            )[0]
+                    r.worker.setup.call_one(addr, port, i, n, i, measure=False, faults=faults(i)),
+                    r.worker.prepare.call_one(self.decision, path),
+                ]
+                for i, r in enumerate(ranks)
+            ]
+            self.step = self.converge(calls, None)[0]
             # Steps after the checkpoint are trained again: their first rows are void.
             self.history = [h for h in self.history if h["step"] <= self.step]
         with self.lock:
@@ -759,11 +758,12 @@ class TrainController:
         self.balance_policy.reset()
         self.generation += 1
 
-    def converge(self, calls: list[list[Any]], state: dict[str, Any] | None) -> None:
-        """Wait for each rank's calls (calls[i]: rank i's, in order). A rank that died, or that
-        is still blocked `HEAL_GRACE_S` after another failed (in a rendezvous that cannot
-        complete), breaks the world: WorldBroken. An error on a live rank is collateral when
-        another rank was lost (a peer gone mid-rendezvous), else it is raised as it is."""
+    def converge(self, calls: list[list[Any]], state: dict[str, Any] | None) -> list[Any]:
+        """Wait for each rank's calls (calls[i]: rank i's, in order) and return each rank's
+        last result. A rank that died, or that is still blocked `HEAL_GRACE_S` after another
+        failed (in a rendezvous that cannot complete), breaks the world: WorldBroken. An error
+        on a live rank is collateral when another rank was lost (a peer gone mid-rendezvous),
+        else it is raised as it is."""
         results = self.settle([f for fs in calls for f in fs], self.config.timeout_s)
         lost: list[tuple[int, str, str]] = []
         errors: list[BaseException] = []
@@ -780,6 +780,7 @@ class TrainController:
             raise WorldBroken(lost, state)
         if errors:
             raise errors[0]
+        return [results[k - 1] for k in itertools.accumulate(len(fs) for fs in calls)]
 
     def can_grow(self) -> FailureDecision | None:
         """The grow decision, when recruited ranks are ready for an elastic job below max."""

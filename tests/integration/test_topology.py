@@ -92,8 +92,7 @@ TWO_GPU_HOSTS = textwrap.dedent(
     cluster.wait_for_nodes()
     import ray
     ray.init(address=cluster.address)
-    import raymesh
-from raymesh import topology
+    from raymesh import topology
     topo = topology.discover(probe_timeout=30)
     shape = topology.JobShape(world_size=4, strategy="hsdp", replicate=2, shard=2)
     plan = topology.plan(topo, shape)

@@ -417,6 +417,10 @@ def test_used_keeps_only_the_places_a_plan_holds_and_replanning_there_stays_ther
     assert sum(len(h.devices) for h in there.hosts) == 4
     hsdp = plan(there, JobShape(world_size=4, strategy="hsdp", replicate=2, shard=2))
     assert sorted(zip(hsdp.node_ids, hsdp.devices)) == sorted(zip(ddp.node_ids, ddp.devices))
+    # "naive" prices the order that keeps each host's ranks together, host by host
+    naive = plan(there, hsdp.shape, method="naive")
+    assert naive.method == "naive" and naive.cost == naive.naive_cost >= hsdp.cost
+    assert naive.node_ids == sorted(naive.node_ids, key=[h.node_id for h in there.hosts].index)
     cpus = used(
         cpu_hosts(hosts=3, cpus=4),
         plan(cpu_hosts(hosts=3, cpus=4), JobShape(world_size=6, strategy="ddp", device="cpu")),
