@@ -29,6 +29,14 @@ def test_past_the_budget_the_job_aborts() -> None:
     assert d.action == "abort" and "more than max_failures=1" in d.reason
 
 
+def test_ranks_stuck_behind_a_failure_are_replaced_but_not_counted() -> None:
+    stuck = FailureRecord(rank=0, step=10, cause="stuck in a collective", kind="stuck")
+    d = FailurePolicy(max_failures=1).decide(
+        [*_failures(1), stuck], 2, replacements=2, lost=2, min_workers=2
+    )
+    assert d.action == "replace" and "failure 1 of max_failures=1" in d.reason
+
+
 def test_grow_back_to_max_with_the_ranks_that_are_ready() -> None:
     policy = GrowPolicy()
     assert policy.decide(4, max_workers=4, ready=2) is None
