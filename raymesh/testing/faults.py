@@ -24,9 +24,9 @@ class Fault:
     at_step: int  # 1-based step that is in flight when it fires
     seconds: float | None = None  # for "hang": how long (None: until killed)
     factor: float | None = None  # for "slow": each step takes this many times as long
-    # "step": as the rank starts step at_step. "join": in the rank joining as `rank` when the
-    # world re-forms (after a failure, or to grow) to resume at step at_step: a failure while
-    # healing.
+    # "step": as the rank starts step at_step. "join": in the rank joining as `rank` a world
+    # re-formed while step at_step is next (healing a failure at that step, or growing just
+    # before it): a failure while healing.
     when: str = "step"
 
     def __post_init__(self) -> None:
@@ -66,8 +66,8 @@ class Fault:
 
 
 def kill(*, rank: int, at_step: int, when: str = "step") -> Fault:
-    """SIGKILL `rank` as it starts step `at_step` (when="join": as it joins the world that
-    re-forms to resume at `at_step`)."""
+    """SIGKILL `rank` as it starts step `at_step` (when="join": as it joins a world re-formed
+    while `at_step` is next, e.g. healing a failure at that step)."""
     return Fault(kind="kill", rank=rank, at_step=at_step, when=when)
 
 
