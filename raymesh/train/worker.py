@@ -305,7 +305,9 @@ class TrainWorker(Actor):
             try:
                 dist.destroy_process_group()
             except Exception:
-                logger.warning("raymesh.train: rank %d: destroying its process group failed")
+                logger.warning(
+                    "raymesh.train: rank %d: destroying its process group failed", self.rank
+                )
 
     @endpoint
     def reform(
