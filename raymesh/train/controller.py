@@ -68,6 +68,7 @@ from raymesh.train.strategy import (
     StrategyDecision,
     StrategyPolicy,
     host_shard_size,
+    splits_into_shard_groups,
 )
 from raymesh.train.worker import Monitor, TrainWorker
 
@@ -178,7 +179,7 @@ class Starting(State):
         est: MemoryEstimate = infos[0]["estimate"]
         budget = min(i["budget_bytes"] for i in infos)
         shard = cfg.shard_size or host_shard_size([r.node_id for r in c.ranks])
-        if shard and (world % shard or world == shard) and cfg.strategy == "auto":
+        if shard and not splits_into_shard_groups(world, shard) and cfg.strategy == "auto":
             shard = None  # an elastic start below max: no whole shard groups to consider
         comm = {k: p.cost for k, p in c.plans.items()} if world == cfg.max_workers else None
         c.decision = c.strategy_policy.decide(
@@ -495,7 +496,7 @@ class TrainController:
         order = [h.node_id for h in there.hosts]
         nodes = sorted(placement.node_ids, key=order.index)
         shard = cfg.shard_size or host_shard_size(nodes)
-        if cfg.strategy in ("auto", "hsdp") and shard and n % shard == 0 and n > shard:
+        if cfg.strategy in ("auto", "hsdp") and shard and splits_into_shard_groups(n, shard):
             for strategy in ("ddp", "fsdp", "hsdp"):
                 dims = {"replicate": n // shard, "shard": shard} if strategy == "hsdp" else {}
                 shape = topology.JobShape(world_size=n, strategy=strategy, device=device, **dims)

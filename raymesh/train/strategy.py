@@ -42,6 +42,7 @@ __all__ = [
     "host_shard_size",
     "largest_block_bytes",
     "probe_activation_bytes",
+    "splits_into_shard_groups",
 ]
 
 
@@ -122,7 +123,7 @@ class StrategyDecision:
         if self.strategy != "hsdp":
             return self
         assert self.shard_size is not None
-        if world_size % self.shard_size == 0 and world_size > self.shard_size:
+        if splits_into_shard_groups(world_size, self.shard_size):
             return self
         reason = (
             f"fsdp over {_ranks(world_size)}: the world of {world_size} no longer splits into "
@@ -299,9 +300,7 @@ class StrategyPolicy:
             raise ValueError(f"world_size={world_size}: must be >= 1")
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
-        if shard_size is not None and (
-            shard_size < 2 or world_size % shard_size or shard_size == world_size
-        ):
+        if shard_size is not None and not splits_into_shard_groups(world_size, shard_size):
             raise ValueError(
                 f"shard_size={shard_size}: HSDP needs at least 2 shard groups of at least 2 "
                 f"ranks, so a divisor of the world size {world_size} between 2 and "
@@ -482,6 +481,12 @@ def _host_memory_bytes() -> int:
 def gpu_budget_bytes(device_index: int) -> int:
     """Total memory of CUDA device `device_index` (call only where CUDA is available)."""
     return int(torch.cuda.get_device_properties(device_index).total_memory)
+
+
+def splits_into_shard_groups(world_size: int, shard_size: int) -> bool:
+    """True when `world_size` ranks form two or more whole HSDP shard groups of `shard_size`
+    (>= 2) ranks each: fewer groups, or groups of one rank, are FSDP or DDP."""
+    return shard_size >= 2 and world_size % shard_size == 0 and world_size > shard_size
 
 
 def host_shard_size(node_ids: Sequence[str]) -> int | None:
