@@ -79,6 +79,8 @@ class HostMesh(MeshTrait):
         Raises ValueError for a bad `per_host` or a plan for hosts outside this mesh,
         PlacementError when the cluster cannot hold it.
         """
+        if not cpus_per_proc >= 0:
+            raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
         if placement is not None:
             return self._spawn_placed(placement, name, cpus_per_proc, timeout)
         per_host = dict(per_host or {"procs": 1})
@@ -88,24 +90,14 @@ class HostMesh(MeshTrait):
                 raise ValueError(f"{asked}: axis {axis!r} is already a host axis; rename it")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"{asked}: {axis}={n!r}; each per_host size must be an int >= 1")
-        if not cpus_per_proc >= 0:
-            raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
         extent = Extent(
             self._shape.labels + tuple(per_host),
             self._shape.extent.sizes + tuple(per_host.values()),
         )
         per = Extent.of(per_host).nelem
         node_ids = [n for n in self.node_ids for _ in range(per)]
-        resources = {"CPU": float(cpus_per_proc)}
-        if _GPU_AXIS in per_host:
-            resources["GPU"] = 1.0
-        resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
-        mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
-        points = list(extent.points())
-        group = backend.create_procs(mesh_name, points, node_ids, resources, timeout, asked)
-        state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
-        _own(state)
-        return ProcMesh(state, Shape.of(dict(extent)))
+        gpu = _GPU_AXIS in per_host
+        return _create(extent, node_ids, name, cpus_per_proc, gpu, timeout, asked)
 
     def _spawn_placed(
         self, placement: Placement, name: str | None, cpus_per_proc: float, timeout: float
@@ -119,26 +111,37 @@ class HostMesh(MeshTrait):
                 f"host mesh ({len(mine)} host(s)). Fix: plan on this mesh's hosts, or spawn "
                 "from host_mesh()"
             )
-        if not cpus_per_proc >= 0:
-            raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
         dims = dict(zip(("replicate", "shard", "tp"), placement.shape.dims))
         axes = {k: v for k, v in dims.items() if v > 1} or {"replicate": 1}
-        extent = Extent.of(axes)
-        resources = {"CPU": float(cpus_per_proc)}
-        if any(a.device is not None for a in placement.assignments):
-            resources["GPU"] = 1.0
-        resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
-        mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
+        gpu = any(a.device is not None for a in placement.assignments)
         # Points in row-major order are ranks in the plan's layout ((r * shard + s) * tp + t).
-        group = backend.create_procs(
-            mesh_name, list(extent.points()), placement.node_ids, resources, timeout, asked
-        )
-        state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
-        _own(state)
-        return ProcMesh(state, Shape.of(axes))
+        extent = Extent.of(axes)
+        return _create(extent, placement.node_ids, name, cpus_per_proc, gpu, timeout, asked)
 
     def __repr__(self) -> str:
         return f"HostMesh({self._shape})"
+
+
+def _create(
+    extent: Extent,
+    node_ids: list[str],
+    name: str | None,
+    cpus_per_proc: float,
+    gpu: bool,
+    timeout: float,
+    asked: str,
+) -> ProcMesh:
+    """One proc per point of `extent`, the i-th on `node_ids[i]`, owned by this process."""
+    resources = {"CPU": float(cpus_per_proc)}
+    if gpu:
+        resources["GPU"] = 1.0
+    resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
+    mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
+    points = list(extent.points())
+    group = backend.create_procs(mesh_name, points, node_ids, resources, timeout, asked)
+    state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
+    _own(state)
+    return ProcMesh(state, Shape.of(dict(extent)))
 
 
 def host_mesh() -> HostMesh:
