@@ -4,11 +4,18 @@ Run (from the repository root):
     python bench/messaging.py            # full: 1000 call_one, 300 call-all, 25 tensor sends
     python bench/messaging.py --quick    # smoke run: 100 / 30 / 3
 
-Per system: spawn 4 procs until the first reply; call_one round trip to one actor; call to all
-4 (and to all 16) actors + gather; a 64 MiB float32 tensor sent to one actor and acknowledged,
-and sent to one actor and echoed back. raymesh and raw Ray run in this process, interleaved in
-alternating blocks so machine noise hits both alike; torchmonarch (when installed) runs in a
-subprocess of its own (`--monarch`) so its runtime never shares a process with Ray.
+Per system: spawn 4 (and 16) procs until every actor replied, with Ray (for Monarch: the
+process) already up; call_one round trip to one actor; call to all 4 (and to all 16) actors +
+gather; a 64 MiB float32 tensor sent to one actor and acknowledged, and sent to one actor and
+echoed back; and the whole process: a fresh `python` that imports the system, starts it (raymesh:
+its local Ray) and spawns 4 procs until every actor replied, timed from before the launch.
+raymesh and raw Ray run in this process, interleaved in alternating blocks so machine noise hits
+both alike; torchmonarch (when installed) runs in a subprocess of its own (`--monarch`) so its
+runtime never shares a process with Ray.
+
+raymesh keeps warm procs (`RAYMESH_WARM_PROCS`, here 16, enough for the 16-proc mesh): "Ray
+already up" includes them being ready, and after each spawn the bench waits until the pool has
+been topped up again, so that no timing shares the 2 cores with procs starting in the background.
 Progress goes to stderr; exactly one JSON object goes to stdout at the end.
 """
 
@@ -38,6 +45,14 @@ ANCHORS_PUBLISHED = {
 }
 RATIO_LIMIT = 1.2  # raymesh may cost at most this many times raw Ray per message
 SPEEDUP_TARGET = 4.0  # raymesh's 64 MiB send must be this many times faster than monarch's
+MONARCH_LIMITS = {  # raymesh may take at most this many times torchmonarch's figure
+    "spawn_4_s": 1.5,
+    "spawn_16_s": 1.5,
+    "whole_process_4_s": 2.0,
+    "call_one_ms": 1.0,
+    "call_all_4_ms": 1.0,
+    "call_all_16_ms": 1.0,
+}
 PUBLISHED = "published anchor (torchmonarch 0.7.0); not installed here"
 
 
@@ -95,14 +110,24 @@ def mesh_ops(actors: Any, stop: Callable[[], None]) -> Ops:
     )
 
 
+def settle_pool() -> None:
+    """Wait until raymesh's warm procs are all started (its pool refills after a spawn)."""
+    from raymesh._src.backend import pool
+
+    check(pool.wait_ready(600), "warm procs did not start within 600 s")
+
+
 def spawn_raymesh(n: int) -> tuple[Ops, float]:
     from raymesh import Actor, endpoint, this_host
 
+    settle_pool()
     t0 = time.perf_counter()
-    # 16 procs start slowly on a small machine: allow more than the default 60 s
+    # 16 procs start slowly on a small machine (if they start cold): allow more than 60 s
     procs = this_host().spawn_procs(per_host={"procs": n}, timeout=300)
     ops = mesh_ops(procs.spawn("bench", make_bench_class(Actor, endpoint)), procs.stop)
-    return ops, time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    settle_pool()
+    return ops, secs
 
 
 def spawn_raw_ray(n: int) -> tuple[Ops, float]:
@@ -136,6 +161,47 @@ def spawn_monarch(n: int) -> tuple[Ops, float]:
     procs = this_host().spawn_procs(per_host={"procs": n})
     actors = procs.spawn("bench", make_bench_class(Actor, endpoint))
     return mesh_ops(actors, lambda: procs.stop().get()), time.perf_counter() - t0
+
+
+WHOLE = {
+    "raymesh": "from raymesh import Actor, endpoint, this_host",
+    "monarch": "from monarch.actor import Actor, endpoint, this_host",
+}
+WHOLE_SCRIPT = """
+import sys, time
+{imp}
+class A(Actor):
+    @endpoint
+    def ping(self, x: int) -> int:
+        return x
+procs = this_host().spawn_procs(per_host={{"procs": 4}})
+replies = [v for _, v in procs.spawn("a", A).ping.call(1).get().items()]
+assert replies == [1] * 4, replies
+print("REPLIED", time.time(), flush=True)
+"""
+
+
+def whole_process(runs: int) -> dict[str, Any]:
+    """Per system, seconds from launching a fresh python to 4 procs' replies (the process's
+    own start, imports, runtime start and spawn; its exit is not timed): the systems take turns,
+    `runs` times each, and each gets the summary of its runs."""
+    systems = [s for s in WHOLE if s != "monarch" or importlib.util.find_spec("monarch")]
+    secs: dict[str, list[float]] = {s: [] for s in systems}
+    for i in range(runs):
+        for system in systems if i % 2 == 0 else reversed(systems):
+            t0 = time.time()
+            p = subprocess.run(
+                [sys.executable, "-c", WHOLE_SCRIPT.format(imp=WHOLE[system])],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                timeout=300,
+            )
+            done = [ln for ln in p.stdout.splitlines() if ln.startswith("REPLIED ")]
+            check(p.returncode == 0 and bool(done), f"{system} whole process: {p.returncode}")
+            secs[system].append(float(done[0].split()[1]) - t0)
+            log(f"{system}: whole process to 4 replies in {secs[system][-1]:.2f}s")
+    return {s: summary(xs, 1.0) for s, xs in secs.items()}
 
 
 def summary(xs: list[float], scale: float) -> dict[str, float]:
@@ -226,7 +292,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def build_report(res: dict[str, dict], mon: dict[str, Any]) -> dict[str, Any]:
     def med(system: dict, key: str) -> float | None:
-        return system[key]["median"] if key in system else None
+        value = system.get(key)
+        return value.get("median") if isinstance(value, dict) else value
 
     rm, raw = res["raymesh"], res["raw_ray"]
     ratios: dict[str, float | None] = {}
@@ -235,6 +302,13 @@ def build_report(res: dict[str, dict], mon: dict[str, Any]) -> dict[str, Any]:
         r = ratios[f"raymesh_over_raw_ray_{k}"] = ratio(med(rm, f"{k}_ms"), med(raw, f"{k}_ms"))
         met = r is not None and r <= RATIO_LIMIT
         targets[f"{k}_within_{RATIO_LIMIT}x_raw_ray"] = {"ratio": r, "met": met}
+    # Issue 10's targets against torchmonarch, measured in this run.
+    for key, limit in MONARCH_LIMITS.items():
+        r = ratios[f"raymesh_over_monarch_{key}"] = ratio(med(rm, key), med(mon, key))
+        targets[f"{key}_within_{limit}x_monarch"] = {
+            "ratio": r,
+            "met": r is not None and r <= limit,
+        }
     mon_s, rm_s = med(mon, "tensor_64MiB_recv_s"), med(rm, "tensor_64MiB_recv_s")
     ratios["monarch_over_raymesh_64MiB"] = ratio(mon_s, rm_s)
     source = "measured in this run"
@@ -275,6 +349,8 @@ def main() -> None:
         print(json.dumps(measure({"monarch": spawn_monarch}, it)["monarch"]), file=out, flush=True)
         return
     loadavg = os.getloadavg()
+    os.environ.setdefault("RAYMESH_WARM_PROCS", "16")
+    whole = whole_process(1 if args.quick else 3)
     monarch = run_monarch(args.quick)  # before Ray starts: it never shares the machine's Ray
     from raymesh._src.backend import ensure_ray, shutdown
 
@@ -283,6 +359,8 @@ def main() -> None:
     log(f"ray up in {time.perf_counter() - t0:.1f}s")
     res = measure({"raymesh": spawn_raymesh, "raw_ray": spawn_raw_ray}, it)
     shutdown()  # the procs and actors are stopped already; this ends the local Ray
+    for system, figure in whole.items():
+        (monarch if system == "monarch" else res["raymesh"])["whole_process_4_s"] = figure
     report = {
         "bench": "messaging",
         "quick": args.quick,

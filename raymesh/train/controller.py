@@ -70,6 +70,7 @@ from raymesh.train.strategy import (
     host_shard_size,
     splits_into_shard_groups,
 )
+from raymesh.train.task import local_ranks
 from raymesh.train.worker import Monitor, TrainWorker
 
 logger = logging.getLogger("raymesh")
@@ -706,6 +707,8 @@ class TrainController:
         def faults(i: int) -> list[Fault]:
             return [f for f in join if f.rank == i]
 
+        local = local_ranks([r.node_id for r in ranks])
+
         if not self.decision.sharded and (source is not None or state is not None):
             if state is None:
                 assert source is not None
@@ -717,13 +720,13 @@ class TrainController:
                     calls.append(
                         [
                             r.worker.setup.call_one(
-                                addr, port, i, n, i, measure=False, faults=faults(i)
+                                addr, port, i, n, local[i], measure=False, faults=faults(i)
                             ),
                             r.worker.prepare.call_one(self.decision, None),
                         ]
                     )
                 else:
-                    calls.append([r.worker.reform.call_one(addr, port, i, n, i, faults(i))])
+                    calls.append([r.worker.reform.call_one(addr, port, i, n, local[i], faults(i))])
             self.converge(calls, state)
             self.converge([[r.worker.set_state.call_one(state)] for r in ranks], state)
             self.step = state["done"]
@@ -744,7 +747,9 @@ class TrainController:
             addr, port = ranks[0].worker.address.call_one().get(timeout=cfg.timeout_s)
             calls = [
                 [
-                    r.worker.setup.call_one(addr, port, i, n, i, measure=False, faults=faults(i)),
+                    r.worker.setup.call_one(
+                        addr, port, i, n, local[i], measure=False, faults=faults(i)
+                    ),
                     r.worker.prepare.call_one(self.decision, path),
                 ]
                 for i, r in enumerate(ranks)
@@ -842,8 +847,12 @@ class TrainController:
         """Form a process group of `members` (rank = position), calling `setup` on each."""
         addr, port = members[0][0].worker.address.call_one().get(timeout=self.config.timeout_s)
         n = len(members)
+        local = local_ranks([r.node_id for r, _ in members])
         return self.gather(
-            [getattr(r.worker, m).call_one(addr, port, i, n, i) for i, (r, m) in enumerate(members)]
+            [
+                getattr(r.worker, m).call_one(addr, port, i, n, local[i])
+                for i, (r, m) in enumerate(members)
+            ]
         )
 
     def gather(self, futures: list[Any]) -> list[Any]:

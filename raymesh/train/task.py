@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,30 @@ class Context:
 
     rank: int  # global rank in the current process group
     world_size: int  # number of ranks training now
-    local_rank: int  # rank among the procs of this host
+    local_rank: int  # rank among this host's ranks (LOCAL_RANK)
+    local_world_size: int  # ranks on this host (LOCAL_WORLD_SIZE)
     device: torch.device  # cuda:<local> on a GPU proc, cpu otherwise
     seed: int  # TrainConfig.seed
     config: Any = None  # the TrainConfig
+
+
+@dataclass(frozen=True)
+class Local:
+    """A rank's place among the ranks of its host."""
+
+    rank: int  # 0.. size-1, in global rank order
+    size: int  # ranks on this host
+
+
+def local_ranks(node_ids: Sequence[str]) -> list[Local]:
+    """Each rank's `Local`, for ranks whose hosts are `node_ids` (index = global rank)."""
+    size = Counter(node_ids)
+    seen: Counter[str] = Counter()
+    out = []
+    for node in node_ids:
+        out.append(Local(seen[node], size[node]))
+        seen[node] += 1
+    return out
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,7 @@ from raymesh.train.strategy import (
     gpu_budget_bytes,
     probe_activation_bytes,
 )
-from raymesh.train.task import Context, Task
+from raymesh.train.task import Context, Local, Task
 
 logger = logging.getLogger("raymesh")
 
@@ -134,7 +134,7 @@ class TrainWorker(Actor):
         return backend.node_ip(), _free_port()
 
     def _join(
-        self, master_addr: str, master_port: int, rank: int, world_size: int, local_rank: int
+        self, master_addr: str, master_port: int, rank: int, world_size: int, local: Local
     ) -> None:
         """Join (a new generation of) the process group."""
         cfg = self.config
@@ -142,8 +142,8 @@ class TrainWorker(Actor):
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(local_rank),
-            LOCAL_WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(local.rank),
+            LOCAL_WORLD_SIZE=str(local.size),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
@@ -164,7 +164,7 @@ class TrainWorker(Actor):
         master_port: int,
         rank: int,
         world_size: int,
-        local_rank: int,
+        local: Local,
         measure: bool = True,
         faults: list[Fault] | None = None,
     ) -> dict[str, Any]:
@@ -185,7 +185,7 @@ class TrainWorker(Actor):
             gc.collect()
         use_cuda = torch.cuda.is_available() and cfg.gpus is not False
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
-        self._join(master_addr, master_port, rank, world_size, local_rank)
+        self._join(master_addr, master_port, rank, world_size, local)
         if not use_cuda:
             torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -193,7 +193,8 @@ class TrainWorker(Actor):
         ctx = Context(
             rank=rank,
             world_size=world_size,
-            local_rank=local_rank,
+            local_rank=local.rank,
+            local_world_size=local.size,
             device=self.device,
             seed=cfg.seed,
             config=cfg,
@@ -316,7 +317,7 @@ class TrainWorker(Actor):
         master_port: int,
         rank: int,
         world_size: int,
-        local_rank: int,
+        local: Local,
         faults: list[Fault] | None = None,
     ) -> None:
         """Join the next generation of the process group as `rank` (a survivor of a failure),
@@ -326,7 +327,7 @@ class TrainWorker(Actor):
             fault.fire()
         assert self.task is not None
         self._abort()
-        self._join(master_addr, master_port, rank, world_size, local_rank)
+        self._join(master_addr, master_port, rank, world_size, local)
         self._wrap()
         self._new_checkpointer()
 

@@ -30,7 +30,7 @@ def test_version_and_info_on_an_existing_cluster():
 
 MULTI_HOST = textwrap.dedent(
     """
-    import dataclasses, json
+    import dataclasses, json, os
     from ray.cluster_utils import Cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
     cluster.add_node(num_cpus=4)
@@ -69,11 +69,22 @@ MULTI_HOST = textwrap.dedent(
     config = train.TrainConfig(
         workers=4, steps=4, global_batch_size=16, cpus_per_worker=2, activation_bytes=0
     )
-    task = mlp.build(train.Context(rank=0, world_size=4, local_rank=0,
+    task = mlp.build(train.Context(rank=0, world_size=4, local_rank=0, local_world_size=2,
                                    device=torch.device("cpu"), seed=0, config=config))
     est = estimate(task.model, task.optimizer, activation_bytes=0)  # what each rank measures
     budget = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8 / 2**30
-    hsdp = train.fit(mlp.build, dataclasses.replace(config, memory_budget_gb=budget))
+    seen = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local")
+    os.makedirs(seen, exist_ok=True)
+
+    def build(ctx):  # each rank says where it sits on its host, as the context and env have it
+        with open(os.path.join(seen, str(ctx.rank)), "w") as f:
+            json.dump([_ray.get_runtime_context().get_node_id(), ctx.local_rank,
+                       ctx.local_world_size, os.environ["LOCAL_RANK"],
+                       os.environ["LOCAL_WORLD_SIZE"]], f)
+        return mlp.build(ctx)
+
+    hsdp = train.fit(build, dataclasses.replace(config, memory_budget_gb=budget))
+    local = {int(r): json.load(open(os.path.join(seen, r))) for r in os.listdir(seen)}
     print("RESULT", json.dumps({
         "sizes": procs.sizes,
         "host_ids": hosts.node_ids,
@@ -81,6 +92,7 @@ MULTI_HOST = textwrap.dedent(
         "decision": [hsdp.decision.strategy, hsdp.decision.shard_size, hsdp.decision.reason],
         "placement": hsdp.placement,
         "losses": [h["loss"] for h in hsdp.history],
+        "local": [local[r] for r in sorted(local)],
         "said": said,
     }))
     ray.shutdown()
@@ -100,3 +112,8 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
     assert "estimated communication" in reason and "vs ddp" in reason, "\n".join(out["said"])
     assert out["placement"].startswith("hsdp 2x2 on 4 CPU procs of 2 host(s)"), out["placement"]
     assert len(out["losses"]) == 4 and all(x == x for x in out["losses"])
+    # LOCAL_RANK is the rank among the host's ranks (ranks 0,1 on one host, 2,3 on the other).
+    local = out["local"]
+    nodes = [n for n, *_ in local]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and set(nodes) == set(hosts), local
+    assert [x[1:] for x in local] == [[0, 2, "0", "2"], [1, 2, "1", "2"]] * 2, local

@@ -186,7 +186,11 @@ CONTROLLER = textwrap.dedent(
     procs = this_host().spawn_procs(per_host={"procs": 2}, name="talkers")
     talkers = procs.spawn("t", Talker)
     talkers.say.call("hello from a proc").get(timeout=60)
-    print("PIDS", *procs.pids, flush=True)
+    from raymesh._src.backend import pool  # the warm procs waiting for the next spawn
+    import ray
+    pool.wait_ready(120)
+    warm = [ray.get(w.info)["pid"] for q in pool._warm.values() for w in q]
+    print("PIDS", *procs.pids, *warm, flush=True)
     time.sleep(600)
     """
 )
@@ -220,6 +224,7 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
     output = "".join(lines)
     assert pids, output
     assert "talkers[hosts=0,procs=" in output, output
+    assert len(pids) > 2, "no warm procs seen"
     proc.kill()  # the controller crashes: no cleanup runs in it
     proc.wait(timeout=30)
     _wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)

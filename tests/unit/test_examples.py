@@ -10,7 +10,9 @@ from torch import nn
 from raymesh.examples import mlp, tinygpt
 from raymesh.train.task import Context, Task
 
-CTX = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), seed=0)
+CTX = Context(
+    rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
+)
 
 
 def small_gpt() -> tinygpt.TinyGPT:
@@ -255,3 +257,16 @@ def test_build_follows_the_frameworks_seed_instead_of_reseeding(build):
 
     assert torch.equal(weights(0), weights(0))
     assert not torch.equal(weights(0), weights(1))
+
+
+def test_local_ranks_count_each_hosts_ranks_in_global_rank_order():
+    from raymesh.train.task import Local, local_ranks
+
+    assert local_ranks(["a", "a", "b", "a", "b"]) == [
+        Local(0, 3),
+        Local(1, 3),
+        Local(0, 2),
+        Local(2, 3),
+        Local(1, 2),
+    ]
+    assert local_ranks(["a"]) == [Local(0, 1)]

@@ -9,10 +9,13 @@ of messages never starves them.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 from raymesh._src import context as _ctx
 from raymesh._src.backend import runtime
@@ -25,8 +28,17 @@ MESSAGE_THREADS = 256
 
 
 class _ProcHost:
-    def __init__(self, proc_mesh_name: str, point: Point) -> None:
+    def __init__(self, proc_mesh_name: str | None, point: Point | None) -> None:
+        """A proc of `proc_mesh_name` at `point`; or, with None for both, a warm proc that
+        imports what a proc will need and waits to be adopted (see `backend.pool`)."""
         runtime.quiet_zero_copy_warnings()
+        self._name = "raymesh-warm-proc"
+        if proc_mesh_name is None or point is None:
+            _preload()
+        else:
+            self._join(proc_mesh_name, point)
+
+    def _join(self, proc_mesh_name: str, point: Point) -> None:
         self._name = f"{proc_mesh_name}{_fmt(point)}"
         _ctx.set_proc_point(point)
         self.runtime = ProcRuntime(proc_mesh_name=proc_mesh_name, point=point)
@@ -60,6 +72,21 @@ class _ProcHost:
         return self.runtime.watch(timeout)
 
     @ray.method(concurrency_group="control")
+    def adopt(self, proc_mesh_name: str, point: Point, threads: int | None) -> None:
+        """Make this warm proc the proc at `point` of `proc_mesh_name` (once). `threads`: the
+        OMP_NUM_THREADS Ray would have given a proc of its CPUs (None: leave it as it is)."""
+        if hasattr(self, "runtime"):
+            raise RuntimeError(f"{self._name} already belongs to a mesh")
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(threads)
+        self._join(proc_mesh_name, point)
+        # Ray names an actor's forwarded output after its repr at creation; say the new name.
+        for stream in (sys.stdout, sys.stderr):
+            print(f"{ray_constants.LOG_PREFIX_ACTOR_NAME}{self._name}", file=stream, flush=True)
+
+    @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -67,6 +94,19 @@ class _ProcHost:
 ProcHost: Any = ray.remote(  # type: ignore[call-overload]  # stubs omit these options
     max_concurrency=MESSAGE_THREADS, concurrency_groups={"control": 16}
 )(_ProcHost)
+
+
+# What a warm proc imports while it waits: each costs seconds on a small machine, and nearly
+# every proc needs them (any tensor argument, any training rank). Missing ones are skipped.
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
+
+
+def _preload() -> None:
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
 
 
 def _fmt(point: Point) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +16,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from raymesh._src.backend import runtime
+from raymesh._src.backend import pool, runtime
 from raymesh._src.backend.host_agent import HostAgent
 from raymesh._src.backend.proc_host import ProcHost
 from raymesh._src.shape import Point
@@ -46,6 +48,14 @@ def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> A
 def host_agent(node_id: str) -> Any:
     """The host agent of a node (see `node_actor`)."""
     return node_actor(HostAgent, "raymesh-host", node_id, _agents, _agents_lock)
+
+
+def prepare(node_id: str) -> None:
+    """Start what spawns on `node_id` will need, without waiting: its host agent (every spawn
+    waits for it), then, once the agent is up, its warm procs. In that order because Ray starts
+    worker processes a few at a time, in no particular order: an agent behind eight warm procs
+    would hold up the first spawn."""
+    pool.fill({node_id: pool.size()}, after=host_agent(node_id).info.remote())
 
 
 @dataclass
@@ -135,23 +145,33 @@ def create_procs(
             f"procs, or raise the timeout (spawn_procs(..., timeout=...))."
         )
     agents = {n: host_agent(n) for n in set(node_ids)}
-    handles = []
+    gpu = resources.get("GPU", 0) > 0
+    # Warm procs first (see `pool`): a GPU proc must start inside its bundle to get its GPU.
+    warm = {} if gpu else {n: deque(pool.take(n, k)) for n, k in per_node.items()}
+    # Ray sets OMP_NUM_THREADS to a proc's whole CPUs unless the driver set it; likewise here.
+    threads = None if "OMP_NUM_THREADS" in os.environ else max(1, int(resources.get("CPU", 0)))
+    handles, readiness = [], []
     for i, point in enumerate(points):
-        handles.append(
-            ProcHost.options(
-                num_cpus=resources.get("CPU", 0),
-                num_gpus=resources.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
-                ),
-                runtime_env=_RUNTIME_ENV,
-            ).remote(mesh_name, point)
-        )
+        if warm.get(node_ids[i]):
+            w = warm[node_ids[i]].popleft()
+            handles.append(w.handle)
+            readiness += [w.info, w.handle.adopt.remote(mesh_name, point, threads)]
+            continue
+        handle = ProcHost.options(
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i
+            ),
+            runtime_env=_RUNTIME_ENV,
+        ).remote(mesh_name, point)
+        handles.append(handle)
+        readiness.append(handle.info.remote())
     # Ray starts worker processes a few at a time (about one per core), each importing Python,
     # Ray and raymesh: allow for that on top of the placement timeout.
     start_timeout = timeout + 60 + 5 * max(per_node.values(), default=0)
     try:
-        infos = ray.get([h.info.remote() for h in handles], timeout=start_timeout)
+        ready = ray.get(readiness, timeout=start_timeout)
     except Exception as e:
         kill(ProcGroup([RayProc(h, -1, "") for h in handles], pg))
         detail = (
@@ -163,6 +183,9 @@ def create_procs(
             f"{asked}: resources were reserved, but {detail}. Fix: spawn fewer procs per host, "
             "or pass a larger timeout"
         ) from None
+    infos = [r for r in ready if r is not None]  # adopt() returns None
+    if not gpu:
+        pool.fill(per_node)  # top up behind this spawn (not before: it would compete with it)
     procs = [RayProc(h, info["pid"], info["node_id"]) for h, info in zip(handles, infos)]
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
     ray.get(
@@ -276,6 +299,4 @@ def self_proc() -> RayProc | None:
         handle = ctx.current_actor
     except Exception:
         return None
-    import os
-
     return RayProc(handle, os.getpid(), ctx.get_node_id())

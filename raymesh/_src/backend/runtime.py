@@ -92,6 +92,9 @@ def ensure_ray() -> None:
             )
             _started_local = True
             logger.info("raymesh: started a local Ray with %d logical CPUs", cpus)
+        from raymesh._src.backend import procs  # it imports this module
+
+        procs.prepare(current_node_id())
 
 
 def started_local() -> bool:
@@ -102,6 +105,9 @@ def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
     global _started_local
     if ray.is_initialized():
+        from raymesh._src.backend import pool
+
+        pool.drain()
         ray.shutdown()
     _started_local = False
 

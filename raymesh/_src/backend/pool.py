@@ -1,0 +1,156 @@
+"""Warm procs: proc hosts started ahead of the spawns that will use them.
+
+Starting a proc costs a Python process, Ray's core worker, raymesh's and torch's imports:
+seconds on a small machine, and Ray starts workers only about one per core at a time. A warm
+proc pays all of that while nobody waits for it; `spawn_procs` then adopts it in a round trip.
+
+What stays true for a proc that was warm:
+- One OS process per proc, never reused: a warm proc joins one mesh, and dies with it.
+- The mesh's resources are reserved exactly as for a cold proc, by its placement group bundle on
+  the same node; the warm process runs beside its bundle, not inside it. While it waits, a warm
+  proc reserves nothing (`num_cpus=0`), so an idle pool never holds CPUs or GPUs that other Ray
+  jobs need; it holds memory (one Python process with torch imported, about 0.3 GB).
+- GPU procs never come from the pool: Ray gives a process its GPU (`CUDA_VISIBLE_DEVICES`) only
+  when it schedules that process onto a GPU, so they start cold.
+- Only the controller keeps a pool. A Ray actor dies with the process that created it, so a warm
+  proc adopted by a mesh that an actor spawned would outlive that actor; nested meshes start cold.
+- Supervision is unchanged: the host agent watches the adopted process's pid like any other.
+
+`RAYMESH_WARM_PROCS` (default 8; 0 turns the pool off) is the most warm procs the controller
+keeps on one node: that many on its own node from the moment it connects to Ray, and on another
+node as many as the largest spawn there has asked for (so a job that puts one rank per node
+keeps one warm proc per node). A spawn takes the ready ones first, then ones still starting
+(never slower than starting a new one), starts the rest cold, and, once its procs are up, tops
+the pool up in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raymesh._src.backend.proc_host import ProcHost
+
+DEFAULT_SIZE = 8
+_lock = threading.Lock()
+_warm: dict[str, deque[WarmProc]] = {}  # node id -> warm procs, oldest first
+_targets: dict[str, int] = {}  # node id -> warm procs to keep there
+_fillers: list[threading.Thread] = []  # fills waiting for their `after`
+
+
+@dataclass(frozen=True)
+class WarmProc:
+    handle: Any
+    info: Any  # the ref of handle.info(): resolved once the proc is ready
+
+
+def size() -> int:
+    """Warm procs to keep per node (`RAYMESH_WARM_PROCS`)."""
+    raw = os.environ.get("RAYMESH_WARM_PROCS", str(DEFAULT_SIZE))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(
+            f"RAYMESH_WARM_PROCS={raw!r}: must be an int >= 0 (warm procs kept per node; "
+            "0 turns the pool off)"
+        )
+    return n
+
+
+def _in_controller() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
+
+
+def fill(counts: Mapping[str, int], after: Any = None) -> None:
+    """Keep warm procs on each node of `counts`: as many as the largest count asked for there
+    so far (a spawn of k procs asks for k), at most `size()`. Does not wait for them.
+
+    With `after` (an object ref), a thread starts them once it resolves, and only on nodes no
+    spawn has asked for procs yet: a spawn that found the pool empty starts its procs cold and
+    tops the pool up itself once they are up; warm procs started beside them would only slow
+    them down."""
+    limit = size()
+    if limit == 0 or not _in_controller():
+        return
+    if after is not None:
+
+        def then_fill() -> None:
+            try:
+                ray.get(after, timeout=120)
+            except Exception:
+                pass  # this only warms up: whatever failed, the next spawn will say
+            with _lock:
+                untouched = {n: k for n, k in counts.items() if n not in _warm}
+            fill(untouched)
+
+        thread = threading.Thread(target=then_fill, name="raymesh-warm-procs", daemon=True)
+        _fillers.append(thread)
+        thread.start()
+        return
+    with _lock:
+        for node_id, count in counts.items():
+            target = _targets[node_id] = max(_targets.get(node_id, 0), min(count, limit))
+            warm = _warm.setdefault(node_id, deque())
+            while len(warm) < target:
+                handle = ProcHost.options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(None, None)
+                warm.append(WarmProc(handle, handle.info.remote()))
+
+
+def take(node_id: str, n: int) -> list[WarmProc]:
+    """Up to `n` warm procs of `node_id`, the ready ones first (none while the pool is off)."""
+    if n <= 0 or size() == 0 or not _in_controller():
+        return []
+    with _lock:
+        warm = _warm.setdefault(node_id, deque())  # a spawn has asked here (see `fill`)
+        if not warm:
+            return []
+        infos = [w.info for w in warm]
+        ready, _ = ray.wait(infos, num_returns=len(infos), timeout=0, fetch_local=False)
+        ready_set = set(ready)
+        ordered = sorted(warm, key=lambda w: w.info not in ready_set)
+        warm.clear()
+        warm.extend(ordered[n:])
+        return ordered[:n]
+
+
+def drain() -> None:
+    """End every warm proc (before Ray shuts down, or to free their memory)."""
+    with _lock:
+        procs = [w for warm in _warm.values() for w in warm]
+        _warm.clear()
+        _targets.clear()
+    for w in procs:
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:
+            pass
+
+
+def wait_ready(timeout: float) -> bool:
+    """Wait until every warm proc has started; False if some have not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_fillers):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
+        _fillers.remove(thread)
+    timeout = max(0.0, deadline - time.monotonic())
+    with _lock:
+        infos = [w.info for warm in _warm.values() for w in warm]
+    if not infos:
+        return True
+    _, pending = ray.wait(infos, num_returns=len(infos), timeout=timeout, fetch_local=False)
+    return not pending

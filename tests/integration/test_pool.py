@@ -1,0 +1,85 @@
+"""Warm procs: spawns adopt procs started ahead of time, and nothing else changes.
+
+Every other integration test spawns from the pool too (it is on by default), so supervision,
+ordering and stop() are tested on adopted procs there; these tests check the pool itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import ray
+
+from raymesh import Actor, current_rank, endpoint, this_host
+from raymesh._src.backend import current_node_id, pool
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+class Probe(Actor):
+    @endpoint
+    def facts(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "torch_loaded": "torch" in sys.modules,  # nothing in this module imports torch
+            "point": dict(current_rank()),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+        }
+
+
+def _warm_pids() -> set[int]:
+    assert pool.wait_ready(120), "the warm procs did not start within 120 s"
+    with pool._lock:
+        infos = [w.info for w in pool._warm.get(current_node_id(), ())]
+    return {info["pid"] for info in ray.get(infos, timeout=30)}
+
+
+def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
+    warm = _warm_pids()
+    assert len(warm) == pool.size() > 0
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="adopted")
+    try:
+        facts = procs.spawn("p", Probe).facts.call().get(timeout=60)
+        pids = {f["pid"] for f in facts.values()}
+        assert pids == set(procs.pids) and pids <= warm
+        assert all(f["torch_loaded"] for f in facts.values())
+        assert [f["point"] for f in facts.values()] == [
+            {"hosts": 0, "procs": 0},
+            {"hosts": 0, "procs": 1},
+        ]
+        refilled = _warm_pids()
+        assert len(refilled) == pool.size() and not refilled & pids
+    finally:
+        procs.stop()
+
+
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="the driver sets OMP_NUM_THREADS")
+def test_an_adopted_proc_gets_the_threads_ray_would_give_its_cpus():
+    _warm_pids()
+    procs = this_host().spawn_procs(per_host={"procs": 1}, cpus_per_proc=2)
+    try:
+        [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
+        assert facts["omp"] == "2"
+    finally:
+        procs.stop()
+
+
+def test_with_the_pool_off_procs_start_cold(monkeypatch):
+    warm = _warm_pids()
+    monkeypatch.setenv("RAYMESH_WARM_PROCS", "0")
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
+        assert facts["pid"] not in warm
+    finally:
+        procs.stop()
+    monkeypatch.delenv("RAYMESH_WARM_PROCS")
+    assert _warm_pids() == warm  # the pool was left as it was
+
+
+@pytest.mark.parametrize("value", ["-1", "many"])
+def test_a_bad_pool_size_names_the_variable_and_the_fix(monkeypatch, value):
+    monkeypatch.setenv("RAYMESH_WARM_PROCS", value)
+    with pytest.raises(ValueError, match=rf"RAYMESH_WARM_PROCS='{value}'.*int >= 0.*0 turns"):
+        this_host().spawn_procs(per_host={"procs": 1})
