@@ -246,7 +246,8 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(dev) - base
         fig = {"estimate": vars(est), "estimate_ddp_bytes": est.ddp_bytes()}
-        fig.update(measured_peak_bytes=peak, measured_over_estimate=peak / est.ddp_bytes())
+        ratio = round(peak / est.ddp_bytes(), 3)
+        fig.update(measured_peak_bytes=peak, measured_over_estimate=ratio)
         fig.update(activation_measured_bytes=held, final_loss=finite(loss.item()))
         fig.update(peak_reserved_bytes=torch.cuda.max_memory_reserved(dev))
         fig.update(auto=strategy.StrategyPolicy().decide("auto", est, 1, budget).strategy)
@@ -293,16 +294,10 @@ def spawn_and_messages(r: Record, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     backend.ensure_ray()  # RAYMESH_WARM_PROCS=16 is in this process's environment already
     r.put(warm_procs=os.environ["RAYMESH_WARM_PROCS"], ray_up_s=round(time.perf_counter() - t0, 2))
-    try:
-        from raymesh._src.backend import pool
-    except ImportError:  # a checkout older than the warm pool: every spawn starts cold
-        r.put(warm_pool_ready="no raymesh._src.backend.pool here: procs start cold")
-    else:
+    pool = getattr(backend, "pool", None)  # None in a checkout older than the warm pool
+    if pool is not None:
         r.put(warm_pool_ready=pool.wait_ready(min(120.0, left(args))))
         r.put(warm_pool_s=round(time.perf_counter() - t0, 2))
-    # The spawn below adopts the warm procs; at size 0 the pool does not start 16 more behind
-    # it, which would share the CPUs with the timed calls.
-    os.environ["RAYMESH_WARM_PROCS"] = "0"
     meshes = []
     try:
         t0 = time.perf_counter()
@@ -311,6 +306,8 @@ def spawn_and_messages(r: Record, args: argparse.Namespace) -> None:
         actors = meshes[0].spawn("probe", Probe)
         answered = actors.ping.call(0).get(timeout=left(args)).values()
         r.put(spawn_16_s=round(time.perf_counter() - t0, 2))
+        if pool is not None:
+            pool.drain()  # the spawn topped the pool up: 16 procs starting would slow the calls
         check(answered == [0] * 16, f"16 answers, got {answered}")
         seen = actors.sees.call(False).get(timeout=left(args)).values()
         r.put(cpu_procs_see=[dict(t) for t in {tuple(s.items()) for s in seen}])

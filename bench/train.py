@@ -14,7 +14,9 @@ joining another Ray on the machine) and a timeout; their process group is killed
   a fresh python that imports Ray, ray.init(), fit(); warm = ray.init() first, t0 at fit().
 - raymesh, train.fit("raymesh.examples.mlp:build_bench", TrainConfig(...)): cold = t0 before a
   fresh python whose fit() starts Ray; warm = ensure_ray() first, t0 at fit(); then each
-  subprocess fits again with report_every=20 for the steady rate.
+  subprocess fits again with report_every=20 for the steady rate. "Warm" includes raymesh's warm
+  procs being started (`pool.wait_ready()`), as a controller that has been up for a while has
+  them.
 First step: DDP and Ray Train ranks stamp time.time() after every step (the later rank's step 1
 counts); raymesh's is the time fit()'s `progress` callback reports step 1 (report_every=1), about
 1 ms after its ranks finish it. Steady steps/s = (steps - 20) / (t[steps] - t[20]): rank 0's
@@ -195,10 +197,11 @@ def raymesh_fit(steps: int, every: int, t0: float | None) -> dict[str, Any]:
 
 def raymesh_child(args: argparse.Namespace) -> dict[str, Any]:
     steps = len(json.loads(Path(args.plan).read_text()))
-    if args.warm:
-        from raymesh._src.backend import ensure_ray
+    if args.warm:  # Ray up, and its warm procs (raymesh's pool) started
+        from raymesh._src.backend import ensure_ray, pool
 
         ensure_ray()
+        pool.wait_ready(300)
     first = raymesh_fit(steps, 1, None if args.warm else args.t0)
     return {"first": first, "steady": raymesh_fit(steps, 20, None)}
 

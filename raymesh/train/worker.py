@@ -183,7 +183,8 @@ class TrainWorker(Actor):
             self.__dict__.pop("optimizer", None)
             gc.unfreeze()  # the old task was frozen with the rest (see _wrap)
             gc.collect()
-        use_cuda = torch.cuda.is_available() and cfg.gpus is not False
+        # A CPU proc can still see the machine's GPUs: use one only if Ray gave it one.
+        use_cuda = cfg.gpus is not False and torch.cuda.is_available() and bool(backend.gpu_ids())
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
         self._join(master_addr, master_port, rank, world_size, local)
         if not use_cuda:

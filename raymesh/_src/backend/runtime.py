@@ -172,3 +172,9 @@ def node_ip() -> str:
     """This process's node address, as other processes of the cluster reach it."""
     ensure_ray()
     return ray.util.get_node_ip_address()
+
+
+def gpu_ids() -> list:
+    """The GPUs Ray gave this process (empty in the controller and in CPU procs, which Ray
+    2.60 no longer hides the machine's GPUs from)."""
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
