@@ -218,7 +218,7 @@ class TrainWorker(Actor):
         if use_cuda:
             budget = gpu_budget_bytes(self.device.index or 0)
         else:
-            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=world_size)
+            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=local.size)
         return {
             "estimate": est,
             "budget_bytes": budget,

@@ -9,7 +9,7 @@ What stays true for a proc that was warm:
 - The mesh's resources are reserved exactly as for a cold proc, by its placement group bundle on
   the same node; the warm process runs beside its bundle, not inside it. While it waits, a warm
   proc reserves nothing (`num_cpus=0`), so an idle pool never holds CPUs or GPUs that other Ray
-  jobs need; it holds memory (one Python process with torch imported, about 0.3 GB).
+  jobs need; it holds memory (one Python process with torch imported, about 0.35 GB resident).
 - GPU procs never come from the pool: Ray gives a process its GPU (`CUDA_VISIBLE_DEVICES`) only
   when it schedules that process onto a GPU, so they start cold.
 - Only the controller keeps a pool. A Ray actor dies with the process that created it, so a warm
