@@ -198,6 +198,7 @@ def raymesh_fit(steps: int, every: int, t0: float | None) -> dict[str, Any]:
 def raymesh_child(args: argparse.Namespace) -> dict[str, Any]:
     steps = len(json.loads(Path(args.plan).read_text()))
     if args.warm:  # Ray up, and its warm procs (raymesh's pool) started
+        import raymesh.train  # noqa: F401  (first, as in a user's script: warm procs preload)
         from raymesh._src.backend import ensure_ray, pool
 
         ensure_ray()

@@ -10,7 +10,7 @@ from raymesh._src.context import ActorContext, context, current_rank, current_si
 from raymesh._src.endpoint import Endpoint, endpoint
 from raymesh._src.errors import ActorError, MeshFailure, SupervisionError
 from raymesh._src.future import Future
-from raymesh._src.proc_mesh import HostMesh, ProcMesh, host_mesh, this_host, this_proc
+from raymesh._src.proc_mesh import HostMesh, ProcMesh, host_mesh, preload, this_host, this_proc
 from raymesh._src.shape import Extent, Point, Shape
 from raymesh._src.supervision import set_unhandled_fault_hook, unhandled_fault_hook
 from raymesh._src.value_mesh import ValueMesh
@@ -37,6 +37,7 @@ __all__ = [
     "current_size",
     "endpoint",
     "host_mesh",
+    "preload",
     "set_unhandled_fault_hook",
     "this_host",
     "this_proc",

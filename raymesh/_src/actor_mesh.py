@@ -8,9 +8,10 @@
 - `stream(*args)` -> iterator of `Future[value]`, each already resolved, in order of arrival.
 - `broadcast(*args)` -> None: fire-and-forget; an exception goes to the mesh owner's supervision.
 
-Each message is one Ray actor task on its proc. A call whose arguments hold a large buffer
-(a tensor, array or bytes of 1 MiB or more) puts the arguments in the object store once and
-sends every actor a reference, so N actors cost one copy, not N.
+Each message goes to its proc over the proc's channel (small messages from the proc's host)
+or as a Ray actor task (see `backend.channel`). A call whose arguments hold a large buffer (a
+tensor, array or bytes of 1 MiB or more) puts the arguments in the object store once and sends
+every actor a reference, so N actors cost one copy, not N.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ class EndpointRef(Generic[T]):
             id(p): self._future(_index_shape(shape, i), [p], single=True)
             for i, p in enumerate(pending)
         }
-        return (futures[id(item)] for item in _as_completed(pending))
+        return (futures[id(item)] for item in backend.as_completed(pending))
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor without waiting; failures go to the mesh owner's supervision."""
@@ -292,21 +293,4 @@ def _index_shape(shape: Shape, index: int) -> Shape:
 
 def _finished(pending: list[Any]) -> set[int]:
     """The ids of the calls in `pending` that have completed, without waiting."""
-    refs = [p for p in pending if backend.is_ref(p)]
-    done = {id(p) for p in pending if not backend.is_ref(p) and p.done()}
-    if refs:
-        ready, _ = backend.wait(refs, len(refs), 0)
-        done.update(id(r) for r in ready)
-    return done
-
-
-def _as_completed(pending: list) -> Iterator[Any]:
-    import concurrent.futures
-
-    if pending and not backend.is_ref(pending[0]):
-        yield from concurrent.futures.as_completed(pending)
-        return
-    remaining = list(pending)
-    while remaining:
-        ready, remaining = backend.wait(remaining, 1, None)
-        yield from ready
+    return {id(p) for p, done in zip(pending, backend.done(pending)) if done}

@@ -10,7 +10,6 @@ A future resolves to a value, or raises:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
@@ -31,7 +30,7 @@ class Future(Generic[R]):
         on_gone: Callable[[int, str], BaseException],
         what: str,
     ) -> None:
-        self._items = items  # Ray object refs, or concurrent futures for in-process actors
+        self._items = items  # pending results (see `backend.refs`)
         self._resolve = resolve  # raw replies -> value; raises ActorError
         self._on_gone = on_gone  # (index of the dead item, detail) -> exception to raise
         self._what = what
@@ -51,7 +50,7 @@ class Future(Generic[R]):
         if self._value is not _UNSET:
             return self._value
         try:
-            raws = _gather(self._items, timeout)
+            raws = backend.get(self._items, timeout) if self._items else []
         except TimeoutError:
             raise TimeoutError(
                 f"{self._what} did not reply within {timeout}s (the call is still running; "
@@ -71,12 +70,7 @@ class Future(Generic[R]):
         """Whether the result (or failure) is available without waiting."""
         if self._error is not None or self._value is not _UNSET:
             return True
-        if not self._items:
-            return True
-        if isinstance(self._items[0], concurrent.futures.Future):
-            return all(f.done() for f in self._items)
-        ready, _ = backend.wait(self._items, len(self._items), 0)
-        return len(ready) == len(self._items)
+        return all(backend.done(self._items))
 
     def __await__(self) -> Generator[Any, None, R]:
         loop = asyncio.get_running_loop()
@@ -88,14 +82,3 @@ class Future(Generic[R]):
 
 def _identity(x: Any) -> Any:
     return x
-
-
-def _gather(items: list[Any], timeout: float | None) -> list[Any]:
-    if not items:
-        return []
-    if not isinstance(items[0], concurrent.futures.Future):
-        return backend.get(items, timeout)
-    _, pending = concurrent.futures.wait(items, timeout=timeout)
-    if pending:
-        raise TimeoutError
-    return [f.result() for f in items]

@@ -131,8 +131,11 @@ class ProcRuntime:
         kwargs: dict,
         message_point: tuple[tuple[str, ...], tuple[int, ...], int],
         reply: bool,
+        undeliverable: BaseException | None = None,
     ) -> Any:
-        """Run one message; return its result, or a RemoteFailure when the endpoint raised."""
+        """Run one message; return its result, or a RemoteFailure when the endpoint raised.
+        `undeliverable`: why the arguments did not unpickle here; the message still takes its
+        turn (later ones from the sender wait for it) and fails with that error."""
         slot = self._slots.get(actor_key)
         if slot is None:
             return RemoteFailure(
@@ -140,6 +143,8 @@ class ProcRuntime:
             )
         slot.acquire(sender, seq)
         try:
+            if undeliverable is not None:
+                raise undeliverable
             if endpoint not in slot.endpoints:
                 raise TypeError(f"{type(slot.instance).__name__}.{endpoint} is not an endpoint")
             ctx = _ctx.ActorContext(

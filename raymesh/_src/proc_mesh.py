@@ -149,6 +149,21 @@ def host_mesh() -> HostMesh:
     return HostMesh(backend.nodes())
 
 
+def preload(*modules: str) -> None:
+    """Have warm procs import `modules` while they wait, so that a proc adopted from the pool
+    already has them (see docs/programming-model.md, "Warm procs"). For imports that cost
+    seconds and that most procs of the program make: a model library, a tokenizer. Applies to
+    warm procs started from now on; a module that fails to import there is skipped (it fails
+    again, visibly, where the proc imports it)."""
+    for m in modules:
+        if not isinstance(m, str) or not all(part.isidentifier() for part in m.split(".")):
+            raise ValueError(
+                f"preload({m!r}): give dotted module names as strings, e.g. "
+                "preload('transformers', 'my_project.model')"
+            )
+    backend.preload(modules)
+
+
 def this_host() -> HostMesh:
     """The caller's own node, as a host mesh of one (`{"hosts": 1}`)."""
     here = backend.current_node_id()

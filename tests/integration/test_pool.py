@@ -11,6 +11,7 @@ import sys
 import pytest
 import ray
 
+import raymesh
 from raymesh import Actor, current_rank, endpoint, this_host
 from raymesh._src.backend import current_node_id, pool
 
@@ -25,6 +26,9 @@ class Probe(Actor):
             "torch_loaded": "torch" in sys.modules,  # nothing in this module imports torch
             "point": dict(current_rank()),
             "omp": os.environ.get("OMP_NUM_THREADS"),
+            "modules": sorted(
+                m for m in ("email.mime.text", "raymesh.train.worker") if m in sys.modules
+            ),
         }
 
 
@@ -36,8 +40,10 @@ def _warm_pids() -> set[int]:
 
 
 def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
+    # The node keeps as many as the largest spawn asked for (all of them, unless a spawn came
+    # before the pool started), so there are at least the 2 this test takes.
     warm = _warm_pids()
-    assert len(warm) == pool.size() > 0
+    assert 2 <= len(warm) <= pool.size()
     procs = this_host().spawn_procs(per_host={"procs": 2}, name="adopted")
     try:
         facts = procs.spawn("p", Probe).facts.call().get(timeout=60)
@@ -49,7 +55,7 @@ def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
             {"hosts": 0, "procs": 1},
         ]
         refilled = _warm_pids()
-        assert len(refilled) == pool.size() and not refilled & pids
+        assert len(refilled) == len(warm) and not refilled & pids
     finally:
         procs.stop()
 
@@ -83,3 +89,29 @@ def test_a_bad_pool_size_names_the_variable_and_the_fix(monkeypatch, value):
     monkeypatch.setenv("RAYMESH_WARM_PROCS", value)
     with pytest.raises(ValueError, match=rf"RAYMESH_WARM_PROCS='{value}'.*int >= 0.*0 turns"):
         this_host().spawn_procs(per_host={"procs": 1})
+
+
+def test_preloaded_modules_are_imported_by_warm_procs_started_after():
+    import raymesh.train  # (it preloads what a training rank imports)
+
+    node = current_node_id()
+    raymesh.preload("email.mime.text")  # stdlib, imported by nothing else here
+    try:
+        pool.drain()  # restart the pool, so every warm proc starts after the preload
+        pool.fill({node: 1})
+        _warm_pids()
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
+            assert facts["modules"] == ["email.mime.text", "raymesh.train.worker"]
+        finally:
+            procs.stop()
+    finally:
+        pool._imports.remove("email.mime.text")
+        pool.fill({node: pool.size()})
+
+
+@pytest.mark.parametrize("name", ["", "not a module", 3])
+def test_preload_rejects_what_is_not_a_module_name(name):
+    with pytest.raises(ValueError, match="dotted module names"):
+        raymesh.preload(name)

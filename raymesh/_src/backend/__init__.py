@@ -3,6 +3,7 @@ pending results and failures; this package maps them onto Ray actors, placement 
 object store.
 """
 
+from raymesh._src.backend.pool import preload
 from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
 from raymesh._src.backend.procs import (
     PlacementError,
@@ -18,7 +19,9 @@ from raymesh._src.backend.procs import (
 )
 from raymesh._src.backend.refs import (
     ProcGone,
+    as_completed,
     describe_unpicklable,
+    done,
     get,
     is_ref,
     put,
@@ -45,9 +48,11 @@ __all__ = [
     "ProcGroup",
     "RayProc",
     "address",
+    "as_completed",
     "create_procs",
     "current_node_id",
     "describe_unpicklable",
+    "done",
     "ensure_ray",
     "free_slots",
     "get",
@@ -58,6 +63,7 @@ __all__ = [
     "kill_pid",
     "node_ip",
     "nodes",
+    "preload",
     "probe",
     "put",
     "roundtrip",

@@ -98,6 +98,8 @@ class _HostAgent:
     def watch(self, pids: list[int]) -> None:
         """Start watching `pids` (proc processes on this node)."""
         for pid in pids:
+            with self._lock:  # an earlier process with this pid (pids wrap) ended long ago
+                self._exits.pop(pid, None)
             try:
                 fd = os.pidfd_open(pid)
             except (AttributeError, OSError):
@@ -134,6 +136,23 @@ class _HostAgent:
             except ProcessLookupError:
                 pass
 
+    def wait_idle(self, cores: float, seconds: float, timeout: float) -> bool:
+        """Return once this host has had `cores` CPUs idle for `seconds` in a row (True), or
+        after `timeout` seconds (False)."""
+        deadline = time.monotonic() + timeout
+        before, idle_since = _cpu_times(), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = _cpu_times()
+            total = sum(now) - sum(before)
+            idle = (now[3] + now[4]) - (before[3] + before[4])  # idle + iowait
+            if total > 0 and idle / total * (os.cpu_count() or 1) < cores:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= seconds:
+                return True
+            before = now
+        return False
+
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
 
@@ -157,6 +176,12 @@ class _HostAgent:
 
 # Ray's stubs omit actor options such as max_concurrency.
 HostAgent: Any = ray.remote(num_cpus=0, max_concurrency=64)(_HostAgent)  # type: ignore[call-overload]
+
+
+def _cpu_times() -> list[int]:
+    """The host's CPU time counters (user, nice, system, idle, iowait, ...) from /proc/stat."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
 
 
 def _is_running(pid: int) -> bool:

@@ -9,7 +9,8 @@ What stays true for a proc that was warm:
 - The mesh's resources are reserved exactly as for a cold proc, by its placement group bundle on
   the same node; the warm process runs beside its bundle, not inside it. While it waits, a warm
   proc reserves nothing (`num_cpus=0`), so an idle pool never holds CPUs or GPUs that other Ray
-  jobs need; it holds memory (one Python process with torch imported, about 0.35 GB resident).
+  jobs need; it holds memory (one Python process with torch imported, about 0.35 GB resident;
+  0.39 GB with what `raymesh.train` preloads).
 - GPU procs never come from the pool: Ray gives a process its GPU (`CUDA_VISIBLE_DEVICES`) only
   when it schedules that process onto a GPU, so they start cold.
 - Only the controller keeps a pool. A Ray actor dies with the process that created it, so a warm
@@ -20,12 +21,17 @@ What stays true for a proc that was warm:
 keeps on one node: that many on its own node from the moment it connects to Ray, and on another
 node as many as the largest spawn there has asked for (so a job that puts one rank per node
 keeps one warm proc per node). A spawn takes the ready ones first, then ones still starting
-(never slower than starting a new one), starts the rest cold, and, once its procs are up, tops
-the pool up in the background.
+(never slower than starting a new one), starts the rest cold, and, once its procs are up and
+their host has had a core idle for a while (`procs.REFILL_IDLE`, or after `REFILL_WAIT_S`
+regardless), tops the pool up; a host left with no warm proc gets one back at once (`reserve`: a
+self-healing job's next replacement). Warm procs import at the lowest CPU priority (see
+`proc_host._preload`), so a refill beside a running job slows it less.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import os
 import threading
 import time
@@ -44,6 +50,9 @@ _lock = threading.Lock()
 _warm: dict[str, deque[WarmProc]] = {}  # node id -> warm procs, oldest first
 _targets: dict[str, int] = {}  # node id -> warm procs to keep there
 _fillers: list[threading.Thread] = []  # fills waiting for their `after`
+_stopping = threading.Event()  # tells them to give up (see `drain`)
+_stop_at_exit = False
+_imports: list[str] = []  # what warm procs import beyond proc_host.PRELOAD (see `preload`)
 
 
 @dataclass(frozen=True)
@@ -67,32 +76,47 @@ def size() -> int:
     return n
 
 
+def preload(modules: tuple[str, ...]) -> None:
+    """Have warm procs started from now on also import `modules` while they wait."""
+    with _lock:
+        _imports.extend(m for m in modules if m not in _imports)
+
+
 def _in_controller() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
 
 
-def fill(counts: Mapping[str, int], after: Any = None) -> None:
+def fill(counts: Mapping[str, int], after: Any = None, *, untouched_only: bool = False) -> None:
     """Keep warm procs on each node of `counts`: as many as the largest count asked for there
     so far (a spawn of k procs asks for k), at most `size()`. Does not wait for them.
 
-    With `after` (an object ref), a thread starts them once it resolves, and only on nodes no
-    spawn has asked for procs yet: a spawn that found the pool empty starts its procs cold and
-    tops the pool up itself once they are up; warm procs started beside them would only slow
-    them down."""
+    With `after` (an object ref), a thread starts them once it resolves. `untouched_only`: then
+    only on nodes no spawn has asked for procs yet (a spawn that found the pool empty starts its
+    procs cold and tops the pool up itself once they are up; warm procs started beside them
+    would only slow them down)."""
     limit = size()
     if limit == 0 or not _in_controller():
         return
     if after is not None:
+        ready = after.future()  # resolved by Ray; this thread never calls into Ray to wait
 
         def then_fill() -> None:
-            try:
-                ray.get(after, timeout=120)
-            except Exception:
-                pass  # this only warms up: whatever failed, the next spawn will say
+            # Short waits and no Ray call until the fill: the user may shut Ray down meanwhile,
+            # and a thread inside a Ray call then makes Ray end the process with an error.
+            deadline = time.monotonic() + 300
+            while not _stopping.is_set() and time.monotonic() < deadline:
+                if concurrent.futures.wait([ready], timeout=0.25).done:
+                    break
+            if _stopping.is_set() or not ray.is_initialized():
+                return
             with _lock:
-                untouched = {n: k for n, k in counts.items() if n not in _warm}
-            fill(untouched)
+                todo = {n: k for n, k in counts.items() if not (untouched_only and n in _warm)}
+            fill(todo)
 
+        global _stop_at_exit
+        if not _stop_at_exit:  # after Ray's own exit hook (ray.init), so it runs before it
+            atexit.register(_stop_fillers)
+            _stop_at_exit = True
         thread = threading.Thread(target=then_fill, name="raymesh-warm-procs", daemon=True)
         _fillers.append(thread)
         thread.start()
@@ -100,13 +124,27 @@ def fill(counts: Mapping[str, int], after: Any = None) -> None:
     with _lock:
         for node_id, count in counts.items():
             target = _targets[node_id] = max(_targets.get(node_id, 0), min(count, limit))
-            warm = _warm.setdefault(node_id, deque())
-            while len(warm) < target:
-                handle = ProcHost.options(
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                ).remote(None, None)
-                warm.append(WarmProc(handle, handle.info.remote()))
+            _start(node_id, target)
+
+
+def reserve(node_id: str) -> None:
+    """Start one warm proc on `node_id` now if it has none left (without raising its target):
+    the replacement a self-healing job will ask for next, even while its host stays busy."""
+    if size() == 0 or not _in_controller():
+        return
+    with _lock:
+        _start(node_id, 1)
+
+
+def _start(node_id: str, target: int) -> None:
+    """Start warm procs on `node_id` until it has `target` (the caller holds `_lock`)."""
+    warm = _warm.setdefault(node_id, deque())
+    while len(warm) < target:
+        handle = ProcHost.options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(None, None, tuple(_imports))
+        warm.append(WarmProc(handle, handle.info.remote()))
 
 
 def take(node_id: str, n: int) -> list[WarmProc]:
@@ -126,8 +164,17 @@ def take(node_id: str, n: int) -> list[WarmProc]:
         return ordered[:n]
 
 
+def _stop_fillers() -> None:
+    _stopping.set()
+    for thread in list(_fillers):
+        thread.join(timeout=5.0)
+    _fillers.clear()
+    _stopping.clear()
+
+
 def drain() -> None:
-    """End every warm proc (before Ray shuts down, or to free their memory)."""
+    """End every warm proc and pending refill (before Ray shuts down, or to free memory)."""
+    _stop_fillers()
     with _lock:
         procs = [w for warm in _warm.values() for w in warm]
         _warm.clear()
@@ -146,7 +193,8 @@ def wait_ready(timeout: float) -> bool:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             return False
-        _fillers.remove(thread)
+        if thread in _fillers:  # (drain may have cleared the list meanwhile)
+            _fillers.remove(thread)
     timeout = max(0.0, deadline - time.monotonic())
     with _lock:
         infos = [w.info for warm in _warm.values() for w in warm]

@@ -2,9 +2,11 @@
 
 A threaded Ray actor, not an async one: on this project's 2-core machines a threaded actor's
 round trip measured within noise of a plain actor's, an async actor's ~1.6x slower. Messages
-run on the default concurrency group's threads; the runtime orders them per caller and
-serialises them per actor. Control calls (spawn, watch, info) have their own group so a backlog
-of messages never starves them.
+arrive two ways: small ones from callers on this host over the proc's channel (see `channel`),
+run on the channel's threads; the rest as Ray calls, run on the default concurrency group's
+threads. The runtime orders them per caller and serialises them per actor, whichever way they
+came. Control calls (spawn, watch, info) have their own group so a backlog of messages never
+starves them.
 """
 
 from __future__ import annotations
@@ -12,29 +14,39 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from typing import Any
 
 import ray
 from ray._private import ray_constants
 
 from raymesh._src import context as _ctx
-from raymesh._src.backend import runtime
+from raymesh._src.backend import channel, runtime
+from raymesh._src.errors import RemoteFailure
 from raymesh._src.proc import ProcRuntime, set_current_runtime
 from raymesh._src.shape import Point
 
-# Threads for messages. Each in-flight message holds one while it waits for its turn, so this
-# bounds how many messages a proc accepts at once (Ray queues the rest, in order).
+# Threads for messages (on each path). Each in-flight message holds one while it waits for its
+# turn, so this bounds how many messages a proc runs at once (the rest queue, in order).
 MESSAGE_THREADS = 256
 
 
 class _ProcHost:
-    def __init__(self, proc_mesh_name: str | None, point: Point | None) -> None:
+    def __init__(
+        self, proc_mesh_name: str | None, point: Point | None, imports: tuple[str, ...] = ()
+    ) -> None:
         """A proc of `proc_mesh_name` at `point`; or, with None for both, a warm proc that
-        imports what a proc will need and waits to be adopted (see `backend.pool`)."""
+        imports what a proc will need (PRELOAD, then `imports`) and waits to be adopted (see
+        `backend.pool`)."""
         runtime.quiet_zero_copy_warnings()
         self._name = "raymesh-warm-proc"
+        self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
+        self._preloading: threading.Thread | None = None
         if proc_mesh_name is None or point is None:
-            _preload()
+            self._preloading = threading.Thread(
+                target=_preload, args=(PRELOAD + imports,), name="raymesh-preload", daemon=True
+            )
+            self._preloading.start()
         else:
             self._join(proc_mesh_name, point)
 
@@ -51,10 +63,20 @@ class _ProcHost:
         actor_key, sender, seq, endpoint, payload, message_point, reply = message
         if type(payload) is list:  # stored once in the object store for a fan-out call
             payload = ray.get(payload[0])
-        args, kwargs = payload
+        return self._deliver((actor_key, sender, seq, endpoint, message_point, reply), payload)
+
+    def _deliver(self, header: tuple, payload: Any, error: BaseException | None = None) -> Any:
+        actor_key, sender, seq, endpoint, message_point, reply = header
+        args, kwargs = payload if error is None else ((), {})
         return self.runtime.handle(
-            actor_key, sender, seq, endpoint, args, kwargs, message_point, reply
+            actor_key, sender, seq, endpoint, args, kwargs, message_point, reply, error
         )
+
+    @ray.method(concurrency_group="control")
+    def take_reply(self, msgid: bytes) -> Any:
+        """A reply to a channel message that was too large (or held Ray objects) to send back
+        over the channel: it travels through Ray instead."""
+        return self._channel.take_reply(msgid)
 
     @ray.method(concurrency_group="control")
     def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
@@ -77,6 +99,10 @@ class _ProcHost:
         OMP_NUM_THREADS Ray would have given a proc of its CPUs (None: leave it as it is)."""
         if hasattr(self, "runtime"):
             raise RuntimeError(f"{self._name} already belongs to a mesh")
+        if self._preloading is not None and self._preloading.is_alive():
+            # The mesh waits for it now: back to normal priority, where the OS allows it.
+            _set_idle(self._preloading, False)
+            self._preloading.join()
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)
             if "torch" in sys.modules:
@@ -88,7 +114,14 @@ class _ProcHost:
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        """Where this proc runs; answered once it is ready (a warm proc: its imports done)."""
+        if self._preloading is not None:
+            self._preloading.join()
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "channel": self._channel.address,
+        }
 
 
 ProcHost: Any = ray.remote(  # type: ignore[call-overload]  # stubs omit these options
@@ -96,18 +129,35 @@ ProcHost: Any = ray.remote(  # type: ignore[call-overload]  # stubs omit these o
 )(_ProcHost)
 
 
-# What a warm proc imports while it waits: each costs seconds on a small machine, and nearly
+# What every warm proc imports while it waits: each costs seconds on a small machine, and nearly
 # every proc needs them (any tensor argument, any training rank). Missing ones are skipped.
+# `raymesh.preload` adds to it (raymesh.train adds what a training rank imports).
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
 
 
-def _preload() -> None:
-    for module in PRELOAD:
+def _preload(modules: tuple[str, ...]) -> None:
+    # In the background: the pool refills behind every spawn, so warm procs mostly import while
+    # a job runs, and must not take its CPUs (measured here: a 2-rank job trained at half speed
+    # while two warm procs imported beside it at Ray's usual worker priority). Only this thread
+    # (Linux schedules threads one by one): once it ends, the proc runs as any other.
+    _set_idle(threading.current_thread(), True)
+    for module in modules:
         try:
             importlib.import_module(module)
-        except ImportError:
+        except Exception:  # a warm proc must start anyway: the module fails again, visibly, on use
             pass
 
 
 def _fmt(point: Point) -> str:
     return "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
+
+
+def _set_idle(thread: threading.Thread, idle: bool) -> None:
+    """Run `thread` only when nothing else wants the CPU (SCHED_IDLE), or as usual again."""
+    if sys.platform != "linux" or thread.native_id is None:
+        return
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    try:
+        os.sched_setscheduler(thread.native_id, policy, os.sched_param(0))
+    except OSError:  # leaving SCHED_IDLE needs CAP_SYS_NICE: it then finishes in the background
+        pass

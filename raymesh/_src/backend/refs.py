@@ -1,12 +1,20 @@
-"""Waiting on results: Ray object refs, with Ray's errors turned into raymesh's."""
+"""Waiting on results, with Ray's errors turned into raymesh's.
+
+A pending result is a Ray object ref (a call through Ray) or a `concurrent.futures.Future` (a
+call over a channel, or to an actor in this process); one list may hold both.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from raymesh._src.backend.channel import ChannelFailed
 
 
 class ProcGone(Exception):
@@ -27,7 +35,9 @@ def put(value: Any) -> Any:
 
 
 def get(refs: list, timeout: float | None) -> list:
-    """All results, in order. Raises ProcGone for the first ref whose proc died, TimeoutError."""
+    """All results, in order. Raises ProcGone for the first item whose proc died, TimeoutError."""
+    if not all(isinstance(r, ray.ObjectRef) for r in refs):
+        return _get_futures(refs, timeout)
     try:
         return ray.get(refs, timeout=timeout)
     except GetTimeoutError:
@@ -47,8 +57,50 @@ def get(refs: list, timeout: float | None) -> list:
     raise AssertionError("ray.get failed, yet every ref resolves")
 
 
+def _get_futures(items: list, timeout: float | None) -> list:
+    futures = [_future(x) for x in items]
+    _, pending = concurrent.futures.wait(
+        futures, timeout, return_when=concurrent.futures.FIRST_EXCEPTION
+    )
+    for i, f in enumerate(futures):  # a dead proc first, even while others are pending
+        error = f.exception() if f.done() else None
+        if isinstance(error, (RayActorError, RayTaskError, ChannelFailed)):
+            raise ProcGone(i, _first_line(error)) from None
+    if pending:
+        raise TimeoutError
+    return [f.result() for f in futures]
+
+
+def _future(x: Any) -> concurrent.futures.Future:
+    return x.future() if isinstance(x, ray.ObjectRef) else x
+
+
 def wait(refs: list, num_returns: int, timeout: float | None) -> tuple[list, list]:
     return ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=False)
+
+
+def done(items: list) -> list[bool]:
+    """Which of `items` have their result (or failure), without waiting."""
+    refs = [x for x in items if isinstance(x, ray.ObjectRef)]
+    ready = (
+        set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0])
+        if refs
+        else set()
+    )
+    return [x in ready if isinstance(x, ray.ObjectRef) else x.done() for x in items]
+
+
+def as_completed(items: list) -> Iterator[Any]:
+    """`items`, each as soon as its result (or failure) is in."""
+    if all(isinstance(x, ray.ObjectRef) for x in items):
+        remaining = list(items)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1, fetch_local=False)
+            yield from ready
+        return
+    futures = {_future(x): x for x in items}
+    for f in concurrent.futures.as_completed(futures):
+        yield futures[f]
 
 
 def _first_line(e: BaseException) -> str:
