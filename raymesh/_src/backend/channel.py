@@ -107,8 +107,21 @@ def socket_dir() -> str:
 _swept = False
 
 
-def _address(name: str) -> str:
-    return f"ipc://{os.path.join(socket_dir(), name)}.sock"
+def _address(role: str) -> str:
+    """A new socket address for this process in `role` ("proc", "caller"): unique to the
+    process, not just its pid, because pids wrap and the other end remembers addresses (a caller
+    refuses those of dead procs; a proc keeps a socket per caller it has replied to)."""
+    name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock"
+    return f"ipc://{os.path.join(socket_dir(), name)}"
+
+
+def _listen(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A socket receiving at `address`, whose file goes with this process."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    atexit.register(_unlink, address)
+    return sock
 
 
 def _unlink(address: str) -> None:
@@ -159,13 +172,8 @@ class Server:
         self._handler = handler
         self._failed = failed
         self._ctx: zmq.Context = zmq.Context.instance()
-        # Unique to this process, not just its pid: pids wrap, and a caller remembers the
-        # addresses of procs that died.
-        self.address = _address(f"proc-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        self._requests = self._ctx.socket(zmq.PULL)
-        self._requests.setsockopt(zmq.LINGER, 0)
-        self._requests.bind(self.address)
-        atexit.register(_unlink, self.address)
+        self.address = _address("proc")
+        self._requests = _listen(self._ctx, self.address)
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "raymesh-message")
         self._kept: dict[bytes, Any] = {}  # replies waiting for take_reply
@@ -220,11 +228,8 @@ class _Client:
 
     def __init__(self) -> None:
         self._ctx: zmq.Context = zmq.Context.instance()
-        self._reply_to = _address(f"caller-{os.getpid()}-{id(self):x}")
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.setsockopt(zmq.LINGER, 0)
-        self._replies.bind(self._reply_to)
-        atexit.register(_unlink, self._reply_to)
+        self._reply_to = _address("caller")
+        self._replies = _listen(self._ctx, self._reply_to)
         self._wake_address = f"inproc://raymesh-watch-{id(self):x}"
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
