@@ -15,7 +15,7 @@ Without CUDA the GPU sections are skipped with the reason; so is any section onc
   broadcast of CUDA tensors, values checked.
 - train_ddp, train_fsdp: raymesh.train.fit of the example MLP on 1 worker, gpus=True, strategy
   forced: decision, losses, steps/s; the rank's device and backend as its build function saw them.
-- memory_estimate: raymesh.train.strategy.estimate (activations from probe_activation_bytes)
+- memory_estimate: raymesh.train.estimate.estimate (activations from probe_activation_bytes)
   against torch.cuda.max_memory_allocated over real steps, for three example models.
 - spawn_and_messages: RAYMESH_WARM_PROCS=16; spawn 16 procs and an actor mesh until all answer,
   call_one and call-all-16 latency, what CPU procs see of the GPU; a GPU proc (per_host={"gpus":
@@ -213,14 +213,15 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
     from torch.utils.data import default_collate
 
     from raymesh.examples import mlp, tinygpt
-    from raymesh.train import strategy
+    from raymesh.train.estimate import estimate, gpu_budget_bytes, probe_activation_bytes
+    from raymesh.train.strategy import StrategyPolicy
     from raymesh.train.task import Context
 
     dev = torch.device("cuda", 0)
     # cuBLAS allocates its workspace at the first matmul and keeps it: do that first, so every
     # model's peak counts from the same baseline (reported on its own).
     (torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)).sum().item()
-    budget = strategy.gpu_budget_bytes(0)
+    budget = gpu_budget_bytes(0)
     r.put(budget_bytes=budget, baseline_bytes=torch.cuda.memory_allocated(dev))
     ctx = Context(rank=0, world_size=1, local_rank=0, local_world_size=1, device=dev, seed=0)
     # (build, batch): the batch is what fit gives one rank with its example's default batch
@@ -234,8 +235,8 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
         model = task.model.to(dev)
         samples = (task.collate_fn or default_collate)([task.dataset[i] for i in range(batch_size)])
         batch = tuple(t.to(dev) for t in samples)
-        activation = strategy.probe_activation_bytes(model, task.loss_fn, batch)
-        est = strategy.estimate(model, task.optimizer, activation)
+        activation = probe_activation_bytes(model, task.loss_fn, batch)
+        est = estimate(model, task.optimizer, activation)
         for _ in range(args.it["memory_steps"]):
             task.optimizer.zero_grad(set_to_none=True)
             before = torch.cuda.memory_allocated(dev)
@@ -250,7 +251,7 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
         fig.update(measured_peak_bytes=peak, measured_over_estimate=ratio)
         fig.update(activation_measured_bytes=held, final_loss=finite(loss.item()))
         fig.update(peak_reserved_bytes=torch.cuda.max_memory_reserved(dev))
-        fig.update(auto=strategy.StrategyPolicy().decide("auto", est, 1, budget).strategy)
+        fig.update(auto=StrategyPolicy().decide("auto", est, 1, budget).strategy)
         r.put(**{name: fig})
         del task, model, samples, batch, loss  # back to the baseline for the next model
         torch.cuda.empty_cache()

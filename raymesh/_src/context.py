@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 
+from raymesh._src import backend
 from raymesh._src.shape import Extent, Point
 
 __all__ = ["ActorContext", "context", "current_rank", "current_size"]
@@ -56,6 +57,12 @@ class ActorContext:
             labels, sizes, index = self._message
             self._message_rank = Extent(labels, sizes).point(index)
         return self._message_rank
+
+    @property
+    def gpu_ids(self) -> list:
+        """The GPUs this actor's proc was given (empty on a CPU proc and in the controller,
+        even where the machine has GPUs)."""
+        return backend.gpu_ids()
 
     def __repr__(self) -> str:
         return (

@@ -23,6 +23,26 @@ _UNSET: Any = object()
 
 
 class Future(Generic[R]):
+    """The pending result of one call: one actor's reply (`call_one`, `choose`) or a mesh's
+    (`call`: a ValueMesh of every actor's reply, in rank order).
+
+    Guarantees:
+    - `get(timeout=None)` blocks until the result is in and returns it, or raises: `ActorError`
+      when the endpoint raised (for a mesh call, the first failing actor in rank order; the
+      actors live on), `SupervisionError` when a proc that was to answer is gone (promptly,
+      as the module docstring says: it never waits for a dead proc), `TimeoutError` when
+      `timeout` seconds pass first. A timeout cancels nothing and settles nothing: the call
+      runs on, and `get()` may be called again.
+    - Settled once: after `get()` has returned or raised ActorError/SupervisionError, every
+      later `get()` returns the same value or raises the same exception object, at once.
+    - `await future` is `get()` without a timeout, run on the event loop's default executor so
+      the loop keeps running; it returns or raises exactly what `get()` would.
+    - `done()` never blocks: True once every reply (or a proc's death) is in, or once the future
+      has settled; a result it reports done is returned by `get()` without waiting.
+    - A call refused before it was sent (its mesh already failed) gives a future that is
+      already settled with that error (`Future.failed`).
+    """
+
     def __init__(
         self,
         items: list[Any],

@@ -259,3 +259,13 @@ def set_current_runtime(rt: ProcRuntime) -> None:
 def current_runtime() -> ProcRuntime | None:
     """The runtime of the proc this code runs in; None in the controller."""
     return _current_runtime
+
+
+def start_proc_runtime(proc_mesh_name: str, point: Point) -> ProcRuntime:
+    """Make this process the proc at `point` of `proc_mesh_name`: its rank, and the runtime that
+    hosts its actors. The backend's proc host calls it (`create_procs(start_runtime=...)`), so
+    that the backend, a layer below this module, never imports it."""
+    _ctx.set_proc_point(point)
+    runtime = ProcRuntime(proc_mesh_name=proc_mesh_name, point=point)
+    set_current_runtime(runtime)
+    return runtime

@@ -19,20 +19,17 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
-import threading
 import uuid
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from raymesh._src import backend
 from raymesh._src.context import current_actor_context, current_rank
-from raymesh._src.errors import MeshFailure, SupervisionError
-from raymesh._src.proc import ProcRuntime
+from raymesh._src.errors import MeshFailure
+from raymesh._src.mesh_state import ProcMeshState
+from raymesh._src.proc import ProcRuntime, start_proc_runtime
 from raymesh._src.shape import Extent, MeshTrait, Point, Shape
-
-if TYPE_CHECKING:
-    from raymesh.topology.planner import Placement
 
 logger = logging.getLogger("raymesh")
 
@@ -42,6 +39,44 @@ __all__ = ["HostMesh", "ProcMesh", "host_mesh", "this_host", "this_proc"]
 
 _GPU_AXIS = "gpus"
 _STOP_TIMEOUT_S = 30.0
+
+
+# What `spawn_procs(placement=...)` reads from a plan, as protocols: the core names no type of
+# `raymesh.topology` (a layer above it), and `raymesh.topology.Placement` fits them as it is
+# (mypy checks that in raymesh/topology/planner.py).
+class PlacedRank(Protocol):
+    """Where one rank of a plan runs."""
+
+    @property
+    def node_id(self) -> str: ...  # Ray node id of its host
+
+    @property
+    def host(self) -> str: ...  # the host's name, for error messages
+
+    @property
+    def device(self) -> int | None: ...  # device index on that host; None for a CPU proc
+
+
+class PlanLayout(Protocol):
+    """A plan's rank layout: (replicate, shard, tp) degrees, rank = (r * shard + s) * tp + t."""
+
+    @property
+    def dims(self) -> tuple[int, int, int]: ...
+
+    def describe(self) -> str: ...
+
+
+class RankPlacement(Protocol):
+    """A plan of where each rank runs, as `raymesh.topology.plan(...)` returns it."""
+
+    @property
+    def shape(self) -> PlanLayout: ...
+
+    @property
+    def assignments(self) -> Sequence[PlacedRank]: ...  # assignments[r]: where rank r runs
+
+    @property
+    def node_ids(self) -> list[str]: ...  # each rank's node id, in rank order
 
 
 class HostMesh(MeshTrait):
@@ -58,14 +93,47 @@ class HostMesh(MeshTrait):
     def node_ids(self) -> list[str]:
         return [self._nodes[r].node_id for r in self._shape.ranks]
 
+    @property
+    def addresses(self) -> list[str]:
+        """Each host's address, as the cluster's processes reach it (a process group's store
+        on that host listens there)."""
+        return [self._nodes[r].ip for r in self._shape.ranks]
+
+    @property
+    def gpus(self) -> float:
+        """The GPUs of these hosts, in all (free or not)."""
+        return sum(self._nodes[r].gpus for r in self._shape.ranks)
+
+    def select_hosts(self, node_ids: Sequence[str]) -> HostMesh:
+        """A mesh of the hosts with these node ids, in that order. Raises ValueError naming
+        any that are not in this mesh (a host that left the cluster)."""
+        mine = {self._nodes[r].node_id: self._nodes[r] for r in self._shape.ranks}
+        missing = [n for n in node_ids if n not in mine]
+        if missing:
+            raise ValueError(
+                f"select_hosts: {[n[:12] for n in missing]} not among this mesh's "
+                f"{len(mine)} host(s); take node ids from host_mesh().node_ids"
+            )
+        return HostMesh([mine[n] for n in node_ids])
+
+    def free_procs(self, *, cpus_per_proc: float = 1.0, gpu: bool = False) -> dict[str, int]:
+        """How many more procs of `cpus_per_proc` CPUs (and one GPU each, with `gpu`) each
+        host of this mesh could hold now, by node id: hosts with room only, the caller's host
+        first. A snapshot: another spawn may take the room first (spawn_procs then waits for
+        room, up to its timeout)."""
+        mine = set(self.node_ids)
+        free = backend.free_slots(_resources(cpus_per_proc, gpu))
+        return {node: n for node, n in free.items() if node in mine}
+
     def spawn_procs(
         self,
         per_host: Mapping[str, int] | None = None,
         *,
-        placement: Placement | None = None,
+        placement: RankPlacement | None = None,
         name: str | None = None,
         cpus_per_proc: float = 1.0,
         timeout: float = 60.0,
+        escalate: bool = True,
     ) -> ProcMesh:
         """One proc per point of this host mesh's axes plus `per_host`; or, with `placement`
         (a `raymesh.topology.plan`), one proc per rank of the plan, rank r on its planned
@@ -76,13 +144,18 @@ class HostMesh(MeshTrait):
 
         cpus_per_proc: logical CPUs each proc reserves (the embedded local Ray has many logical
             CPUs; see `raymesh._src.backend.runtime`). timeout: seconds to wait for resources.
+        escalate=False: the owner watches these procs itself (raymesh.train's controller heals
+            them): a failure is still recorded on the mesh (later calls raise
+            SupervisionError, and `ProcMesh.failure` says what it was) but is not handed to the
+            owner's `__supervise__` or to the unhandled-fault hook. Set before the procs are
+            watched, so no failure is escalated in between.
         Raises ValueError for a bad `per_host` or a plan for hosts outside this mesh,
         PlacementError when the cluster cannot hold it.
         """
         if not cpus_per_proc >= 0:
             raise ValueError(f"cpus_per_proc={cpus_per_proc!r} must be >= 0")
         if placement is not None:
-            return self._spawn_placed(placement, name, cpus_per_proc, timeout)
+            return self._spawn_placed(placement, name, cpus_per_proc, timeout, escalate)
         per_host = dict(per_host or {"procs": 1})
         asked = f"spawn_procs(per_host={per_host})"
         for axis, n in per_host.items():
@@ -97,10 +170,15 @@ class HostMesh(MeshTrait):
         per = Extent.of(per_host).nelem
         node_ids = [n for n in self.node_ids for _ in range(per)]
         gpu = _GPU_AXIS in per_host
-        return _create(extent, node_ids, name, cpus_per_proc, gpu, timeout, asked)
+        return _create(extent, node_ids, name, cpus_per_proc, gpu, timeout, asked, escalate)
 
     def _spawn_placed(
-        self, placement: Placement, name: str | None, cpus_per_proc: float, timeout: float
+        self,
+        placement: RankPlacement,
+        name: str | None,
+        cpus_per_proc: float,
+        timeout: float,
+        escalate: bool,
     ) -> ProcMesh:
         asked = f"spawn_procs(placement=<{placement.shape.describe()}>)"
         mine = set(self.node_ids)
@@ -116,10 +194,18 @@ class HostMesh(MeshTrait):
         gpu = any(a.device is not None for a in placement.assignments)
         # Points in row-major order are ranks in the plan's layout ((r * shard + s) * tp + t).
         extent = Extent.of(axes)
-        return _create(extent, placement.node_ids, name, cpus_per_proc, gpu, timeout, asked)
+        return _create(
+            extent, placement.node_ids, name, cpus_per_proc, gpu, timeout, asked, escalate
+        )
 
     def __repr__(self) -> str:
         return f"HostMesh({self._shape})"
+
+
+def _resources(cpus_per_proc: float, gpu: bool) -> dict[str, float]:
+    """What one proc reserves (a proc with no CPU still holds a sliver, so Ray places it)."""
+    res = {"CPU": float(cpus_per_proc), "GPU": 1.0 if gpu else 0.0}
+    return {k: v for k, v in res.items() if v > 0} or {"CPU": 0.001}
 
 
 def _create(
@@ -130,16 +216,18 @@ def _create(
     gpu: bool,
     timeout: float,
     asked: str,
+    escalate: bool,
 ) -> ProcMesh:
     """One proc per point of `extent`, the i-th on `node_ids[i]`, owned by this process."""
-    resources = {"CPU": float(cpus_per_proc)}
-    if gpu:
-        resources["GPU"] = 1.0
-    resources = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
+    resources = _resources(cpus_per_proc, gpu)
     mesh_name = name or f"procs{uuid.uuid4().hex[:6]}"
     points = list(extent.points())
-    group = backend.create_procs(mesh_name, points, node_ids, resources, timeout, asked)
-    state = ProcMeshState(mesh_name, group.procs, group, _owner_key())
+    group = backend.create_procs(
+        mesh_name, points, node_ids, resources, timeout, asked, start_runtime=start_proc_runtime
+    )
+    state = ProcMeshState(
+        mesh_name, group.procs, group, _owner_key(), handled_by_owner=not escalate
+    )
     _own(state)
     return ProcMesh(state, Shape.of(dict(extent)))
 
@@ -168,90 +256,6 @@ def this_host() -> HostMesh:
     """The caller's own node, as a host mesh of one (`{"hosts": 1}`)."""
     here = backend.current_node_id()
     return HostMesh([n for n in backend.nodes() if n.node_id == here])
-
-
-class ProcMeshState:
-    """What all views (slices) of one proc mesh share: its procs, owner and failures."""
-
-    def __init__(
-        self, name: str, procs: list[Any], group: Any, owner_key: str | None, owned: bool = True
-    ) -> None:
-        self.name = name
-        self.procs = procs
-        self.group = group  # backend.ProcGroup, or None for this_proc()
-        self.owner_key = owner_key  # the owning actor in this process; None: the controller
-        self.owned = owned
-        self.stopped = False
-        self.lock = threading.Lock()
-        self.dead: dict[int, MeshFailure] = {}  # proc rank -> how it died
-        self.reported: set[int] = set()  # dead ranks already handed to supervision
-        # The owner handles failures itself (e.g. the training controller heals them): record
-        # them on the mesh, but do not escalate them to the unhandled fault hook.
-        self.handled_by_owner = False
-        self.actor_failures: dict[str, MeshFailure] = {}  # actor key -> unhandled failure
-
-    def record(self, actor_key: str | None, failure: MeshFailure) -> bool:
-        """Keep `failure` for later calls; False when the mesh is stopped or the failure was
-        already recorded (a death is seen both by pending calls and by the watcher)."""
-        with self.lock:
-            if self.stopped:
-                return False
-            if actor_key is not None:
-                self.actor_failures.setdefault(actor_key, failure)
-                return True
-            if failure.kind == "proc_died":
-                fresh = [r for r in failure.ranks if r not in self.reported]
-                self.reported.update(failure.ranks)
-                for r in failure.ranks:
-                    self.dead.setdefault(r, failure)
-                return bool(fresh)
-            return True
-
-    def proc_gone(self, rank: int, detail: str) -> MeshFailure:
-        """The failure for proc `rank`, which Ray reported dead: asks its host how it ended."""
-        with self.lock:
-            known = self.dead.get(rank)
-        if known is not None:
-            return known
-        if self.stopped:
-            return MeshFailure(self.name, (rank,), "stopped", "the mesh was stopped")
-        status = self.procs[rank].exit_status(timeout=2.0) or {}
-        cause = status.get("cause") or detail
-        failure = MeshFailure(
-            mesh_name=self.name,
-            ranks=(rank,),
-            kind="proc_died",
-            cause=f"proc (pid {self.procs[rank].pid}) {cause}",
-            exit_code=status.get("exit_code"),
-            signal=status.get("signal"),
-        )
-        with self.lock:
-            return self.dead.setdefault(rank, failure)
-
-    def check(self, ranks: tuple[int, ...], actor_key: str | None) -> SupervisionError | None:
-        """The error a new call on `ranks` must fail with, if any."""
-        if self.stopped:
-            return SupervisionError(
-                MeshFailure(
-                    self.name,
-                    ranks,
-                    "stopped",
-                    "the mesh was stopped; spawn a new one with spawn_procs()",
-                )
-            )
-        dead = [self.dead[r] for r in ranks if r in self.dead]
-        if dead:  # calls to slices that avoid the dead procs still go through
-            return SupervisionError(dead[0])
-        if actor_key is not None and actor_key in self.actor_failures:
-            return SupervisionError(self.actor_failures[actor_key])
-        return None
-
-    def __reduce__(self):  # a copy in another process is a reference, not an owner
-        return (_rebuild_state, (self.name, self.procs, self.group))
-
-
-def _rebuild_state(name: str, procs: list[Any], group: Any) -> ProcMeshState:
-    return ProcMeshState(name, procs, group, owner_key=None, owned=False)
 
 
 def _owner_key() -> str | None:
@@ -319,6 +323,19 @@ class ProcMesh(MeshTrait):
         """The Ray node id each proc runs on, in this view's order."""
         return [self._state.procs[r].node_id for r in self._shape.ranks]
 
+    @property
+    def failure(self) -> MeshFailure | None:
+        """How this view failed: a proc of it died (the first one known), or the mesh was
+        stopped; None while supervision knows of no failure. Reads what this process has
+        recorded and sends nothing, so it costs no round trip. In the owner, a death shows up
+        here as soon as the supervisor sees it (milliseconds), with or without `escalate`; a
+        reference in another process learns of one only through its own failed calls. A slice
+        that avoids the dead procs reports None, as calls to it still go through. Failures of
+        single actors (an unhandled broadcast error) are the actor mesh's, not reported here.
+        """
+        error = self._state.check(self._shape.ranks, None)
+        return error.failure if error is not None else None
+
     def spawn(self, name: str, cls: type[T], *args: Any, **kwargs: Any) -> Any:
         """Construct `cls(*args, **kwargs)` on every proc; returns the `ActorMesh`.
 
@@ -327,6 +344,19 @@ class ProcMesh(MeshTrait):
         from raymesh._src.actor_mesh import spawn_actors
 
         return spawn_actors(self, name, cls, args, kwargs)
+
+    def kill(self) -> None:
+        """SIGKILL the procs of this view now, without waiting for what they run: for an
+        owner that gives up on a hung proc. `stop()` then releases their resources; calls on
+        their actors fail with SupervisionError."""
+        if not self._state.owned:
+            raise RuntimeError(f"only the owner of mesh {self.name!r} can kill it")
+        for r in self._shape.ranks:
+            proc = self._state.procs[r]
+            try:
+                backend.kill_pid(proc.node_id, proc.pid)
+            except Exception:  # its node may be gone, with the process
+                logger.debug("raymesh: killing %s rank %d failed", self.name, r, exc_info=True)
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """End every proc of this mesh (all of it, even when called on a slice) and wait until

@@ -11,6 +11,8 @@ Who handles a failure: the mesh's owner actor's `__supervise__` (run as a messag
 its endpoints); True stops it there, anything else makes it the owner's own failure, reported up
 to *its* owner. At the controller, `unhandled_fault_hook` runs. The mesh itself is marked failed
 first (a dead proc cannot come back), so later calls raise `SupervisionError` without waiting.
+A mesh spawned with `escalate=False` is marked failed the same way but handed to nobody: its
+owner reads `ProcMesh.failure` instead (raymesh.train's controller, which heals its ranks).
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raymesh._src import backend
 from raymesh._src.errors import MeshFailure
+from raymesh._src.mesh_state import ProcMeshState
 from raymesh._src.proc import current_runtime
-
-if TYPE_CHECKING:
-    from raymesh._src.proc_mesh import ProcMeshState
 
 logger = logging.getLogger("raymesh")
 
@@ -61,7 +61,7 @@ def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) 
     if not state.record(actor_key, failure):
         return  # the mesh was stopped, or this failure is already known
 
-    if state.handled_by_owner:
+    if state.handled_by_owner:  # spawn_procs(escalate=False): the owner polls the mesh itself
         return
 
     def deliver() -> None:

@@ -1,4 +1,4 @@
-"""MLPs on synthetic data: fast jobs for tests, for the DDP/FSDP choice and for benchmarks.
+"""MLPs on synthetic data: fast jobs for tests, for the DDP/FSDP/HSDP choice and for benchmarks.
 
 Three build functions, all offline and deterministic:
 - `build`: a small MLP learning a fixed random teacher network (trains in seconds on CPU).
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=64, help="global batch (samples per step)")
-    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"])
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp", "hsdp"])
+    p.add_argument("--shard-size", type=int, default=None, help="HSDP: ranks per shard group")
     p.add_argument("--memory-budget-gb", type=float, default=None)
     args = p.parse_args(argv)
     config = train.TrainConfig(
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=args.steps,
         global_batch_size=args.batch,
         strategy=args.strategy,
+        shard_size=args.shard_size,
         memory_budget_gb=args.memory_budget_gb,
         report_every=10,
     )

@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
-    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"])
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp", "hsdp"])
+    p.add_argument("--shard-size", type=int, default=None, help="HSDP: ranks per shard group")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     config = train.TrainConfig(
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=args.steps,
         global_batch_size=args.batch,
         strategy=args.strategy,
+        shard_size=args.shard_size,
         seed=args.seed,
         report_every=10,
     )

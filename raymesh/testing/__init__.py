@@ -11,8 +11,12 @@ A fault fires once per job, on the rank it names, as that rank starts the given 
 - `fail`: the step raises `InjectedFault` on that rank;
 - `hang`: the rank stops making progress for `seconds` (default: until it is killed);
 - `slow`: from that step on, the rank takes `factor` times as long per step (a straggler).
+
+`fit` hands a config's faults to `FaultInjector`, which carries them out through
+raymesh.train's hooks (`raymesh.train.hooks`): the training code has no fault of its own.
 """
 
 from raymesh.testing.faults import Fault, InjectedFault, fail, hang, kill, parse_fault, slow
+from raymesh.testing.injector import FaultInjector
 
-__all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]
+__all__ = ["Fault", "FaultInjector", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]

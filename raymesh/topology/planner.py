@@ -28,11 +28,14 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raymesh.topology.job import JobShape
 from raymesh.topology.model import GIB, Host, Topology
 from raymesh.topology.search import Problem, Slot, exact, heuristic
+
+if TYPE_CHECKING:
+    from raymesh._src.proc_mesh import RankPlacement
 
 __all__ = ["EXACT_MAX_SLOTS", "Assignment", "JobShape", "Placement", "plan", "used"]
 
@@ -100,6 +103,14 @@ class Placement:
 
 
 # -- plan ---------------------------------------------------------------------------------------
+
+
+if TYPE_CHECKING:
+
+    def _spawnable(placement: Placement) -> RankPlacement:
+        """Never called: mypy checks here that a plan is what `spawn_procs(placement=...)` reads
+        (the core describes it with protocols, since it may not import this package)."""
+        return placement
 
 
 def _slots(topo: Topology, shape: JobShape) -> tuple[list[Slot], list[str], str]:

@@ -5,15 +5,15 @@
     result.state_dict(), result.history
 
 The build function runs on every rank and returns a `train.Task` (model, optimizer, dataset,
-loss); raymesh owns the loop, the process group, the strategy (DDP or FSDP), the data order and
-the checkpoints.
+loss); raymesh owns the loop, the process group, the strategy (DDP, FSDP or HSDP), the data
+order and the checkpoints.
 """
 
 from raymesh import preload
 from raymesh.train.api import fit
 from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
-from raymesh.train.controller import Result, TrainError
 from raymesh.train.failure import FailureRecord, TooManyFailures
+from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
 
 # A training rank imports these (with DCP and DTensor, ~2 s and ~0.1 GB here): let warm procs

@@ -6,8 +6,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from raymesh.testing.injector import FaultInjector
 from raymesh.train.config import TrainConfig
-from raymesh.train.controller import Result, TrainController
+from raymesh.train.controller import TrainController
+from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 
 __all__ = ["fit", "resolve_build"]
@@ -54,4 +56,5 @@ def fit(
     if chosen is None:
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
     fn = resolve_build(chosen)
-    return TrainController(fn, config, progress=progress).run()
+    hooks = FaultInjector(config.faults) if config.faults else None
+    return TrainController(fn, config, progress=progress, hooks=hooks).run()

@@ -1,5 +1,9 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, atomic, verified, resharded.
 
+One module past 400 lines on purpose: the writer (save, then commit: manifest last, rename) and
+the readers (latest, load, export: verify against the manifest) are two halves of one on-disk
+contract, the layout below, and split they would each hold half of it.
+
 Layout of `Checkpointer(dir)`:
 
     dir/step-00000050/            a committed checkpoint (the folder name gives the step)
@@ -20,7 +24,7 @@ Guarantees:
   warning on the "raymesh" logger and falls back to the previous one; `load()` and
   `export_state_dict()` raise `CheckpointError` instead of loading it.
 - Resharded: the checkpoint holds each tensor's global shape (DCP), so a save at one world size
-  and strategy (DDP, FSDP2 `fully_shard`, a plain module) loads at another.
+  and strategy (DDP, FSDP or HSDP via FSDP2's `fully_shard`, a plain module) loads at another.
 - weights_only: DCP reads tensors with `torch.load(weights_only=True)`; raymesh's load planner
   also reads DCP's non-tensor entries (optimizer hyperparameters) with `weights_only=True`, where
   DCP's default would unpickle them freely. DCP's own `.metadata` index is a pickle by DCP's
@@ -88,7 +92,7 @@ class Manifest:
 
     step: int  # optimizer steps done when it was saved (the folder is step-<step:08d>)
     world_size: int  # ranks that saved it (loading at another world size reshards)
-    strategy: str  # how the model was wrapped when saved: "ddp", "fsdp", ...
+    strategy: str  # how the model was wrapped when saved: "ddp", "fsdp" or "hsdp"
     config: dict[str, Any]  # the job's config (TrainConfig.to_dict()), JSON data
     data_position: int  # the next step of the global sample order (raymesh.train.data)
     files: dict[str, str]  # relative path -> sha256 hex of every other file in the folder
@@ -173,8 +177,8 @@ class Checkpointer:
 
         Blocking mode: returns after the checkpoint is committed on every rank. Async mode: first
         commits the previous save, then returns once this one is staged (see the class doc).
-        `model` may be a plain module, DDP, or FSDP2-sharded: `get_state_dict` stores canonical
-        names (no "module." prefix). Re-saving an existing step replaces it.
+        `model` may be a plain module, DDP, or sharded by FSDP2 (FSDP, HSDP): `get_state_dict`
+        stores canonical names (no "module." prefix). Re-saving an existing step replaces it.
 
         Raises ValueError for bad arguments (on every rank, before writing anything) and
         CheckpointError, on every rank, if any rank failed to write or rank 0 failed to commit.
@@ -325,8 +329,8 @@ class Checkpointer:
         COLLECTIVE: every rank calls it with the same path.
 
         Rank 0 verifies the checksums first; if they fail, every rank raises CheckpointError and
-        nothing is loaded. The model may be wrapped differently (plain, DDP, FSDP2) and the world
-        size may differ from the saving one: DCP reads each rank's part of every tensor.
+        nothing is loaded. The model may be wrapped differently (plain, DDP, FSDP, HSDP) and the
+        world size may differ from the saving one: DCP reads each rank's part of every tensor.
         """
         self.wait()
         path = Path(path)

@@ -32,6 +32,19 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
+    """Where and how often a job checkpoints (`TrainConfig.checkpoint`; `[checkpoint]` in a
+    config file). Without one a job saves nothing, cannot resume, and an FSDP or HSDP job
+    cannot heal (its lost shards exist nowhere else).
+
+    Checked on construction: `dir` a non-empty path, `every` >= 0, `keep` >= 1; a bad field
+    raises ValueError naming it (as `checkpoint.<field>`), the value and the fix. Frozen.
+
+        CheckpointConfig(dir="runs/gpt", every=50, keep=3)  # step-00000050/, -100/, ... newest 3
+
+    The layout and what a checkpoint guarantees (atomic, verified, resharded on load) are in
+    `raymesh.train.checkpoint`.
+    """
+
     dir: str  # folder of the run's checkpoints (step-00000050/, ...); created if missing
     every: int = 0  # save every N steps (0: only at the end)
     keep: int = 3  # keep the newest K committed checkpoints
@@ -49,6 +62,25 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """One training job, whole: its size, batch, seed, strategy, checkpoints, failure handling
+    and timeouts. `fit(build, config)` runs it; a TOML file with the same fields (`build` as
+    "module:function", `[checkpoint]` as a table) is the same job for `raymesh train`.
+
+    Checked on construction, every field and the ones that depend on each other (e.g.
+    `global_batch_size` >= the largest world, `shard_size` a divisor of `workers` giving two or
+    more groups, faults naming existing ranks): a bad one raises ValueError naming the field,
+    the value and the fix. A `checkpoint` dict becomes a CheckpointConfig, a `workers` list a
+    tuple and fault strings (`"kill:rank=1:step=30"`) Faults, so parsed file data is accepted
+    as is. Frozen: a run's config does not change under it.
+
+        TrainConfig(
+            workers=(2, 4),  # elastic: start with 4, continue with no fewer than 2
+            steps=300,
+            global_batch_size=64,
+            checkpoint=CheckpointConfig(dir="runs/gpt", every=50),
+        )
+    """
+
     # Ranks (trainer actors, one proc each). `(min, max)`: elastic; start at max, continue with
     # fewer (down to min) when a lost rank cannot be replaced, grow back when capacity returns.
     workers: int | tuple[int, int] = 1
@@ -62,7 +94,7 @@ class TrainConfig:
     shard_size: int | None = None
     memory_budget_gb: float | None = None  # per-rank budget on CPU (GPU: the device's memory)
     activation_bytes: int | None = None  # per-rank activation memory hint (else measured)
-    checkpoint: CheckpointConfig | None = None
+    checkpoint: CheckpointConfig | None = None  # None: no saves (no resume; FSDP/HSDP cannot heal)
     resume: bool | Literal["auto"] = "auto"  # continue from the newest valid checkpoint
     run_dir: str | None = None  # metrics.jsonl goes here (default: checkpoint.dir, or none)
     report_every: int = 1  # send metrics to the controller every N steps

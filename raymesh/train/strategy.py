@@ -1,10 +1,12 @@
-"""DDP, FSDP2 or HSDP, chosen from a per-rank memory estimate: pure arithmetic, decisions as data.
+"""DDP, FSDP2 or HSDP for one job: the decision, pure arithmetic, returned as data.
 
-`estimate()` adds up what one rank holds (parameters, gradients, optimizer state, activations);
-`StrategyPolicy.decide()` compares it with the rank's memory budget and returns a
-`StrategyDecision` whose `reason` shows the arithmetic. The controller logs the reason and
-carries the decision out; nothing here touches a process group, so every rule is unit-tested
-without one.
+Decide, estimate, apply are three modules (as torchtitan splits parallel_dims.py from
+parallelize.py): `raymesh.train.estimate` measures what one rank holds (a `MemoryEstimate`,
+from the model), this module decides from those numbers alone, and `raymesh.train.parallelize`
+wraps the model as decided. `StrategyPolicy.decide()` compares the estimate with the rank's
+memory budget and returns a `StrategyDecision` whose `reason` shows the arithmetic; the
+controller logs the reason and carries the decision out. Nothing here touches a model or a
+process group, so every rule is unit-tested with made-up numbers.
 
 The rule (`strategy="auto"`): replicate (DDP) when everything fits in `headroom` of the budget;
 else, when the ranks form shard groups (`shard_size`: one host's ranks each, or the config's),
@@ -16,73 +18,30 @@ communication estimate, when given, has the last word. `"ddp"`/`"fsdp"`/`"hsdp"`
 choice, and the reason says if it exceeds the budget; a job too big for the budget under every
 strategy always fails.
 
-The estimate is deliberately simple (no allocator fragmentation, no communication buckets, no
-CUDA context); `headroom` (default 80%) is the allowance for everything it leaves out.
+`headroom` (default 80%) is the allowance for what the estimate leaves out (allocator
+fragmentation, communication buckets, the CUDA context).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-import torch
+from raymesh.train.estimate import MemoryEstimate
 
 __all__ = [
-    "MemoryEstimate",
     "StrategyDecision",
     "StrategyPolicy",
-    "cpu_budget_bytes",
-    "estimate",
-    "fsdp_blocks",
-    "gpu_budget_bytes",
     "host_shard_size",
-    "largest_block_bytes",
-    "probe_activation_bytes",
     "splits_into_shard_groups",
 ]
 
 
 _GIB = 1 << 30
 _REQUESTS = ("auto", "ddp", "fsdp", "hsdp")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs, before any sharding.
-
-    largest_block_bytes is FSDP's allowance for one unit's parameters gathered unsharded during
-    its all-gather (see `largest_block_bytes()`); it does not count towards DDP.
-    """
-
-    param_bytes: int  # every parameter, at its own dtype
-    grad_bytes: int  # trainable parameters only, same dtype as the parameter
-    optimizer_bytes: int  # optimizer state, by optimizer type (see `estimate`)
-    activation_bytes: int  # saved for backward in one micro-batch (measured or the user's hint)
-    largest_block_bytes: int = 0  # biggest FSDP unit's parameters, gathered during all-gather
-
-    def ddp_bytes(self) -> int:
-        """Everything replicated on every rank."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-
-    def sharded_bytes(self, world_size: int) -> int:
-        """This rank's 1/world_size share of params, grads and optimizer state (rounded up)."""
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size}: must be >= 1")
-        states = self.param_bytes + self.grad_bytes + self.optimizer_bytes
-        return math.ceil(states / world_size)
-
-    def fsdp_bytes(self, world_size: int) -> int:
-        """Params, grads and optimizer state sharded 1/world_size, plus one unsharded block.
-
-        Activations are not sharded (each rank runs its own micro-batch). The block allowance is
-        one unit's parameters during its all-gather; FSDP2's prefetch of the next unit and the
-        block's unsharded gradients before reduce-scatter are left to the headroom.
-        """
-        return self.sharded_bytes(world_size) + self.largest_block_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -132,136 +91,8 @@ class StrategyDecision:
         return dataclasses.replace(self, strategy="fsdp", shard_size=None, reason=reason)
 
 
-def _param_bytes(params: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _optimizer_state_factor(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
-    """How many param-sized state tensors `optimizer` keeps for each param of `group`.
-
-    Known optimizers are counted exactly (scalar `step` tensors are ignored); an unknown one is
-    assumed to keep 2 (as Adam does), a deliberately cautious guess.
-    """
-    adam_like = (torch.optim.Adam, torch.optim.AdamW)
-    if isinstance(optimizer, adam_like):
-        return 3 if group.get("amsgrad", False) else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
-    if isinstance(optimizer, torch.optim.SGD):
-        return 1 if group.get("momentum", 0) else 0  # momentum_buffer
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return 1  # sum
-    if isinstance(optimizer, torch.optim.RMSprop):
-        # square_avg (+ momentum_buffer) (+ grad_avg when centered)
-        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered", False))
-    return 2  # NAdam, RAdam, Adamax keep two; anything unknown is assumed to as well
-
-
-def estimate(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, activation_bytes: int
-) -> MemoryEstimate:
-    """Per-rank bytes of `model` trained by `optimizer`, unsharded.
-
-    Guarantees: each tensor is counted at its own dtype's size; a parameter shared by several
-    modules (weight tying) is counted once; gradients are counted for trainable params only;
-    optimizer state for the params in `optimizer`'s groups, by type: Adam/AdamW 2x (3x with
-    amsgrad), SGD 1x with momentum and 0x without, Adagrad 1x, RMSprop 1-3x, NAdam/RAdam/Adamax
-    2x, anything else 2x. Buffers (e.g. BatchNorm statistics) are not counted.
-    """
-    if activation_bytes < 0:
-        raise ValueError(f"activation_bytes={activation_bytes}: must be >= 0")
-    params = list(model.parameters())  # parameters() yields a tied parameter once
-    seen: set[int] = set()
-    optimizer_bytes = 0
-    for group in optimizer.param_groups:
-        factor = _optimizer_state_factor(optimizer, group)
-        for p in group["params"]:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            optimizer_bytes += factor * p.numel() * p.element_size()
-    return MemoryEstimate(
-        param_bytes=_param_bytes(params),
-        grad_bytes=_param_bytes([p for p in params if p.requires_grad]),
-        optimizer_bytes=optimizer_bytes,
-        activation_bytes=int(activation_bytes),
-        largest_block_bytes=largest_block_bytes(model),
-    )
-
-
-def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules FSDP wraps one by one: the children of the first nn.ModuleList found (in
-    `modules()` order), or [] when the model has none (then only the root is wrapped)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            return list(module)
-    return []
-
-
-def largest_block_bytes(model: torch.nn.Module) -> int:
-    """Biggest parameter footprint among the units FSDP would gather at once.
-
-    The units are the children of the first nn.ModuleList (`fsdp_blocks`) and the root, which
-    owns every parameter outside them (embeddings, heads); with no ModuleList the root is the
-    whole model.
-    """
-    blocks = fsdp_blocks(model)
-    in_blocks: set[int] = set()
-    sizes = [0]
-    for block in blocks:
-        block_params = [p for p in block.parameters() if id(p) not in in_blocks]
-        in_blocks.update(id(p) for p in block_params)
-        sizes.append(_param_bytes(block_params))
-    sizes.append(_param_bytes([p for p in model.parameters() if id(p) not in in_blocks]))
-    return max(sizes)
-
-
-def probe_activation_bytes(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-    batch: Any,
-) -> int:
-    """Bytes autograd saves for backward in one forward of `loss_fn(model, batch)`.
-
-    Works on CPU and GPU alike (it counts saved tensors, not allocator statistics). Each storage
-    is counted once, whole; the model's own parameters are excluded (they are in param_bytes).
-    The probe runs no backward and leaves no trace: the RNG streams and the model's buffers
-    (e.g. BatchNorm running statistics) are restored, so a run that probes trains exactly like
-    one that does not.
-    """
-    param_storages = {
-        p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"
-    }
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        try:
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-            key, nbytes = id(t), t.numel() * t.element_size()
-        if key not in param_storages and key not in seen:
-            seen.add(key)
-            total += nbytes
-        return t
-
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    rng = torch.random.fork_rng(devices=devices)  # the CPU stream, plus the model's GPUs
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    with rng, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        loss = loss_fn(model, batch)
-        del loss  # frees the graph and everything it saved
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-    return total
-
-
 class StrategyPolicy:
-    """Chooses DDP or FSDP for one job; returns the choice as data and logs its reason."""
+    """Chooses DDP, HSDP or FSDP for one job; returns the choice as data, with its reason."""
 
     def __init__(self, headroom: float = 0.8) -> None:
         """headroom: the fraction of the budget an estimate may use (the rest covers what the
@@ -453,34 +284,6 @@ def _fixes(e: MemoryEstimate, world_size: int, budget_bytes: int, headroom: floa
     need = math.ceil(min(e.ddp_bytes(), e.fsdp_bytes(world_size)) / headroom / _GIB * 100) / 100
     fixes.append(f"give each rank at least {need:.2f} GiB (memory_budget_gb on CPU)")
     return "fix: " + ", or ".join(fixes)
-
-
-def cpu_budget_bytes(config_memory_budget_gb: float | None, ranks_per_host: int = 1) -> int:
-    """The per-rank budget on CPU: the configured GiB, else this host's memory split evenly
-    among `ranks_per_host` ranks (MemTotal from /proc/meminfo, else sysconf)."""
-    if config_memory_budget_gb is not None:
-        if not config_memory_budget_gb > 0:
-            raise ValueError(f"memory_budget_gb={config_memory_budget_gb}: must be > 0 (GiB)")
-        return int(config_memory_budget_gb * _GIB)
-    if ranks_per_host < 1:
-        raise ValueError(f"ranks_per_host={ranks_per_host}: must be >= 1")
-    return _host_memory_bytes() // ranks_per_host
-
-
-def _host_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
-    except (OSError, ValueError, IndexError):
-        pass  # not Linux, or an unreadable procfs: ask sysconf instead
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-
-
-def gpu_budget_bytes(device_index: int) -> int:
-    """Total memory of CUDA device `device_index` (call only where CUDA is available)."""
-    return int(torch.cuda.get_device_properties(device_index).total_memory)
 
 
 def splits_into_shard_groups(world_size: int, shard_size: int) -> bool:

@@ -1,5 +1,6 @@
 """The trainer actor: one per rank. It owns the process group, the model, the optimizer and the
-data cursor; the controller tells it what to do, one endpoint call per phase.
+data cursor; the controller tells it what to do, one endpoint call per phase, in the typed
+messages of `raymesh.train.protocol`.
 
 Determinism (what makes two runs with the same seed bit-identical, and a resumed run equal to an
 uninterrupted one at the same world size):
@@ -14,7 +15,6 @@ uninterrupted one at the same world size):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import logging
@@ -22,76 +22,39 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from raymesh._src import backend
-from raymesh.actor import Actor, endpoint
-from raymesh.testing.faults import Fault
+from raymesh.actor import Actor, context, endpoint, this_host
 from raymesh.train import data as data_order
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
-from raymesh.train.strategy import (
-    StrategyDecision,
+from raymesh.train.estimate import (
     cpu_budget_bytes,
     estimate,
-    fsdp_blocks,
     gpu_budget_bytes,
     probe_activation_bytes,
 )
-from raymesh.train.task import Context, Local, Task
+from raymesh.train.hooks import RankHooks
+from raymesh.train.monitor import mark
+from raymesh.train.parallelize import parallelize
+from raymesh.train.protocol import ChunkResult, Rendezvous, ReplicaState, SetupInfo, StepMetrics
+from raymesh.train.step import Timing, mix, run_step, to_device
+from raymesh.train.strategy import StrategyDecision
+from raymesh.train.task import Context, Task
 
 logger = logging.getLogger("raymesh")
 
-
-def _mix(*values: int) -> int:
-    """A stable 63-bit seed from integers (Python's hash() is salted per process)."""
-    acc = 0x9E3779B97F4A7C15
-    for v in values:
-        acc = (acc ^ (v + 0x9E3779B97F4A7C15 + (acc << 6) + (acc >> 2))) & (2**64 - 1)
-    return acc & (2**63 - 1)
+__all__ = ["TrainWorker"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
-
-
-# This process's training progress. The trainer updates it; the Monitor actor on the same proc
-# reads it while the trainer is busy (actors sharing a proc run concurrently), which is how a
-# hung rank is told apart from the ranks waiting for it in a collective.
-_PHASES = ("idle", "start", "forward", "backward", "optimizer", "done")
-_progress: dict[str, Any] = {"step": 0, "phase": "idle", "since": time.monotonic()}
-
-
-def _mark(step: int, phase: str) -> None:
-    _progress.update(step=step, phase=phase, since=time.monotonic())
-
-
-class Monitor(Actor):
-    """Reports the trainer's progress in this proc, even while the trainer is stuck."""
-
-    @endpoint
-    def status(self) -> dict[str, Any]:
-        p = dict(_progress)
-        p["phase_index"] = _PHASES.index(p["phase"])
-        p["for_s"] = time.monotonic() - p.pop("since")
-        p["pid"] = os.getpid()
-        return p
 
 
 class TrainWorker(Actor):
@@ -102,18 +65,15 @@ class TrainWorker(Actor):
         self.config = config
         self.rank = -1
         self.world_size = 0
+        self.next_step = 1  # the step the world this rank joined trains next (for hooks)
         self.task: Task | None = None
         self.model: torch.nn.Module | None = None  # the wrapped (DDP/FSDP) model
         self.checkpointer: Checkpointer | None = None
         self.decision: StrategyDecision | None = None
+        self.hooks: RankHooks | None = None
         self.done = 0  # steps completed (the data position)
         self.sizes: list[int] | None = None  # samples per rank (None: the even split)
-        self.slow = 1.0  # a `slow` fault's factor, once it fired
-        self.compute_s = 0.0  # this rank's own forward + backward time in the last step
-        self.samples = 0  # and how many samples it trained on
-        self.step_samples = 0  # samples of the last step (compute_s may be one step late)
-        self.base_s = 0.0  # compute_s without a `slow` fault's sleep
-        self.slept_s = 0.0  # that sleep, in the last step
+        self.timing = Timing(ddp_timings=config.rebalance)
 
     @endpoint
     def warm(self) -> None:
@@ -131,51 +91,46 @@ class TrainWorker(Actor):
     @endpoint
     def address(self) -> tuple[str, int]:
         """Where this rank can host the process group's store (rank 0 is asked)."""
-        return backend.node_ip(), _free_port()
+        return this_host().addresses[0], _free_port()
 
-    def _join(
-        self, master_addr: str, master_port: int, rank: int, world_size: int, local: Local
-    ) -> None:
-        """Join (a new generation of) the process group."""
-        cfg = self.config
-        self.rank, self.world_size = rank, world_size
+    @endpoint
+    def install(self, hooks: RankHooks | None) -> None:
+        """Hooks for the world this rank joins next (the controller sends them before the
+        rendezvous; see `raymesh.train.hooks`)."""
+        self.hooks = hooks
+
+    def _join(self, rdv: Rendezvous) -> None:
+        """Join (a new generation of) the process group, as `rdv` says."""
+        if self.hooks is not None:
+            self.hooks.on_join(rdv.rank, rdv.next_step)
+        self.rank, self.world_size, self.next_step = rdv.rank, rdv.world_size, rdv.next_step
         os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(local.rank),
-            LOCAL_WORLD_SIZE=str(local.size),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
+            RANK=str(rdv.rank),
+            WORLD_SIZE=str(rdv.world_size),
+            LOCAL_RANK=str(rdv.local.rank),
+            LOCAL_WORLD_SIZE=str(rdv.local.size),
+            MASTER_ADDR=rdv.addr,
+            MASTER_PORT=str(rdv.port),
         )
-        if master_addr.startswith("127."):
+        if rdv.addr.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            init_method=f"tcp://{rdv.addr}:{rdv.port}",
+            rank=rdv.rank,
+            world_size=rdv.world_size,
+            timeout=datetime.timedelta(seconds=self.config.timeout_s),
         )
 
     @endpoint
-    def setup(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        local: Local,
-        measure: bool = True,
-        faults: list[Fault] | None = None,
-    ) -> dict[str, Any]:
-        """Join the process group as `rank`, run the user's build function, and (`measure`)
-        estimate memory for the strategy decision: at the start only, not when healing.
+    def setup(self, rdv: Rendezvous, measure: bool = True) -> SetupInfo:
+        """Join the process group as `rdv` says, run the user's build function, and
+        (`measure`) estimate memory for the strategy decision: at the start only, not when
+        healing.
 
         On a rank that was set up before (an FSDP or HSDP job healing or resizing), it first
         leaves the old group and drops the old model: the process stays warm, the state is
-        rebuilt. `faults` (when="join") fire first, as the rank joins."""
-        for fault in faults or ():
-            fault.fire()
+        rebuilt."""
         cfg = self.config
         if self.task is not None:
             self._abort()
@@ -184,18 +139,18 @@ class TrainWorker(Actor):
             gc.unfreeze()  # the old task was frozen with the rest (see _wrap)
             gc.collect()
         # A CPU proc can still see the machine's GPUs: use one only if Ray gave it one.
-        use_cuda = cfg.gpus is not False and torch.cuda.is_available() and bool(backend.gpu_ids())
+        use_cuda = cfg.gpus is not False and torch.cuda.is_available() and bool(context().gpu_ids)
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
-        self._join(master_addr, master_port, rank, world_size, local)
+        self._join(rdv)
         if not use_cuda:
             torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(cfg.seed)
         ctx = Context(
-            rank=rank,
-            world_size=world_size,
-            local_rank=local.rank,
-            local_world_size=local.size,
+            rank=rdv.rank,
+            world_size=rdv.world_size,
+            local_rank=rdv.local.rank,
+            local_world_size=rdv.local.size,
             device=self.device,
             seed=cfg.seed,
             config=cfg,
@@ -209,40 +164,29 @@ class TrainWorker(Actor):
         self.collate = task.collate_fn or default_collate
         params = sum(p.numel() for p in task.model.parameters())
         if not measure:
-            return {"params": params, "device": str(self.device)}
+            return SetupInfo(params=params, device=str(self.device))
         activation = cfg.activation_bytes
         if activation is None:
             first = data_order.micro_batches(self._indices(0), cfg.micro_batch_size)[0]
             activation = probe_activation_bytes(task.model, task.loss_fn, self._batch(first))
-        est = estimate(task.model, task.optimizer, activation)
         if use_cuda:
             budget = gpu_budget_bytes(self.device.index or 0)
         else:
-            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=local.size)
-        return {
-            "estimate": est,
-            "budget_bytes": budget,
-            "params": params,
-            "device": str(self.device),
-        }
+            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=rdv.local.size)
+        return SetupInfo(
+            params=params,
+            device=str(self.device),
+            estimate=estimate(task.model, task.optimizer, activation),
+            budget_bytes=budget,
+        )
 
     @endpoint
     def prepare(self, decision: StrategyDecision, resume: str | None) -> int:
         """Wrap the model as decided, restore a checkpoint if given; return the next step."""
         assert self.task is not None
         self.decision = decision
-        model = self.task.model
-        names = {id(p): n for n, p in model.named_parameters()}
-        groups = [[names[id(p)] for p in g["params"]] for g in self.task.optimizer.param_groups]
-        self._wrap()
-        if decision.sharded:
-            # fully_shard replaced the parameters with sharded ones: point the user's optimizer
-            # (class, groups, hyperparameters unchanged; no state yet) at the new objects.
-            params = dict(model.named_parameters())
-            for group, ns in zip(self.task.optimizer.param_groups, groups):
-                group["params"] = [params[n] for n in ns]
-            self.task.optimizer.state.clear()
         self.optimizer = self.task.optimizer
+        self._wrap()
         self._new_checkpointer()
         start = 0
         if self.checkpointer is not None and resume is not None:
@@ -261,28 +205,14 @@ class TrainWorker(Actor):
         # so no garbage of the build (or of a failed step) is frozen with it.
         gc.collect()
         gc.freeze()
-        model = self.task.model
-        if self.decision.sharded:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = None  # FSDP: every rank, one dimension
-            dims = self.decision.mesh(self.world_size)
-            if dims is not None:  # HSDP: reduce-scatter within a shard group, then all-reduce
-                from torch.distributed.device_mesh import init_device_mesh
-
-                mesh = init_device_mesh(
-                    self.device.type, dims, mesh_dim_names=("replicate", "shard")
-                )
-            for unit in fsdp_blocks(model):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            self.model = model
-        else:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-            if self.config.rebalance:  # per-step compute timings (see _ddp_compute_s)
-                ddp._set_ddp_runtime_logging_sample_rate(1)
-            self.model = ddp
+        self.model = parallelize(
+            self.task.model,
+            self.decision,
+            world_size=self.world_size,
+            device=self.device,
+            optimizer=self.optimizer,
+            ddp_timings=self.config.rebalance,  # per-step compute timings (see step.Timing)
+        )
 
     def _new_checkpointer(self) -> None:
         ckpt = self.config.checkpoint
@@ -299,7 +229,7 @@ class TrainWorker(Actor):
         # Drop the wrapper first: DDP's reducer holds the process group, and the group's
         # sockets only close (failing the peers' collectives) once nothing holds it. (FSDP2
         # keeps its groups alive past this, which is why HSDP's survivors that wait on this
-        # rank in another group stay stuck: the controller replaces them, see find_lost.)
+        # rank in another group stay stuck: the controller replaces them, see detection.)
         if self.model is not None:
             self.model = None
             gc.collect()
@@ -312,44 +242,31 @@ class TrainWorker(Actor):
                 )
 
     @endpoint
-    def reform(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        local: Local,
-        faults: list[Fault] | None = None,
-    ) -> None:
-        """Join the next generation of the process group as `rank` (a survivor of a failure),
-        and wrap the model for it. DDP only: the caller then restores state with set_state.
-        `faults` (when="join") fire first."""
-        for fault in faults or ():
-            fault.fire()
+    def reform(self, rdv: Rendezvous) -> None:
+        """Join the next generation of the process group as `rdv` says (a survivor of a
+        failure), and wrap the model for it. DDP only: the caller then restores state with
+        set_state."""
         assert self.task is not None
         self._abort()
-        self._join(master_addr, master_port, rank, world_size, local)
+        self._join(rdv)
         self._wrap()
         self._new_checkpointer()
 
     @endpoint
-    def get_state(self) -> dict[str, Any]:
+    def get_state(self) -> ReplicaState:
         """This rank's model and optimizer state and its completed steps (DDP: a full replica)."""
         assert self.task is not None
-        return {
-            "model": self.task.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
-            "done": self.done,
-        }
+        return ReplicaState(
+            model=self.task.model.state_dict(), optim=self.optimizer.state_dict(), done=self.done
+        )
 
     @endpoint
-    def set_state(self, state: dict[str, Any]) -> int:
+    def set_state(self, state: ReplicaState) -> int:
         """Load a peer's state (tensors arrive as read-only shared memory: copy them first)."""
         assert self.task is not None
-        state = _clone(state)
-        self.task.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-        self.done = state["done"]
+        self.task.model.load_state_dict(_clone(state.model))
+        self.optimizer.load_state_dict(_clone(state.optim))
+        self.done = state.done
         return self.done
 
     def _indices(self, step: int) -> list[int]:
@@ -357,145 +274,72 @@ class TrainWorker(Actor):
         batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
         return data_order.rank_share(batch, self.world_size, self.rank, self.sizes)
 
-    def _batch(self, indices: list[int]) -> Any:
+    def _batch(self, indices: Any) -> Any:
         assert self.task is not None
-        return _to(self.collate([self.task.dataset[i] for i in indices]), self.device)
+        return to_device(self.collate([self.task.dataset[i] for i in indices]), self.device)
 
     def _step(self, step: int) -> float:
         assert self.task is not None and self.model is not None
         cfg = self.config
-        torch.manual_seed(_mix(cfg.seed, step, self.rank))
-        indices = self._indices(step)
-        micro = data_order.micro_batches(indices, cfg.micro_batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        wall = 0.0  # forward + backward wall time
-        quiet, quiet_samples = 0.0, 0  # of which micro batches that do not reduce (no waiting)
-        slept = 0.0  # of which a `slow` fault's sleep
-        for i, m in enumerate(micro):
-            last = i == len(micro) - 1
-            with self._no_sync(not last):
-                _mark(step + 1, "forward")
-                # The loss is a mean over the micro batch; weighting it by the micro batch's
-                # share of the global batch (x world size, as the reduction averages ranks)
-                # makes the averaged gradient the global batch's mean for any split.
-                weight = len(m) * self.world_size / cfg.global_batch_size
-                t0 = time.perf_counter()
-                loss = self.task.loss_fn(self.model, self._batch(m)) * weight
-                if self.slow > 1 and last:  # a straggler: stretch the step by the factor
-                    slept = (self.slow - 1) * self.base_s
-                    time.sleep(slept)
-                _mark(step + 1, "backward")
-                loss.backward()
-                seconds = time.perf_counter() - t0
-                wall += seconds
-                if not last:  # only the last micro batch reduces, so only it waits for peers
-                    quiet, quiet_samples = quiet + seconds, quiet_samples + len(m)
-            total += loss.detach()
-        self._account(len(indices), len(micro) == 1, wall, (quiet, quiet_samples), slept)
-        _mark(step + 1, "optimizer")
-        self.optimizer.step()
-        return float(total)
-
-    def _account(
-        self, samples: int, single: bool, wall: float, quiet: tuple[float, int], slept: float
-    ) -> None:
-        """Record this step's own compute time (for load balancing) and the base a `slow` fault
-        stretches. quiet: (seconds, samples) of the micro batches that did not reduce."""
-        measured = self._ddp_compute_s() if single else None
-        if quiet[1]:  # gradient accumulation: the quiet micro batches measure the rank alone
-            self.compute_s, self.samples = quiet
-        elif measured is not None:  # DDP's figures are the previous step's: pair them so
-            self.compute_s, self.samples = measured, self.step_samples
-        else:  # wall times include waiting, except on the slowest rank
-            self.compute_s, self.samples = wall, samples
-        self.step_samples = samples
-        # A straggler's own compute: DDP's figure when there is one (the previous step's, with
-        # the previous sleep); else the wall time, which is the compute while this rank is the
-        # slowest (the last to reach the reduction).
-        base = measured - self.slept_s if measured is not None else wall - slept
-        self.base_s, self.slept_s = max(base, 0.0), slept
-
-    def _ddp_compute_s(self) -> float | None:
-        """The forward + backward compute DDP measured on this rank, without the time spent
-        waiting for peers in the all-reduce (its runtime logging, on when rebalancing). DDP
-        logs a step when the next one starts, so this is the previous step's; None when
-        there is no such figure (not rebalancing, not DDP, the first step)."""
-        if not self.config.rebalance:
-            return None
-        if not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        try:
-            stats = self.model._get_ddp_logging_data()
-            seconds = (stats["forward_compute_time"] + stats["backward_compute_time"]) / 1e9
-        except (AttributeError, KeyError, RuntimeError):  # a torch without these stats
-            return None
-        return seconds if seconds > 0 else None
-
-    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        """Gradient accumulation: no gradient reduction until the last micro batch."""
-        if not skip:
-            return contextlib.nullcontext()
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        self.model.set_requires_gradient_sync(False)  # type: ignore[union-attr,operator]
-        return _resync(self.model)
+        torch.manual_seed(mix(cfg.seed, step, self.rank))
+        return run_step(
+            model=self.model,
+            optimizer=self.optimizer,
+            loss_fn=self.task.loss_fn,
+            micro=data_order.micro_batches(self._indices(step), cfg.micro_batch_size),
+            load=self._batch,
+            device=self.device,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            global_batch_size=cfg.global_batch_size,
+            timing=self.timing,
+            hooks=self.hooks,
+        )
 
     @endpoint
-    def run(
-        self,
-        start: int,
-        stop: int,
-        faults: list[Fault] | None = None,
-        sizes: list[int] | None = None,
-    ) -> dict[str, Any]:
+    def run(self, start: int, stop: int, sizes: list[int] | None = None) -> ChunkResult:
         """Train steps [start, stop) (0-based) with `sizes` samples per rank (None: the even
         split); checkpoint on the configured steps.
 
-        Returns {"metrics": per completed step ("step" is 1-based), "done": steps completed,
-        "error": None or why the chunk stopped early}. A failing step is not retried here: the
-        rank leaves its process group at once (so peers blocked on it fail fast) and the
-        controller heals the job."""
-        out: list[dict[str, float]] = []
+        A failing step is not retried here: the rank leaves its process group at once (so
+        peers blocked on it fail fast), reports why in the result, and the controller heals
+        the job."""
+        out: list[StepMetrics] = []
         ckpt = self.config.checkpoint
         if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
-            return {"metrics": out, "done": self.done, "error": "no process group", "cause": "peer"}
+            return ChunkResult((), self.done, error="no process group", cause="peer")
         self.sizes = sizes
         try:
             for step in range(start, stop):
-                _mark(step + 1, "start")
-                for fault in faults or ():
-                    if fault.rank == self.rank and fault.at_step == step + 1:
-                        if fault.factor is not None:
-                            self.slow = fault.factor
-                        fault.fire()
+                mark(step + 1, "start")
+                if self.hooks is not None:
+                    self.hooks.on_step(self.rank, step + 1)
                 t0 = time.perf_counter()
                 loss = self._step(step)
                 self.done = step + 1
                 out.append(
-                    {
-                        "step": step + 1,
-                        "loss": loss,
-                        "step_s": time.perf_counter() - t0,
-                        "end": time.time(),
-                        "compute_s": self.compute_s,
-                        "samples": self.samples,
-                    }
+                    StepMetrics(
+                        step=step + 1,
+                        loss=loss,
+                        step_s=time.perf_counter() - t0,
+                        end=time.time(),
+                        compute_s=self.timing.compute_s,
+                        samples=self.timing.samples,
+                    )
                 )
                 if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
                     self._save(step + 1)
-                _mark(step + 1, "done")
+                mark(step + 1, "done")
         except Exception as e:
-            self._abort()
-            return {
-                "metrics": out,
-                "done": self.done,
-                "error": f"{type(e).__name__}: {str(e)[:500]}",
-                # "peer": a collective failed because another rank went away; "own": this
-                # rank's step itself raised (it is then replaced).
-                "cause": "peer" if _is_comm_error(e) else "own",
-            }
-        return {"metrics": out, "done": self.done, "error": None}
+            error = f"{type(e).__name__}: {str(e)[:500]}"
+            cause: Literal["own", "peer"] = "peer" if _is_comm_error(e) else "own"
+        else:
+            return ChunkResult(tuple(out), self.done)
+        # Out of the except block: its traceback, whose frames hold the wrapped model and so
+        # the process group, is gone, and _abort can close the group's sockets.
+        self._abort()
+        return ChunkResult(tuple(out), self.done, error=error, cause=cause)
 
     @endpoint
     def save(self, done: int) -> None:
@@ -558,11 +402,3 @@ def _clone(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_clone(v) for v in value)
     return value
-
-
-@contextlib.contextmanager
-def _resync(model: Any) -> Any:
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

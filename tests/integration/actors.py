@@ -153,10 +153,16 @@ class Parent(Actor):
         self.lock = threading.Lock()
 
     @endpoint
-    def spawn_children(self, n: int) -> list:
-        self.procs = this_host().spawn_procs(per_host={"procs": n}, name="children")
+    def spawn_children(self, n: int, escalate: bool = True) -> list:
+        self.procs = this_host().spawn_procs(
+            per_host={"procs": n}, name="children", escalate=escalate
+        )
         self.children = self.procs.spawn("kids", Counter, 100)
         return self.procs.pids
+
+    @endpoint
+    def children_failure(self) -> MeshFailure | None:
+        return self.procs.failure
 
     @endpoint
     def call_children(self) -> list:

@@ -65,7 +65,7 @@ MULTI_HOST = textwrap.dedent(
     logging.getLogger("raymesh").addHandler(Keep())
     logging.getLogger("raymesh").setLevel(logging.INFO)
     import torch
-    from raymesh.train.strategy import estimate
+    from raymesh.train.estimate import estimate
     config = train.TrainConfig(
         workers=4, steps=4, global_batch_size=16, cpus_per_worker=2, activation_bytes=0
     )

@@ -132,6 +132,56 @@ def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
     owner_procs.stop()
 
 
+def test_a_mesh_that_does_not_escalate_records_a_death_but_never_calls_the_hook(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="healer", escalate=False)
+    counter = procs.spawn("c", Counter)
+    assert counter.incr.call_one().get(timeout=10) == 1
+    assert procs.failure is None
+    os.kill(procs.pids[0], signal.SIGKILL)
+    failure = _wait_for(lambda: procs.failure, timeout=5.0)
+    assert isinstance(failure, MeshFailure)
+    assert failure.mesh_name == "healer" and failure.ranks == (0,)
+    assert failure.kind == "proc_died" and failure.signal == signal.SIGKILL
+    with pytest.raises(SupervisionError, match="SIGKILL"):
+        counter.incr.call_one().get(timeout=5)
+    # the hook runs on a thread started right after the failure is recorded: give it time
+    time.sleep(0.5)
+    assert hook_calls == []
+    procs.stop()
+
+
+def test_failure_is_none_on_a_live_mesh_and_names_the_dead_proc_in_each_view(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="views", escalate=False)
+    procs.spawn("c", Counter)
+    assert procs.failure is None
+    assert procs.slice(procs=0).failure is None and procs.slice(procs=1).failure is None
+    os.kill(procs.pids[1], signal.SIGKILL)
+    failure = _wait_for(lambda: procs.failure, timeout=5.0)
+    assert failure.ranks == (1,) and failure.signal == signal.SIGKILL
+    assert procs.slice(procs=1).failure == failure
+    assert procs.slice(procs=0).failure is None  # calls to the survivor still go through
+    procs.stop()
+    stopped = procs.failure
+    assert stopped is not None and stopped.kind == "stopped"
+    assert hook_calls == []
+
+
+def test_an_owner_actor_that_does_not_escalate_gets_no_supervise_but_sees_the_failure(
+    hook_calls,
+):
+    owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="quiet-owner")
+    parent = owner_procs.spawn("parent", Parent, True)
+    child_pids = parent.spawn_children.call_one(1, escalate=False).get(timeout=60)
+    assert parent.children_failure.call_one().get(timeout=10) is None
+    os.kill(child_pids[0], signal.SIGKILL)
+    failure = _wait_for(lambda: parent.children_failure.call_one().get(timeout=10))
+    assert failure.mesh_name == "children" and failure.signal == signal.SIGKILL
+    time.sleep(0.5)
+    assert parent.seen.call_one().get(timeout=10) == []
+    assert hook_calls == []
+    owner_procs.stop()
+
+
 def test_this_proc_inside_an_actor_hosts_a_helper_in_the_same_process():
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="hosting")
     parent = procs.spawn("parent", Parent, True)

@@ -129,10 +129,10 @@ ELASTIC = textwrap.dedent(
         replace_timeout_s=2.0, grow_interval_s=0.5, step_timeout_s=20.0,
     )
     # Where the 4 ranks would go: with room on two hosts, the topology planner orders them.
-    from raymesh.train.controller import TrainController
+    from raymesh.train.placement import Placer
 
-    planner = TrainController(mlp.build, config)
-    planned = [planner.place(4), planner.placement]
+    planner = Placer(config, gpus=False)
+    planned = [planner.place(4), planner.reason]
     t0 = time.time()
     clean = train.fit(mlp.build, dataclasses.replace(config, report_every=50))
     t1 = time.time()

@@ -143,7 +143,7 @@ def _start(node_id: str, target: int) -> None:
         handle = ProcHost.options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(None, None, tuple(_imports))
+        ).remote(None, None, None, tuple(_imports))
         warm.append(WarmProc(handle, handle.info.remote()))
 
 

@@ -1,5 +1,9 @@
 """The proc host: the Ray actor that *is* a proc, hosting a `ProcRuntime`.
 
+The runtime comes from the layer above (`raymesh._src.proc.start_proc_runtime`, handed down as
+`start_runtime` when the proc joins a mesh): the backend carries messages to it, and never
+imports it.
+
 A threaded Ray actor, not an async one: on this project's 2-core machines a threaded actor's
 round trip measured within noise of a plain actor's, an async actor's ~1.6x slower. Messages
 arrive two ways: small ones from callers on this host over the proc's channel (see `channel`),
@@ -15,15 +19,14 @@ import importlib
 import os
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import ray
 from ray._private import ray_constants
 
-from raymesh._src import context as _ctx
 from raymesh._src.backend import channel, runtime
-from raymesh._src.errors import RemoteFailure
-from raymesh._src.proc import ProcRuntime, set_current_runtime
+from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.shape import Point
 
 # Threads for messages (on each path). Each in-flight message holds one while it waits for its
@@ -31,30 +34,63 @@ from raymesh._src.shape import Point
 MESSAGE_THREADS = 256
 
 
+class HostedRuntime(Protocol):
+    """What a proc host runs its messages on: `raymesh._src.proc.ProcRuntime`."""
+
+    def handle(
+        self,
+        actor_key: str,
+        sender: str,
+        seq: int,
+        endpoint: str,
+        args: tuple,
+        kwargs: dict,
+        message_point: tuple[tuple[str, ...], tuple[int, ...], int],
+        reply: bool,
+        undeliverable: BaseException | None = None,
+        /,
+    ) -> Any: ...
+
+    def spawn(
+        self, actor_key: str, mesh_name: str, point: Point, cls: type, args: tuple, kwargs: dict, /
+    ) -> RemoteFailure | None: ...
+
+    def stop_actor(self, actor_key: str, /) -> None: ...
+
+    def watch(self, timeout: float, /) -> list[tuple[str | None, MeshFailure]]: ...
+
+
+# Makes the calling process the proc at a point of a mesh (mesh name, point): sets its rank and
+# returns the runtime its messages go to. A module-level function, so Ray sends it by reference.
+StartRuntime = Callable[[str, Point], HostedRuntime]
+
+
 class _ProcHost:
     def __init__(
-        self, proc_mesh_name: str | None, point: Point | None, imports: tuple[str, ...] = ()
+        self,
+        proc_mesh_name: str | None,
+        point: Point | None,
+        start_runtime: StartRuntime | None,
+        imports: tuple[str, ...] = (),
     ) -> None:
-        """A proc of `proc_mesh_name` at `point`; or, with None for both, a warm proc that
-        imports what a proc will need (PRELOAD, then `imports`) and waits to be adopted (see
-        `backend.pool`)."""
+        """A proc of `proc_mesh_name` at `point`, running `start_runtime`'s runtime; or, with
+        None for all three, a warm proc that imports what a proc will need (PRELOAD, then
+        `imports`) and waits to be adopted (see `backend.pool`)."""
         runtime.quiet_zero_copy_warnings()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
         self._preloading: threading.Thread | None = None
-        if proc_mesh_name is None or point is None:
+        if proc_mesh_name is None or point is None or start_runtime is None:
             self._preloading = threading.Thread(
                 target=_preload, args=(PRELOAD + imports,), name="raymesh-preload", daemon=True
             )
             self._preloading.start()
         else:
-            self._join(proc_mesh_name, point)
+            self._join(proc_mesh_name, point, start_runtime)
 
-    def _join(self, proc_mesh_name: str, point: Point) -> None:
+    def _join(self, proc_mesh_name: str, point: Point, start_runtime: StartRuntime) -> None:
         self._name = f"{proc_mesh_name}{_fmt(point)}"
-        _ctx.set_proc_point(point)
-        self.runtime = ProcRuntime(proc_mesh_name=proc_mesh_name, point=point)
-        set_current_runtime(self.runtime)
+        self.runtime = start_runtime(proc_mesh_name, point)
 
     def __repr__(self) -> str:  # Ray prefixes forwarded stdout/stderr lines with this
         return self._name
@@ -94,7 +130,9 @@ class _ProcHost:
         return self.runtime.watch(timeout)
 
     @ray.method(concurrency_group="control")
-    def adopt(self, proc_mesh_name: str, point: Point, threads: int | None) -> None:
+    def adopt(
+        self, proc_mesh_name: str, point: Point, start_runtime: StartRuntime, threads: int | None
+    ) -> None:
         """Make this warm proc the proc at `point` of `proc_mesh_name` (once). `threads`: the
         OMP_NUM_THREADS Ray would have given a proc of its CPUs (None: leave it as it is)."""
         if hasattr(self, "runtime"):
@@ -107,7 +145,7 @@ class _ProcHost:
             os.environ["OMP_NUM_THREADS"] = str(threads)
             if "torch" in sys.modules:
                 sys.modules["torch"].set_num_threads(threads)
-        self._join(proc_mesh_name, point)
+        self._join(proc_mesh_name, point, start_runtime)
         # Ray names an actor's forwarded output after its repr at creation; say the new name.
         for stream in (sys.stdout, sys.stderr):
             print(f"{ray_constants.LOG_PREFIX_ACTOR_NAME}{self._name}", file=stream, flush=True)

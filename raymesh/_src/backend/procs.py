@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import (
 
 from raymesh._src.backend import channel, pool, runtime
 from raymesh._src.backend.host_agent import HostAgent
-from raymesh._src.backend.proc_host import ProcHost
+from raymesh._src.backend.proc_host import ProcHost, StartRuntime
 from raymesh._src.shape import Point
 
 _RUNTIME_ENV: dict | None = None
@@ -142,8 +142,11 @@ def create_procs(
     resources: dict[str, float],
     timeout: float,
     asked: str,
+    *,
+    start_runtime: StartRuntime,
 ) -> ProcGroup:
-    """Gang-schedule one proc per point, the i-th on node `node_ids[i]`, each with `resources`.
+    """Gang-schedule one proc per point, the i-th on node `node_ids[i]`, each with `resources`;
+    each proc runs `start_runtime(mesh_name, point)`'s runtime (see `proc_host`).
 
     Raises PlacementError (saying what was asked and what the cluster has) when the nodes can
     never hold the procs, or when the resources are not free within `timeout` seconds.
@@ -175,7 +178,7 @@ def create_procs(
         if warm.get(node_ids[i]):
             w = warm[node_ids[i]].popleft()
             handles.append(w.handle)
-            readiness += [w.info, w.handle.adopt.remote(mesh_name, point, threads)]
+            readiness += [w.info, w.handle.adopt.remote(mesh_name, point, start_runtime, threads)]
             continue
         handle = ProcHost.options(
             num_cpus=resources.get("CPU", 0),
@@ -184,7 +187,7 @@ def create_procs(
                 pg, placement_group_bundle_index=i
             ),
             runtime_env=_RUNTIME_ENV,
-        ).remote(mesh_name, point)
+        ).remote(mesh_name, point, start_runtime)
         handles.append(handle)
         readiness.append(handle.info.remote())
     # Ray starts worker processes a few at a time (about one per core), each importing Python,

@@ -1,0 +1,227 @@
+"""The per-rank memory estimate: what one rank of a job holds, measured from its model.
+
+This is the part of the strategy choice that needs the model (torchtitan keeps it apart in the
+same way): `estimate()` adds up what one rank holds unsharded (parameters, gradients, optimizer
+state, activations) and `probe_activation_bytes()` measures the activations with one forward
+pass; `cpu_budget_bytes()` / `gpu_budget_bytes()` say how much a rank may use. Each rank runs
+these after its build function; the controller hands the resulting `MemoryEstimate` to
+`raymesh.train.strategy` (the decision, pure arithmetic), and `raymesh.train.parallelize`
+applies the decision.
+
+The estimate is deliberately simple (no allocator fragmentation, no communication buckets, no
+CUDA context); `StrategyPolicy`'s `headroom` (default 80%) is the allowance for everything it
+leaves out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MemoryEstimate",
+    "cpu_budget_bytes",
+    "estimate",
+    "fsdp_blocks",
+    "gpu_budget_bytes",
+    "largest_block_bytes",
+    "probe_activation_bytes",
+]
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs, before any sharding.
+
+    largest_block_bytes is FSDP's allowance for one unit's parameters gathered unsharded during
+    its all-gather (see `largest_block_bytes()`); it does not count towards DDP.
+    """
+
+    param_bytes: int  # every parameter, at its own dtype
+    grad_bytes: int  # trainable parameters only, same dtype as the parameter
+    optimizer_bytes: int  # optimizer state, by optimizer type (see `estimate`)
+    activation_bytes: int  # saved for backward in one micro-batch (measured or the user's hint)
+    largest_block_bytes: int = 0  # biggest FSDP unit's parameters, gathered during all-gather
+
+    def ddp_bytes(self) -> int:
+        """Everything replicated on every rank."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def sharded_bytes(self, world_size: int) -> int:
+        """This rank's 1/world_size share of params, grads and optimizer state (rounded up)."""
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        states = self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return math.ceil(states / world_size)
+
+    def fsdp_bytes(self, world_size: int) -> int:
+        """Params, grads and optimizer state sharded 1/world_size, plus one unsharded block.
+
+        Activations are not sharded (each rank runs its own micro-batch). The block allowance is
+        one unit's parameters during its all-gather; FSDP2's prefetch of the next unit and the
+        block's unsharded gradients before reduce-scatter are left to the headroom.
+        """
+        return self.sharded_bytes(world_size) + self.largest_block_bytes + self.activation_bytes
+
+
+def _param_bytes(params: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _optimizer_state_factor(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """How many param-sized state tensors `optimizer` keeps for each param of `group`.
+
+    Known optimizers are counted exactly (scalar `step` tensors are ignored); an unknown one is
+    assumed to keep 2 (as Adam does), a deliberately cautious guess.
+    """
+    adam_like = (torch.optim.Adam, torch.optim.AdamW)
+    if isinstance(optimizer, adam_like):
+        return 3 if group.get("amsgrad", False) else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0  # momentum_buffer
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1  # sum
+    if isinstance(optimizer, torch.optim.RMSprop):
+        # square_avg (+ momentum_buffer) (+ grad_avg when centered)
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered", False))
+    return 2  # NAdam, RAdam, Adamax keep two; anything unknown is assumed to as well
+
+
+def estimate(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, activation_bytes: int
+) -> MemoryEstimate:
+    """Per-rank bytes of `model` trained by `optimizer`, unsharded.
+
+    Guarantees: each tensor is counted at its own dtype's size; a parameter shared by several
+    modules (weight tying) is counted once; gradients are counted for trainable params only;
+    optimizer state for the params in `optimizer`'s groups, by type: Adam/AdamW 2x (3x with
+    amsgrad), SGD 1x with momentum and 0x without, Adagrad 1x, RMSprop 1-3x, NAdam/RAdam/Adamax
+    2x, anything else 2x. Buffers (e.g. BatchNorm statistics) are not counted.
+    """
+    if activation_bytes < 0:
+        raise ValueError(f"activation_bytes={activation_bytes}: must be >= 0")
+    params = list(model.parameters())  # parameters() yields a tied parameter once
+    seen: set[int] = set()
+    optimizer_bytes = 0
+    for group in optimizer.param_groups:
+        factor = _optimizer_state_factor(optimizer, group)
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            optimizer_bytes += factor * p.numel() * p.element_size()
+    return MemoryEstimate(
+        param_bytes=_param_bytes(params),
+        grad_bytes=_param_bytes([p for p in params if p.requires_grad]),
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=int(activation_bytes),
+        largest_block_bytes=largest_block_bytes(model),
+    )
+
+
+def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP wraps one by one: the children of the first nn.ModuleList found (in
+    `modules()` order), or [] when the model has none (then only the root is wrapped)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    return []
+
+
+def largest_block_bytes(model: torch.nn.Module) -> int:
+    """Biggest parameter footprint among the units FSDP would gather at once.
+
+    The units are those `raymesh.train.parallelize` shards one by one (`fsdp_blocks`: the
+    children of the first nn.ModuleList) and the root, which owns every parameter outside them
+    (embeddings, heads); with no ModuleList the root is the whole model.
+    """
+    blocks = fsdp_blocks(model)
+    in_blocks: set[int] = set()
+    sizes = [0]
+    for block in blocks:
+        block_params = [p for p in block.parameters() if id(p) not in in_blocks]
+        in_blocks.update(id(p) for p in block_params)
+        sizes.append(_param_bytes(block_params))
+    sizes.append(_param_bytes([p for p in model.parameters() if id(p) not in in_blocks]))
+    return max(sizes)
+
+
+def probe_activation_bytes(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+) -> int:
+    """Bytes autograd saves for backward in one forward of `loss_fn(model, batch)`.
+
+    Works on CPU and GPU alike (it counts saved tensors, not allocator statistics). Each storage
+    is counted once, whole; the model's own parameters are excluded (they are in param_bytes).
+    The probe runs no backward and leaves no trace: the RNG streams and the model's buffers
+    (e.g. BatchNorm running statistics) are restored, so a run that probes trains exactly like
+    one that does not.
+    """
+    param_storages = {
+        p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"
+    }
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key not in param_storages and key not in seen:
+            seen.add(key)
+            total += nbytes
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    rng = torch.random.fork_rng(devices=devices)  # the CPU stream, plus the model's GPUs
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with rng, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = loss_fn(model, batch)
+        del loss  # frees the graph and everything it saved
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return total
+
+
+def cpu_budget_bytes(config_memory_budget_gb: float | None, ranks_per_host: int = 1) -> int:
+    """The per-rank budget on CPU: the configured GiB, else this host's memory split evenly
+    among `ranks_per_host` ranks (MemTotal from /proc/meminfo, else sysconf)."""
+    if config_memory_budget_gb is not None:
+        if not config_memory_budget_gb > 0:
+            raise ValueError(f"memory_budget_gb={config_memory_budget_gb}: must be > 0 (GiB)")
+        return int(config_memory_budget_gb * _GIB)
+    if ranks_per_host < 1:
+        raise ValueError(f"ranks_per_host={ranks_per_host}: must be >= 1")
+    return _host_memory_bytes() // ranks_per_host
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux, or an unreadable procfs: ask sysconf instead
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def gpu_budget_bytes(device_index: int) -> int:
+    """Total memory of CUDA device `device_index` (call only where CUDA is available)."""
+    return int(torch.cuda.get_device_properties(device_index).total_memory)

@@ -1,0 +1,126 @@
+"""Applying a strategy decision to a model: DDP, FSDP2 or HSDP, in a fixed order.
+
+The third of decide, estimate, apply (torchtitan's parallelize.py): `raymesh.train.strategy`
+decides from numbers alone, and this module carries a `StrategyDecision` out on one rank's
+model for the current process group. It makes no choices of its own: what it wraps, and how,
+follows from the decision, so a decision tested without a model is the one applied here.
+
+- DDP: `DistributedDataParallel(model)`, on the rank's GPU when it has one.
+- FSDP: `fully_shard` on each of `fsdp_blocks(model)`, then on the root, over every rank.
+- HSDP: the same over the decision's (replicate, shard) device mesh: gradients are
+  reduce-scattered within a shard group and all-reduced across replicas.
+
+The units are `raymesh.train.estimate.fsdp_blocks`, the same the memory estimate counts as
+FSDP's largest unit, so the estimate and the wrapping agree on what is gathered at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from raymesh.train.estimate import fsdp_blocks
+from raymesh.train.strategy import StrategyDecision
+
+__all__ = ["no_sync", "parallelize"]
+
+
+def parallelize(
+    model: torch.nn.Module,
+    decision: StrategyDecision,
+    *,
+    world_size: int,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer,
+    ddp_timings: bool = False,
+) -> torch.nn.Module:
+    """Wrap `model` (already on `device`) for the current process group as `decision` says,
+    and return the module to train. COLLECTIVE: every rank of the group calls it, with its own
+    model built the same way.
+
+    DDP: returns a `DistributedDataParallel` around `model` (`device_ids=[device.index]` on
+    CUDA); its constructor broadcasts rank 0's parameters and buffers to every rank. `model`'s
+    parameters stay the same objects, so `optimizer` is left as it is. `ddp_timings`: DDP
+    records its forward and backward compute time on every step, for `_get_ddp_logging_data()`
+    (load balancing reads it); by default it records the first 10 steps, then every 100th.
+
+    FSDP and HSDP: shards `model` in place (`fully_shard` per block of `fsdp_blocks`, then the
+    root; HSDP over a `decision.mesh(world_size)` device mesh with axes ("replicate", "shard"))
+    and returns `model` itself. `fully_shard` replaces every parameter with a sharded one, so
+    `optimizer`'s param groups are re-pointed at the new parameters by name (class, groups and
+    hyperparameters unchanged) and its state is cleared (it referred to the old ones).
+
+    Raises ValueError when no process group of `world_size` ranks is initialised, when HSDP's
+    shard groups do not divide `world_size` (see `StrategyDecision.mesh`), or, sharded, when
+    `optimizer` holds a parameter that is not one of `model`'s.
+    """
+    if not dist.is_initialized():
+        raise ValueError("parallelize: no process group; call dist.init_process_group first")
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"parallelize: world_size={world_size} but the process group has "
+            f"{dist.get_world_size()} ranks; pass the group's size"
+        )
+    if not decision.sharded:
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if ddp_timings:
+            ddp._set_ddp_runtime_logging_sample_rate(1)
+        return ddp
+
+    # Names, not objects: fully_shard replaces the parameters, keeping their names.
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    except KeyError:
+        raise ValueError(
+            "parallelize: the optimizer holds a parameter that is not in the model; build the "
+            "optimizer from model.parameters() (FSDP must re-point it at the sharded ones)"
+        ) from None
+    mesh = None  # FSDP: every rank, one dimension
+    dims = decision.mesh(world_size)
+    if dims is not None:  # HSDP: reduce-scatter within a shard group, then all-reduce
+        mesh = init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
+    for unit in fsdp_blocks(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = dict(model.named_parameters())
+    for group, ns in zip(optimizer.param_groups, groups):
+        group["params"] = [params[n] for n in ns]
+    optimizer.state.clear()
+    return model
+
+
+def no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextManager[Any]:
+    """Gradient accumulation: within the returned context, while `skip`, backward passes
+    accumulate gradients locally with no reduction across ranks; the first backward outside
+    it (or with `skip` False) reduces everything accumulated. `model` is what `parallelize`
+    returned: DDP uses its `no_sync()`; FSDP and HSDP (FSDP2) turn `set_requires_gradient_sync`
+    off for the context and back on when it exits, also on an exception.
+
+    Raises TypeError for a model that is neither (a plain module has nothing to skip)."""
+    if not skip:
+        return contextlib.nullcontext()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if not hasattr(model, "set_requires_gradient_sync"):
+        raise TypeError(
+            f"no_sync: {type(model).__name__} is neither DDP nor sharded by fully_shard; pass "
+            "the module parallelize() returned"
+        )
+    return _without_gradient_sync(model)
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,253 @@
+"""The rank pool: a job's ranks, its warm spares, and the recruiter that finds more.
+
+Each rank is a proc of its own (with its own placement group, so stopping a lost rank frees
+exactly its resources) holding a `TrainWorker` and, beside it, a `Monitor`. The pool spawns
+ranks concurrently, keeps spares warm (built nothing, gloo loaded), hands out replacements
+(spares first, then new procs wherever there is room), and runs a background recruiter while
+the job wants more procs than it has: spawning takes seconds, so it stays off the training
+path. The controller owns the world (`RankPool.ranks`); the recruiter only adds spares.
+
+Tests swap this class for a fake through `TrainController.rank_pool_cls`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from raymesh.actor import PlacementError, ProcMesh, host_mesh, this_host
+from raymesh.train.config import TrainConfig
+from raymesh.train.monitor import Monitor
+from raymesh.train.placement import Placer
+from raymesh.train.worker import TrainWorker
+
+logger = logging.getLogger("raymesh")
+
+__all__ = ["Rank", "RankPool"]
+
+
+@dataclass(eq=False)
+class Rank:
+    """One member of the world (or a spare): its trainer, the monitor beside it, its proc."""
+
+    worker: Any  # ActorMesh of one TrainWorker
+    monitor: Any  # ActorMesh of one Monitor, on the same proc
+    procs: ProcMesh  # a mesh of this one proc, with its own placement group
+    node_id: str
+
+    def alive(self) -> bool:
+        return self.procs.failure is None
+
+    def stop(self, *, kill: bool = False) -> None:
+        """End the proc and release its resources (it may already be dead). `kill`: SIGKILL
+        it first, for a rank that raised or hung (its trainer may never return)."""
+        try:
+            if kill:
+                self.procs.kill()
+            self.procs.stop(timeout=10.0)
+        except Exception as e:  # its resources are released either way
+            logger.debug("raymesh.train: stopping %s: %s", self.procs.name, e)
+
+
+class RankPool:
+    """A job's ranks and spares (see the module docstring)."""
+
+    def __init__(self, build: Any, config: TrainConfig, placer: Placer) -> None:
+        self.build = build
+        self.config = config
+        self.placer = placer
+        self.ranks: list[Rank] = []  # the world, in rank order (set by the controller)
+        self.spares: list[Rank] = []
+        self.lock = threading.Lock()  # spares, claimed and procs, shared with the recruiter
+        self.claimed = 0  # spares taken for a reshape that has not finished
+        self.procs: list[ProcMesh] = []  # every proc mesh spawned, to stop them all at the end
+        self.names = itertools.count()
+        self.recruiter: threading.Thread | None = None
+        self.stopping = threading.Event()
+
+    # ---- the world -----------------------------------------------------------------------
+    def set_world(self, ranks: list[Rank]) -> None:
+        """`ranks` are the world now (the spares claimed for it are ranks)."""
+        with self.lock:
+            self.ranks = ranks
+            self.claimed = 0
+
+    def ready(self) -> int:
+        """Spares ready to join."""
+        with self.lock:
+            return len(self.spares)
+
+    # ---- spawning ------------------------------------------------------------------------
+    def spawn(
+        self, n: int, name: str, *, nodes: list[str] | None = None, timeout: float | None = None
+    ) -> list[Rank]:
+        """`n` new ranks (not yet in the process group) on `nodes` (default: where there is
+        room, this host first; ranks without a node wait for room on this host, up to the
+        timeout). Spawned concurrently; if one cannot be placed, the others are stopped and
+        PlacementError raised."""
+        if n == 0:
+            return []
+        nodes = list(self.placer.pick_nodes(n) if nodes is None else nodes)
+        nodes += [this_host().node_ids[0]] * (n - len(nodes))
+        timeout = self.config.timeout_s if timeout is None else timeout
+        with ThreadPoolExecutor(n) as pool:
+            futures = [
+                pool.submit(self._spawn_one, f"{name}-{next(self.names)}", node, timeout)
+                for node in nodes
+            ]
+        ranks, errors = [], []
+        for f in futures:
+            try:
+                ranks.append(f.result())
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            for r in ranks:
+                r.stop()
+            raise errors[0]
+        return ranks
+
+    def _spawn_one(self, name: str, node_id: str, timeout: float) -> Rank:
+        procs = (
+            host_mesh()
+            .select_hosts([node_id])
+            .spawn_procs(
+                per_host={"gpus" if self.placer.gpus else "procs": 1},
+                name=name,
+                cpus_per_proc=self.config.cpus_per_worker,
+                timeout=timeout,
+                escalate=False,  # the controller heals its ranks' deaths itself
+            )
+        )
+        with self.lock:
+            self.procs.append(procs)
+        if self.stopping.is_set():  # the job ended while this proc started
+            procs.stop(timeout=10.0)
+            raise PlacementError(f"{name}: the job ended while it started")
+        try:
+            worker = procs.spawn("trainer", TrainWorker, self.build, self.config)
+            monitor = procs.spawn("monitor", Monitor)
+        except BaseException:
+            procs.stop(timeout=10.0)
+            raise
+        return Rank(worker, monitor, procs, procs.node_ids[0])
+
+    def spawn_spares(
+        self, n: int, *, nodes: list[str] | None = None, timeout: float | None = None
+    ) -> list[Rank]:
+        """`n` warm spare ranks: spawned, built nothing yet, gloo already loaded."""
+        spares = self.spawn(n, "spare", nodes=nodes, timeout=timeout)
+        try:
+            for f in [r.worker.warm.call_one() for r in spares]:
+                f.get(timeout=self.config.timeout_s)
+        except BaseException:
+            for r in spares:
+                r.stop()
+            raise
+        return spares
+
+    def add_spares(self, n: int) -> None:
+        """Spawn up to `n` spares where there is room now (the recruiter makes the rest)."""
+        nodes = self.placer.pick_nodes(n)
+        spares = self.spawn_spares(len(nodes), nodes=nodes)
+        with self.lock:
+            self.spares.extend(spares)
+
+    def take_spares(self, n: int) -> list[Rank]:
+        """Up to `n` live spares (dead ones are stopped and dropped). They count as claimed
+        (not wanted again by the recruiter) until `set_world` makes them ranks."""
+        out: list[Rank] = []
+        dead: list[Rank] = []
+        with self.lock:
+            while self.spares and len(out) < n:
+                spare = self.spares.pop(0)
+                (out if spare.alive() else dead).append(spare)
+            self.claimed += len(out)
+        for spare in dead:
+            spare.stop()
+        return out
+
+    def replacements(self, n: int, timeout: float) -> list[Rank]:
+        """Up to `n` new ranks: warm spares first, then new procs wherever there is room,
+        waiting up to `timeout` seconds for room (a lost node's resources may come back, or the
+        recruiter may have a spare ready). Never longer: what could not be placed by then is
+        left out, and the failure policy decides."""
+        got = self.take_spares(n)
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            nodes = self.placer.pick_nodes(n - len(got))
+            if nodes:
+                try:
+                    got += self.spawn(len(nodes), "trainer", nodes=nodes, timeout=remaining)
+                except Exception as e:  # someone else took the room, or the proc failed
+                    logger.info("raymesh.train: placing a replacement failed: %s", e)
+                    time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            else:
+                time.sleep(min(0.2, remaining))
+            got += self.take_spares(n - len(got))
+        return got
+
+    # ---- the recruiter -------------------------------------------------------------------
+    def recruit(self) -> None:
+        """Make sure the recruiter runs while the job wants more procs than it has."""
+        with self.lock:
+            if self.recruiter is not None or self._wanted() <= 0:
+                return
+            self.recruiter = threading.Thread(
+                target=self._recruit, name="raymesh-recruiter", daemon=True
+            )
+            self.recruiter.start()
+
+    def _wanted(self) -> int:  # under self.lock
+        cfg = self.config
+        have = len(self.ranks) + len(self.spares) + self.claimed
+        return cfg.spares + cfg.max_workers - have
+
+    def _recruit(self) -> None:
+        # Spawns ranks where there is room (all it can at once), else looks again every
+        # grow_interval_s; new ranks wait as spares (Running grows from them, Healing takes them
+        # first). It exits (under the lock, so recruit() can start a new one) when nothing is
+        # wanted or the job ends.
+        cfg = self.config
+        while not self.stopping.is_set():
+            with self.lock:
+                wanted = self._wanted()
+                if wanted <= 0:
+                    self.recruiter = None
+                    return
+            try:
+                nodes = self.placer.pick_nodes(wanted)
+                ranks = self.spawn_spares(len(nodes), nodes=nodes, timeout=10.0) if nodes else []
+            except Exception as e:
+                logger.info("raymesh.train: recruiting failed (will retry): %s", e)
+                ranks = []
+            if self.stopping.is_set():
+                for r in ranks:
+                    r.stop()
+                return
+            if ranks:
+                with self.lock:
+                    self.spares.extend(ranks)
+                logger.info("raymesh.train: recruited %d rank(s)", len(ranks))
+            else:
+                self.stopping.wait(cfg.grow_interval_s)
+
+    def close(self) -> None:
+        """Stop the recruiter, then every proc the pool spawned."""
+        self.stopping.set()
+        recruiter = self.recruiter
+        if recruiter is not None:
+            recruiter.join(timeout=30.0)
+        for procs in self.procs:
+            try:
+                procs.stop()
+            except Exception:
+                logger.exception("raymesh.train: stopping trainer procs failed")

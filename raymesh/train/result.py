@@ -1,0 +1,122 @@
+"""What a training job returns (`Result`) or raises (`TrainError`), and the log it is made of.
+
+`RunLog` is the job's record as it runs: the loss history, every state transition with its
+reason, every failure and how long healing it took, every rebalance. The controller writes it;
+`Result` is its final form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raymesh.train.failure import FailureRecord
+from raymesh.train.protocol import LostRank, StepMetrics
+from raymesh.train.reporting import Report
+from raymesh.train.strategy import StrategyDecision
+
+__all__ = ["Result", "RunLog", "TrainError"]
+
+
+class TrainError(RuntimeError):
+    """The job stopped. `cause` is the underlying failure; `history` what was trained."""
+
+    def __init__(self, message: str, *, cause: BaseException | None, history: list[dict]) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.history = history
+
+
+@dataclass
+class Result:
+    """What `fit` returns."""
+
+    # One entry per step: step (1-based), loss (mean of ranks), samples_per_s, end (wall time
+    # the step was complete on every rank).
+    history: list[dict[str, float]]
+    decision: StrategyDecision  # the strategy and its arithmetic
+    checkpoint: str | None  # the newest committed checkpoint folder, if checkpoints were on
+    resumed_from: int  # the step the run started from (0: fresh)
+    transitions: list[tuple[str, str]]  # (state, reason), in order
+    failures: list[FailureRecord] = field(default_factory=list)  # and how each was healed
+    # Each rebalance (rebalance=True): {"step", "sizes", "flagged", "reason"}
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+    placement: str | None = None  # why the ranks run where they do (multi-host: the plan)
+    _weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The final model weights: CPU tensors under the model's own (unwrapped) names."""
+        return dict(self._weights)
+
+
+class RunLog:
+    """The record of a job so far (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+        self.transitions: list[tuple[str, str]] = []
+        self.failures: list[FailureRecord] = []
+        self.rebalances: list[dict[str, Any]] = []
+        self.step_times: list[float] = []  # seconds per step, as the ranks measured them
+        # Failures being healed, with the wall time each was detected and the steps it makes
+        # the job train again: completed by the next chunk recorded.
+        self.healing: list[tuple[FailureRecord, float, int]] = []
+
+    def lost(self, lost: list[LostRank], step: int) -> list[FailureRecord]:
+        """Record ranks lost while `step` was in flight; returns their records."""
+        records = [FailureRecord(rank=x.rank, step=step, cause=x.cause, kind=x.kind) for x in lost]
+        self.failures.extend(records)
+        return records
+
+    def healed(self, records: list[FailureRecord], detected: float, recomputed: int) -> None:
+        """`records` are healed; the next chunk recorded tells how long recovery took."""
+        self.healing.extend((r, detected, recomputed) for r in records)
+
+    def trim(self, step: int) -> None:
+        """Forget the steps after `step`: they are trained again (healing from a checkpoint)."""
+        self.history = [h for h in self.history if h["step"] <= step]
+
+    def median_step_s(self) -> float:
+        times = sorted(self.step_times)
+        return times[len(times) // 2] if times else 0.0
+
+    def record(
+        self, per_rank: list[list[StepMetrics]], *, global_batch_size: int, steps: int
+    ) -> Report | None:
+        """Fold one chunk's per-rank metrics (the steps every rank completed) into the
+        history; returns its report (None when no step completed)."""
+        n = len(per_rank[0])
+        if n == 0:
+            return None
+        seconds = sum(m.step_s for m in per_rank[0])
+        self.step_times.extend(m.step_s for m in per_rank[0])
+        rate = global_batch_size * n / seconds if seconds > 0 else 0.0
+        rows = []
+        for i in range(n):
+            loss = sum(r[i].loss for r in per_rank) / len(per_rank)
+            end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
+            rows.append(
+                {"step": per_rank[0][i].step, "loss": loss, "samples_per_s": rate, "end": end}
+            )
+        self.history.extend(rows)
+        if self.healing:  # the first step completed after healing: how long recovery took
+            first_end = per_rank[0][0].end
+            for failure, detected, recomputed in self.healing:
+                healed = dataclasses.replace(
+                    failure, recovery_s=first_end - detected, steps_recomputed=recomputed
+                )
+                self.failures[self.failures.index(failure)] = healed
+            self.healing.clear()
+        step = int(rows[-1]["step"])
+        return Report(
+            rows=tuple(rows),
+            steps=steps,
+            samples_per_s=rate,
+            eta_s=(steps - step) * seconds / n,
+            rank_losses=tuple(m[-1].loss for m in per_rank),
+            failures=len(self.failures),
+            world_size=len(per_rank),
+        )

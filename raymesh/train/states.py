@@ -1,0 +1,93 @@
+"""The training controller's states: plain data, each carrying what its phase needs.
+
+    Starting --> Running --> Finishing --> Finished
+                 |  ^  ^
+                 v  |  |
+           Healing  Resizing              (any state --> Failed on an unrecoverable error)
+
+A state is the phase the controller will run next and why it got there (`reason`, logged and
+kept in `Result.transitions`); what a phase needs from the one before travels in the state
+(`Healing` carries the failed chunk, `Resizing` the grow decision, `Failed` the error), never
+through the controller's attributes. `Finished` and `Failed` are terminal, known by type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raymesh.train.failure import FailureDecision
+
+__all__ = [
+    "TERMINAL",
+    "Failed",
+    "FailedChunk",
+    "Finished",
+    "Finishing",
+    "Healing",
+    "Resizing",
+    "Running",
+    "Starting",
+    "State",
+]
+
+
+@dataclass(frozen=True)
+class State:
+    reason: str  # why the controller entered this state
+
+
+@dataclass(frozen=True)
+class FailedChunk:
+    """A chunk of steps that did not complete on every rank."""
+
+    start: int  # its first step (0-based)
+    stop: int  # one past its last
+    results: tuple[Any, ...]  # each rank's outcome: a ChunkResult, or the error it raised
+    # The outcomes of the chunks queued behind it (they fail too, but may tell that the ranks
+    # got further: a lost rank's reply to this chunk can be lost with it).
+    later: tuple[tuple[Any, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Starting(State):
+    """Spawn the ranks and spares, form the process group, decide the strategy, restore."""
+
+
+@dataclass(frozen=True)
+class Running(State):
+    """Train chunk after chunk, two in flight, until the last step, a failure or a grow."""
+
+
+@dataclass(frozen=True)
+class Healing(State):
+    """Find the ranks `chunk` lost, replace them (or shrink), re-form, restore state."""
+
+    chunk: FailedChunk
+
+
+@dataclass(frozen=True)
+class Resizing(State):
+    """Grow the world with recruited ranks, at a step boundary (elastic jobs)."""
+
+    grow: FailureDecision
+
+
+@dataclass(frozen=True)
+class Finishing(State):
+    """The final checkpoint, and the full weights from rank 0."""
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    """Trained to the last step."""
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    """The job stopped; `error` is what `fit` raises."""
+
+    error: BaseException
+
+
+TERMINAL = (Finished, Failed)

@@ -1,0 +1,143 @@
+"""One training step on one rank, and the timing load balancing reads from it.
+
+`run_step` runs the forward and backward of each micro batch (reducing gradients only on the
+last, `parallelize.no_sync`) and the optimizer step, marking each phase for the Monitor.
+`Timing` keeps the rank's own compute time per step, without the time spent waiting for its
+peers in the gradient reduction: that is what `raymesh.train.balance` compares across ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raymesh.train.hooks import RankHooks
+from raymesh.train.monitor import mark
+from raymesh.train.parallelize import no_sync
+
+__all__ = ["Timing", "mix", "run_step", "to_device"]
+
+
+def mix(*values: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() is salted per process)."""
+    acc = 0x9E3779B97F4A7C15
+    for v in values:
+        acc = (acc ^ (v + 0x9E3779B97F4A7C15 + (acc << 6) + (acc >> 2))) & (2**64 - 1)
+    return acc & (2**63 - 1)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` (tensors, possibly nested in lists, tuples and dicts) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+@dataclass
+class Timing:
+    """A rank's own forward + backward time in its last step, and the samples it covered."""
+
+    ddp_timings: bool = False  # DDP's runtime logging is on (see `ddp_compute_s`)
+    compute_s: float = 0.0
+    samples: int = 0
+    step_samples: int = 0  # samples of the last step (DDP's figure is one step late)
+    base_s: float = 0.0  # compute_s without the time spent in hooks: what a hook is given
+    hook_s: float = 0.0  # time spent in hooks in the last step
+
+    def account(
+        self,
+        model: torch.nn.Module,
+        samples: int,
+        single: bool,
+        wall: float,
+        quiet: tuple[float, int],
+        hook_s: float,
+    ) -> None:
+        """Record a step: `samples` trained in one micro batch (`single`) or several, `wall`
+        seconds of forward + backward, `quiet` (seconds, samples) of the micro batches that
+        did not reduce, `hook_s` of it spent in hooks."""
+        measured = self.ddp_compute_s(model) if single else None
+        if quiet[1]:  # gradient accumulation: the quiet micro batches measure the rank alone
+            self.compute_s, self.samples = quiet
+        elif measured is not None:  # DDP's figures are the previous step's: pair them so
+            self.compute_s, self.samples = measured, self.step_samples
+        else:  # wall times include waiting, except on the slowest rank
+            self.compute_s, self.samples = wall, samples
+        self.step_samples = samples
+        # The rank's own compute: DDP's figure when there is one (the previous step's, with the
+        # previous hook time in it); else the wall time, which is the compute while this rank
+        # is the slowest (the last to reach the reduction).
+        base = measured - self.hook_s if measured is not None else wall - hook_s
+        self.base_s, self.hook_s = max(base, 0.0), hook_s
+
+    def ddp_compute_s(self, model: torch.nn.Module) -> float | None:
+        """The forward + backward compute DDP measured on this rank, without the time spent
+        waiting for peers in the all-reduce (its runtime logging, on when rebalancing). DDP
+        logs a step when the next one starts, so this is the previous step's; None when
+        there is no such figure (logging off, not DDP, the first step)."""
+        if not self.ddp_timings or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            stats = model._get_ddp_logging_data()
+            seconds = (stats["forward_compute_time"] + stats["backward_compute_time"]) / 1e9
+        except (AttributeError, KeyError, RuntimeError):  # a torch without these stats
+            return None
+        return seconds if seconds > 0 else None
+
+
+def run_step(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    micro: Sequence[Sequence[int]],
+    load: Callable[[Sequence[int]], Any],
+    device: torch.device,
+    step: int,
+    rank: int,
+    world_size: int,
+    global_batch_size: int,
+    timing: Timing,
+    hooks: RankHooks | None,
+) -> float:
+    """Train 0-based `step` on the micro batches `micro` (sample indices; `load` makes them a
+    batch on the device); return this rank's loss, summed over its micro batches."""
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    wall = 0.0  # forward + backward wall time
+    quiet, quiet_samples = 0.0, 0  # of which micro batches that do not reduce (no waiting)
+    hook_s = 0.0  # of which time in hooks
+    for i, m in enumerate(micro):
+        last = i == len(micro) - 1
+        with no_sync(model, not last):
+            mark(step + 1, "forward")
+            # The loss is a mean over the micro batch; weighting it by the micro batch's share
+            # of the global batch (x world size, as the reduction averages ranks) makes the
+            # averaged gradient the global batch's mean for any split.
+            weight = len(m) * world_size / global_batch_size
+            t0 = time.perf_counter()
+            loss = loss_fn(model, load(m)) * weight
+            if hooks is not None and last:
+                t_hook = time.perf_counter()
+                hooks.in_step(rank, step + 1, timing.base_s)
+                hook_s = time.perf_counter() - t_hook
+            mark(step + 1, "backward")
+            loss.backward()
+            seconds = time.perf_counter() - t0
+            wall += seconds
+            if not last:  # only the last micro batch reduces, so only it waits for peers
+                quiet, quiet_samples = quiet + seconds, quiet_samples + len(m)
+        total += loss.detach()
+    samples = sum(len(m) for m in micro)
+    timing.account(model, samples, len(micro) == 1, wall, (quiet, quiet_samples), hook_s)
+    mark(step + 1, "optimizer")
+    optimizer.step()
+    return float(total)

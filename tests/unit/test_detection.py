@@ -1,0 +1,101 @@
+"""Failure detection is pure: the lost ranks follow from the ranks' outcomes and statuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from raymesh.actor import ActorError, MeshFailure, SupervisionError
+from raymesh.train.detection import describe, failed, find_lost, settle
+from raymesh.train.protocol import ChunkResult, LostRank, RankStatus
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def ok(done: int) -> ChunkResult:
+    return ChunkResult((), done)
+
+
+def peer(done: int) -> ChunkResult:
+    return ChunkResult((), done, error="gloo: Connection closed by peer", cause="peer")
+
+
+def status(step: int, phase: str, index: int) -> RankStatus:
+    return RankStatus(step=step, phase=phase, phase_index=index, for_s=1.0, pid=1)
+
+
+def died() -> SupervisionError:
+    return SupervisionError(MeshFailure("trainer-1", (0,), "proc_died", "killed by SIGKILL"))
+
+
+def test_a_dead_rank_is_lost_and_the_step_in_flight_is_one_past_the_survivors():
+    lost, started = find_lost([peer(4), died()], [status(5, "backward", 3), died()], start=4)
+    assert lost == [LostRank(1, "died", "killed by SIGKILL")] and started == 5
+
+
+def test_a_rank_whose_step_raised_is_lost_and_its_peers_are_not():
+    own = ChunkResult((), 2, error="InjectedFault: boom", cause="own")
+    lost, started = find_lost([own, peer(2)], [status(3, "start", 1)] * 2, start=2)
+    assert lost == [LostRank(0, "error", "InjectedFault: boom")] and started == 3
+
+
+def test_an_endpoint_that_raised_is_an_error_rank():
+    error = ActorError(
+        mesh_name="m",
+        rank=0,
+        endpoint="run",
+        remote_type="ValueError",
+        remote_message="bad",
+        remote_traceback="",
+    )
+    lost, _ = find_lost([ok(3), error], [status(3, "done", 5)] * 2, start=2)
+    assert lost == [LostRank(1, "error", "ValueError: bad")]
+
+
+def test_ranks_still_blocked_after_a_peer_died_are_stuck_not_hung():
+    timeout = TimeoutError("no reply")
+    lost, _ = find_lost([died(), timeout], [died(), status(4, "backward", 3)], start=3)
+    assert [(x.rank, x.kind) for x in lost] == [(0, "died"), (1, "stuck")]
+
+
+def test_with_nobody_dead_the_rank_behind_the_others_is_hung_and_they_are_waiting():
+    timeout = TimeoutError("no reply")
+    statuses = [status(7, "backward", 3), status(7, "forward", 2), status(7, "backward", 3)]
+    lost, started = find_lost([timeout] * 3, statuses, start=6)
+    assert lost == [LostRank(1, "hung", "no progress past step 7 for the step timeout")]
+    assert started == 7
+
+
+def test_a_rank_that_reported_a_peer_failure_and_then_died_is_lost_by_its_monitor():
+    lost, _ = find_lost([peer(3), peer(3)], [status(4, "start", 1), died()], start=3)
+    assert lost == [LostRank(1, "died", "killed by SIGKILL")]
+
+
+def test_settle_gives_the_others_only_the_grace_once_one_failed():
+    class Pending:
+        def done(self) -> bool:
+            return False
+
+        def get(self, timeout: float | None = None) -> None:
+            raise TimeoutError
+
+    class Failed:
+        def done(self) -> bool:
+            return True
+
+        def get(self, timeout: float | None = None) -> ChunkResult:
+            return peer(1)
+
+    out = settle([Failed(), Pending()], timeout=60.0, grace=0.2)
+    assert failed(out[0]) and isinstance(out[1], TimeoutError)
+    assert describe(out) == (
+        "rank 0: gloo: Connection closed by peer; rank 1: TimeoutError: no reply"
+    )
+
+
+def test_the_step_in_flight_counts_the_chunks_queued_behind_the_failed_one():
+    # Rank 0's reply to chunk [4, 6) was lost with it; rank 1 went on to step 7 in the next
+    # chunk and failed in step 8, where rank 0 died.
+    lost, started = find_lost(
+        [died(), ok(6)], [died(), status(8, "backward", 3)], start=4, later=[[died(), peer(7)]]
+    )
+    assert lost == [LostRank(0, "died", "killed by SIGKILL")] and started == 8
