@@ -150,7 +150,7 @@ class TrainController:
             if isinstance(state, Healing):
                 return self.heal(state.chunk)
             if isinstance(state, Resizing):
-                return self.resize(state)
+                return self.resize(state.grow)
             if isinstance(state, Finishing):
                 return self.finish()
             raise AssertionError(f"no handler for {state!r}")
@@ -290,10 +290,10 @@ class TrainController:
             f"{len(self.world.ranks)} ranks, resuming at step {self.world.step}"
         )
 
-    def resize(self, state: Resizing) -> State:
-        """Grow the world with recruited ranks, at a step boundary (elastic jobs)."""
+    def resize(self, grow: FailureDecision) -> State:
+        """Grow the world to `grow.world_size` with recruited ranks, at a step boundary."""
         ranks = self.world.ranks
-        new = self.pool.take_spares(state.grow.world_size - len(ranks))
+        new = self.pool.take_spares(grow.world_size - len(ranks))
         if new:
             assert self.world.decision is not None
             if self.world.decision.sharded:  # shards move to the new world through a checkpoint
