@@ -3,11 +3,19 @@
 `from raymesh.actor import Actor, endpoint, this_host` (the same names are in `raymesh`).
 """
 
+from raymesh._src.accumulator import Accumulator
 from raymesh._src.actor import Actor
 from raymesh._src.actor_mesh import ActorMesh, EndpointRef
 from raymesh._src.backend import PlacementError
-from raymesh._src.context import ActorContext, context, current_rank, current_size
-from raymesh._src.endpoint import Endpoint, endpoint
+from raymesh._src.context import (
+    ActorContext,
+    context,
+    current_actor_name,
+    current_rank,
+    current_size,
+)
+from raymesh._src.controllers import get_or_spawn_controller
+from raymesh._src.endpoint import Endpoint, Port, concurrent_endpoint, endpoint
 from raymesh._src.errors import ActorError, MeshFailure, SupervisionError
 from raymesh._src.future import Future
 from raymesh._src.proc_mesh import HostMesh, ProcMesh, host_mesh, preload, this_host, this_proc
@@ -16,6 +24,7 @@ from raymesh._src.supervision import set_unhandled_fault_hook, unhandled_fault_h
 from raymesh._src.value_mesh import ValueMesh
 
 __all__ = [
+    "Accumulator",
     "Actor",
     "ActorContext",
     "ActorError",
@@ -28,14 +37,18 @@ __all__ = [
     "MeshFailure",
     "PlacementError",
     "Point",
+    "Port",
     "ProcMesh",
     "Shape",
     "SupervisionError",
     "ValueMesh",
+    "concurrent_endpoint",
     "context",
+    "current_actor_name",
     "current_rank",
     "current_size",
     "endpoint",
+    "get_or_spawn_controller",
     "host_mesh",
     "preload",
     "set_unhandled_fault_hook",

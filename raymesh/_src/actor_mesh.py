@@ -24,9 +24,10 @@ from typing import Any, Generic, TypeVar
 
 from raymesh._src import backend
 from raymesh._src.endpoint import endpoint_names
-from raymesh._src.errors import RemoteFailure, SupervisionError
+from raymesh._src.errors import MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
 from raymesh._src.shape import MeshTrait, Shape
+from raymesh._src.supervision import dispatch
 from raymesh._src.value_mesh import ValueMesh
 
 T = TypeVar("T")
@@ -54,12 +55,13 @@ _sender = _Sender()
 class _ActorMeshState:
     """What all views of one actor mesh share."""
 
-    def __init__(self, key: str, name: str, cls: type, proc_state: Any) -> None:
+    def __init__(self, key: str, name: str, cls: type, proc_state: Any, shape: Shape) -> None:
         self.key = key
         self.name = name
         self.cls = cls
         self.endpoints = endpoint_names(cls)
         self.proc_state = proc_state
+        self.shape = shape  # every actor of the mesh, as spawned
 
 
 def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
@@ -71,7 +73,7 @@ def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict
     error = pstate.check(shape.ranks, None)
     if error is not None:
         raise error
-    state = _ActorMeshState(f"{name}-{uuid.uuid4().hex[:8]}", name, cls, pstate)
+    state = _ActorMeshState(f"{name}-{uuid.uuid4().hex[:8]}", name, cls, pstate, shape)
     payload = _payload(args, kwargs)
     pending = [
         pstate.procs[rank].spawn(state.key, name, point, cls, payload)
@@ -79,11 +81,14 @@ def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict
     ]
     mesh: ActorMesh = ActorMesh(state, shape)
     replies = Future(pending, list, mesh._gone, f"spawn of {name!r}").get(_SPAWN_TIMEOUT_S)
+    # A constructor that raised fails the actor mesh, as in Monarch: the mesh is returned, each
+    # failed rank goes to supervision (the owner's __supervise__, at the top the fault hook),
+    # and calls on the mesh raise SupervisionError naming the constructor's exception.
     for (point, _), reply in zip(shape.points(), replies):
         if isinstance(reply, RemoteFailure):
-            raise reply.to_error(
-                mesh_name=name, rank=point.rank, endpoint=f"{cls.__name__}.__init__"
-            )
+            cause = f"{cls.__name__}.__init__ raised {reply.remote_type}: {reply.remote_message}"
+            failure = MeshFailure(name, (point.rank,), "init_error", cause)
+            dispatch(pstate, state.key, failure)
     return mesh
 
 
@@ -143,13 +148,22 @@ class ActorMesh(MeshTrait, Generic[T]):
     def _new_with_shape(self, shape: Shape) -> ActorMesh[T]:
         return ActorMesh(self._state, shape)
 
-    def stop(self) -> None:
-        """Remove these actors from their procs (the procs keep running)."""
-        pstate = self._state.proc_state
-        backend_refs = [pstate.procs[r].stop_actor(self._state.key) for r in self._shape.ranks]
+    def stop(self) -> Future[None]:
+        """Remove every actor of this mesh (all of it, even when called on a slice) from its
+        proc; the procs keep running. Returns once they are gone, with a resolved Future (as
+        Monarch's `stop()` returns one: `await mesh.stop()` works too). Later calls on the mesh
+        raise SupervisionError ("stopped")."""
+        state = self._state
+        pstate = state.proc_state
+        stopped = MeshFailure(
+            state.name, tuple(state.shape.ranks), "stopped", "the actor mesh was stopped"
+        )
+        pstate.record(state.key, stopped)
+        backend_refs = [pstate.procs[r].stop_actor(state.key) for r in state.shape.ranks]
         refs = [r for r in backend_refs if backend.is_ref(r)]
         if refs:
             backend.get(refs, 30.0)
+        return Future.resolved(None, f"stop of {state.name!r}")
 
     def __repr__(self) -> str:
         return f"ActorMesh({self._state.name!r}, {self._state.cls.__name__}, {self._shape})"
@@ -207,13 +221,22 @@ class EndpointRef(Generic[T]):
     def _what(self, shape: Shape) -> str:
         return f"{self._mesh._state.cls.__name__}.{self._name} on {self._mesh.name!r}{shape}"
 
-    def _future(self, shape: Shape, pending: list, single: bool) -> Future[Any]:
+    def _future(
+        self, shape: Shape, pending: list, single: bool, rank: int | None = None
+    ) -> Future[Any]:
+        """`rank`: the sender's view's rank of a single reply (stream), for its error."""
         mesh_name, endpoint = self._mesh.name, self._name
 
         def resolve(raws: list[Any]) -> Any:
             for (point, _), raw in zip(shape.points(), raws):
                 if isinstance(raw, RemoteFailure):
-                    raise raw.to_error(mesh_name=mesh_name, rank=point.rank, endpoint=endpoint)
+                    where = point.rank if rank is None else rank
+                    if raw.remote_type == "raymesh.ActorFailed":  # the actor is gone, not an error
+                        failure = MeshFailure(
+                            mesh_name, (where,), "actor_failed", raw.remote_message
+                        )
+                        raise SupervisionError(failure)
+                    raise raw.to_error(mesh_name=mesh_name, rank=where, endpoint=endpoint)
             return raws[0] if single else ValueMesh(shape, raws)
 
         return Future(
@@ -276,7 +299,7 @@ class EndpointRef(Generic[T]):
         except SupervisionError as e:
             return iter([Future.failed(e)])
         futures = {
-            id(p): self._future(_index_shape(shape, i), [p], single=True)
+            id(p): self._future(_index_shape(shape, i), [p], single=True, rank=i)
             for i, p in enumerate(pending)
         }
         return (futures[id(item)] for item in backend.as_completed(pending))

@@ -1,21 +1,119 @@
-"""Where am I? `current_rank()`, `current_size()` and `context()` for code running in an actor.
+"""Where am I? `current_rank()`, `current_size()`, `current_actor_name()` and `context()` for
+code running in an actor.
 
-The proc sets an `ActorContext` while it runs an actor's constructor or endpoint (a contextvar,
-so async endpoints and threads started with `contextvars.copy_context()` see it too). Code that
-runs in a proc but outside any message (a thread the user started) sees the proc's own rank.
-The controller is a mesh of one: rank 0 with no axes.
+The proc sets an `ActorContext` while it runs an actor's constructor, endpoint or
+`__supervise__` (a contextvar, so async endpoints and threads started with
+`contextvars.copy_context()` see it too). Code that runs in a proc but outside any message (a
+thread the user started) sees the proc's own rank. The controller is a mesh of one: rank 0 with
+no axes, and its actor name is `controller,root[0]` (Monarch's root client, `<root>`).
 """
 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from raymesh._src import backend
 from raymesh._src.shape import Extent, Point
 
-__all__ = ["ActorContext", "context", "current_rank", "current_size"]
+__all__ = [
+    "ActorContext",
+    "ActorId",
+    "ActorInstance",
+    "context",
+    "current_actor_name",
+    "current_rank",
+    "current_size",
+]
 
 _CONTROLLER_POINT = Point((), Extent((), ()))
+
+
+@dataclass(frozen=True)
+class ActorId:
+    """Names one actor. `str(actor_id)` is `"<proc_id>,<uid>[<rank>]"`, unique per actor.
+
+    proc_id: the proc it lives in, `"<proc mesh name>[<axis>=<coord>,...]"` (`"controller"`
+        for the controller's own process).
+    actor_name: the name its actor mesh was spawned with (Monarch's `actor_name`).
+    uid: its actor mesh's unique id (the same on every rank of the mesh).
+    rank: its linear rank in its actor mesh.
+    """
+
+    proc_id: str
+    actor_name: str
+    uid: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.proc_id},{self.uid}[{self.rank}]"
+
+
+def proc_id(proc_mesh_name: str, point: Point) -> str:
+    """A proc's id: its mesh's name and its coordinates (`procs[hosts=0,procs=1]`)."""
+    if not len(point):
+        return proc_mesh_name
+    return proc_mesh_name + "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
+
+
+class ActorInstance:
+    """The running actor, as Monarch's `context().actor_instance`: the same for every message.
+
+    rank: its point in its mesh (the `current_rank()` of its constructor).
+    actor_id: its `ActorId`; `proc_id` the id of its proc.
+    name: the name its mesh was spawned with; class_name: `module.QualifiedName` of its class.
+    proc: its own proc as a mesh of one (`this_proc()` seen from the actor).
+    abort(reason): fail this actor (see `abort`).
+
+    Not given (Monarch has them): `proc_mesh` (the whole mesh the actor was spawned on) and
+    `creator` (who spawned it): a spawn does not carry them to the proc. Pass the mesh to the
+    constructor where an actor needs it.
+    """
+
+    __slots__ = ("_abort", "actor_id", "class_name", "name", "rank")
+
+    def __init__(
+        self,
+        actor_id: ActorId,
+        rank: Point,
+        class_name: str,
+        abort: Callable[[str | None], None] | None = None,
+    ) -> None:
+        self.actor_id = actor_id
+        self.rank = rank
+        self.name = actor_id.actor_name
+        self.class_name = class_name
+        self._abort = abort
+
+    @property
+    def proc_id(self) -> str:
+        return self.actor_id.proc_id
+
+    @property
+    def proc(self) -> Any:
+        """This actor's proc as a proc mesh of one: spawn helpers beside the actor on it."""
+        from raymesh._src.proc_mesh import this_proc  # above this module: imported on use
+
+        return this_proc()
+
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor now, as Monarch's `Instance.abort`: its supervision event goes to
+        the mesh's owner (`__supervise__`, at the top the fault hook; `kind="actor_failed"`),
+        and messages it has not started fail from now on. The endpoint that calls it runs to
+        its end, and its reply still goes back."""
+        if self._abort is None:
+            raise RuntimeError(f"{self} is not an actor on a proc: there is nothing to abort")
+        self._abort(reason)
+
+    def __repr__(self) -> str:  # Monarch's form: <module.Class name{'procs': 1/2}>
+        parts = zip(self.rank.extent.labels, self.rank.coords, self.rank.extent.sizes)
+        rank = "{" + ", ".join(f"{k!r}: {v}/{n}" for k, v, n in parts) + "}"
+        return f"<{self.class_name} {self.name}{rank if len(self.rank) else ''}>"
+
+
+_ROOT_ID = ActorId("controller", "root", "root", 0)
 
 
 class ActorContext:
@@ -25,10 +123,20 @@ class ActorContext:
     message_rank: this actor's point within the slice the current message was sent to; equal to
         `rank` for a call on the whole mesh, rank 0 of an extent with no axes for
         `call_one`/`choose`.
-    mesh_name: the actor mesh's name; actor_key: this actor instance's unique id.
+    actor_instance: the running actor (`ActorInstance`: `actor_id`, `rank`, `name`, `proc`,
+        `abort()`), as in Monarch.
+    mesh_name: the actor mesh's name; actor_key: this actor mesh's unique id.
     """
 
-    __slots__ = ("_message", "_message_rank", "actor_key", "mesh_name", "proc_mesh_name", "rank")
+    __slots__ = (
+        "_instance",
+        "_message",
+        "_message_rank",
+        "actor_key",
+        "mesh_name",
+        "proc_mesh_name",
+        "rank",
+    )
 
     def __init__(
         self,
@@ -37,6 +145,7 @@ class ActorContext:
         mesh_name: str,
         actor_key: str,
         proc_mesh_name: str,
+        instance: ActorInstance | None = None,
     ) -> None:
         self.rank = rank
         # (labels, sizes, index) as it came off the wire; made a Point only when asked for,
@@ -50,6 +159,7 @@ class ActorContext:
         self.mesh_name = mesh_name
         self.actor_key = actor_key
         self.proc_mesh_name = proc_mesh_name
+        self._instance = instance
 
     @property
     def message_rank(self) -> Point:
@@ -57,6 +167,18 @@ class ActorContext:
             labels, sizes, index = self._message
             self._message_rank = Extent(labels, sizes).point(index)
         return self._message_rank
+
+    @property
+    def actor_instance(self) -> ActorInstance:
+        if self._instance is None:
+            actor_id = ActorId(
+                proc_id(self.proc_mesh_name, _proc_point or _CONTROLLER_POINT),
+                self.mesh_name,
+                self.actor_key,
+                self.rank.rank,
+            )
+            self._instance = ActorInstance(actor_id, self.rank, "")
+        return self._instance
 
     @property
     def gpu_ids(self) -> list:
@@ -73,13 +195,15 @@ class ActorContext:
 _current: contextvars.ContextVar[ActorContext | None] = contextvars.ContextVar(
     "raymesh_actor_context", default=None
 )
-# The proc's own rank, for code in a proc that runs outside a message.
+# The proc's own rank and mesh name, for code in a proc that runs outside a message.
 _proc_point: Point | None = None
+_proc_mesh_name: str | None = None
 
 
-def set_proc_point(point: Point) -> None:
-    global _proc_point
+def set_proc_point(point: Point, proc_mesh_name: str | None = None) -> None:
+    global _proc_point, _proc_mesh_name
     _proc_point = point
+    _proc_mesh_name = proc_mesh_name
 
 
 def enter(ctx: ActorContext) -> contextvars.Token:
@@ -120,3 +244,16 @@ def current_rank() -> Point:
 def current_size() -> dict[str, int]:
     """The sizes of the current actor's mesh axes (`{}` in the controller)."""
     return dict(current_rank().extent)
+
+
+def current_actor_name() -> str:
+    """The current actor's id as a string (`str(context().actor_instance.actor_id)`, as in
+    Monarch): `"<proc mesh>[<coords>],<actor mesh id>[<rank>]"`. Unique per actor, stable for
+    its life. In the controller `"controller,root[0]"`; in a proc outside any message (a thread
+    the user started), `"<proc mesh>[<coords>],root[0]"`."""
+    ctx = _current.get()
+    if ctx is not None:
+        return str(ctx.actor_instance.actor_id)
+    if _proc_point is not None and _proc_mesh_name is not None:
+        return str(ActorId(proc_id(_proc_mesh_name, _proc_point), "root", "root", 0))
+    return str(_ROOT_ID)

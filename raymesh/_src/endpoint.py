@@ -1,30 +1,88 @@
-"""`@endpoint`: marks the methods of an `Actor` that may be called remotely.
+"""`@endpoint`, `@concurrent_endpoint` and `Port`: the methods of an `Actor` that may be called
+remotely, and how they reply.
 
 Inside the actor an endpoint is an ordinary method (`self.incr(1)` runs it locally). On an
 `ActorMesh`, `mesh.incr` is an `EndpointRef` with the adverbs `call`, `call_one`, `choose`,
 `stream` and `broadcast` (see `raymesh._src.actor_mesh`). Typed with ParamSpec, so a checker sees
 the endpoint's own parameters on every adverb.
+
+Options, as in Monarch's `@endpoint(propagate=..., explicit_response_port=..., instrument=...)`:
+- `explicit_response_port=True`: the method receives a `Port` as its first argument (after
+  `self`) and replies with `port.send(value)` or `port.exception(error)`, at any time and from
+  any thread of its proc; what it returns is ignored. The reply travels back exactly as a
+  returned value would. The actor's turn ends when the method returns, not when it replies, so
+  an endpoint may reply early and keep working (later messages wait for the method), or
+  return at once and reply later from a thread or task it started (later messages run
+  meanwhile). An exception that escapes the method, rather than going through
+  `port.exception`, fails the actor (supervision runs), as in Monarch. A port that is dropped
+  without a reply fails the call with `ActorError` (`raymesh.PortDropped`) instead of leaving
+  the caller waiting. A port replies once (a second reply raises RuntimeError) and stays in
+  its proc (it cannot be pickled and sent to another actor).
+- `propagate`: Monarch's tensor engine uses it to infer the shapes an endpoint returns for
+  `rref` without running it. raymesh has no tensor engine and no `rref`: the value is checked
+  (None, "cached", "inspect", "mocked" or a callable, else ValueError) and kept on the
+  endpoint as `Endpoint.propagate`, and nothing else reads it.
+- `instrument`: in Monarch, each call runs in a tracing span named for the method. raymesh has
+  no tracing: the flag is kept on the endpoint as `Endpoint.instrument`, and has no effect.
+
+`@concurrent_endpoint` (async methods only, as in Monarch; same options): the message starts in
+its turn, FIFO with the caller's other messages, but the actor's turn ends at the body's first
+`await` instead of its end, so the actor's next messages run while it is suspended. An
+exception it raises still reaches the caller as `ActorError`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import threading
 from collections.abc import Callable
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import (
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    overload,
+)
+
+from raymesh._src.errors import RemoteFailure
 
 P = ParamSpec("P")
 R = TypeVar("R")
+R_contra = TypeVar("R_contra", contravariant=True)
 
-__all__ = ["Endpoint", "endpoint", "endpoint_names"]
+__all__ = ["Endpoint", "Port", "Reply", "concurrent_endpoint", "endpoint", "endpoint_names"]
+
+# Monarch's tensor engine's shape propagation: accepted and kept, unused (see the module doc).
+Propagator = None | Literal["cached", "inspect", "mocked"] | Callable[..., Any]
 
 
 class Endpoint(Generic[P, R]):
-    """A method that may be called remotely. A descriptor: on an instance it is the bound method."""
+    """A method that may be called remotely. A descriptor: on an instance it is the bound method.
 
-    def __init__(self, fn: Callable[Concatenate[Any, P], R]) -> None:
+    Attributes: `name`, `fn`, `is_async`, and the options it was declared with:
+    `explicit_response_port`, `concurrent`, `propagate`, `instrument`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        propagate: Propagator = None,
+        explicit_response_port: bool = False,
+        instrument: bool = True,
+        concurrent: bool = False,
+    ) -> None:
         self.fn = fn
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.propagate = propagate
+        self.explicit_response_port = explicit_response_port
+        self.instrument = instrument
+        self.concurrent = concurrent
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -41,16 +99,258 @@ class Endpoint(Generic[P, R]):
         return self.fn.__get__(obj, objtype)
 
     def __repr__(self) -> str:
-        return f"<endpoint {self.name}>"
+        kind = "concurrent_endpoint" if self.concurrent else "endpoint"
+        return f"<{kind} {self.name}>"
 
 
-def endpoint(fn: Callable[Concatenate[Any, P], R]) -> Endpoint[P, R]:
-    """Mark an actor method as remotely callable. Works on `def` and `async def` methods."""
-    if isinstance(fn, Endpoint):
-        return fn
+class Reply:
+    """The reply to one message: given once, by the endpoint's return, its `Port`, or its
+    failure. The delivering thread waits for it; a broadcast's (nobody waits) sends a failure
+    to supervision and drops a value."""
+
+    __slots__ = ("_done", "_lock", "_on_failure", "settled", "value")
+
+    def __init__(self, on_failure: Callable[[RemoteFailure], None] | None) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._on_failure = on_failure
+        self.settled = False
+        self.value: Any = None
+
+    def settle(self, value: Any) -> bool:
+        with self._lock:
+            if self.settled:
+                return False
+            self.settled = True
+            self.value = value
+        if self._on_failure is not None and isinstance(value, RemoteFailure):
+            self._on_failure(value)
+        self._done.release()
+        return True
+
+    def dropped(self) -> None:
+        if self._on_failure is None:  # a broadcast's port may go unanswered
+            self.settle(
+                RemoteFailure(
+                    "raymesh.PortDropped",
+                    "the endpoint dropped its response port without replying; keep the Port "
+                    "and call port.send(value) or port.exception(error)",
+                    "",
+                )
+            )
+
+    def wait(self) -> Any:
+        self._done.acquire()
+        return self.value
+
+
+class Port(Generic[R_contra]):
+    """The reply channel of one message to an `@endpoint(explicit_response_port=True)` method.
+
+    `send(value)` replies with a value, `exception(error)` with an error (the caller's
+    `Future` raises `ActorError`). One reply per message; either may be called from any thread
+    of the proc, during the call or after the method has returned.
+    """
+
+    __slots__ = ("__weakref__", "_sink")
+
+    def __init__(self, sink: Reply) -> None:
+        self._sink = sink
+
+    def send(self, obj: R_contra) -> None:
+        """Reply with `obj` (dropped for a `broadcast` message: nobody waits for it)."""
+        if not self._sink.settle(obj):
+            raise RuntimeError("this port has already replied: a message gets one reply")
+
+    def exception(self, obj: BaseException) -> None:
+        """Reply with an error: the caller's Future raises ActorError carrying `obj`'s type,
+        message and traceback. The actor keeps serving."""
+        if not isinstance(obj, BaseException):
+            raise TypeError(f"Port.exception takes an exception, not {type(obj).__name__}")
+        if not self._sink.settle(RemoteFailure.from_exception(obj)):
+            raise RuntimeError("this port has already replied: a message gets one reply")
+
+    def __del__(self) -> None:
+        try:
+            self._sink.dropped()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a Port replies from the proc that received its message and cannot be sent to "
+            "another actor; reply from this proc (any thread), or have the other actor return "
+            "its result to this one"
+        )
+
+    def __repr__(self) -> str:
+        return "<Port>"
+
+
+def _check_options(propagate: Any, explicit_response_port: Any, instrument: Any) -> None:
+    if not (
+        propagate is None or propagate in ("cached", "inspect", "mocked") or callable(propagate)
+    ):
+        raise ValueError(
+            f"@endpoint(propagate={propagate!r}): use None, 'cached', 'inspect', 'mocked' or a "
+            "function (raymesh keeps it for Monarch compatibility and does not use it)"
+        )
+    for name, value in (
+        ("explicit_response_port", explicit_response_port),
+        ("instrument", instrument),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"@endpoint({name}={value!r}): pass True or False")
+
+
+def _check_method(fn: Any, decorator: str) -> None:
     if not callable(fn):
-        raise TypeError(f"@endpoint decorates methods, not {type(fn).__name__}")
-    return Endpoint(fn)
+        raise TypeError(f"@{decorator} decorates methods, not {type(fn).__name__}")
+
+
+class _Decorator(Protocol):
+    def __call__(self, fn: Callable[Concatenate[Any, P], R], /) -> Endpoint[P, R]: ...
+
+
+class _PortedDecorator(Protocol):
+    def __call__(self, fn: Callable[Concatenate[Any, Port[R], P], Any], /) -> Endpoint[P, R]: ...
+
+
+@overload
+def endpoint(
+    method: Callable[Concatenate[Any, P], R],
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[False] = False,
+    instrument: bool = True,
+) -> Endpoint[P, R]: ...
+@overload
+def endpoint(
+    method: Callable[Concatenate[Any, Port[R], P], Any],
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[True],
+    instrument: bool = True,
+) -> Endpoint[P, R]: ...
+@overload
+def endpoint(
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[False] = False,
+    instrument: bool = True,
+) -> _Decorator: ...
+@overload
+def endpoint(
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[True],
+    instrument: bool = True,
+) -> _PortedDecorator: ...
+def endpoint(
+    method: Any = None,
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """Mark an actor method as remotely callable. Works on `def` and `async def` methods, bare
+    (`@endpoint`) or with Monarch's options (`@endpoint(explicit_response_port=True)`; see the
+    module docstring for what each option does here)."""
+    _check_options(propagate, explicit_response_port, instrument)
+    if method is None:
+        return functools.partial(
+            endpoint,
+            propagate=propagate,
+            explicit_response_port=explicit_response_port,
+            instrument=instrument,
+        )
+    if isinstance(method, Endpoint):
+        return method
+    _check_method(method, "endpoint")
+    return Endpoint(
+        method,
+        propagate=propagate,
+        explicit_response_port=explicit_response_port,
+        instrument=instrument,
+    )
+
+
+@overload
+def concurrent_endpoint(
+    method: Callable[Concatenate[Any, P], R],
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[False] = False,
+    instrument: bool = True,
+) -> Endpoint[P, R]: ...
+@overload
+def concurrent_endpoint(
+    method: Callable[Concatenate[Any, Port[R], P], Any],
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[True],
+    instrument: bool = True,
+) -> Endpoint[P, R]: ...
+@overload
+def concurrent_endpoint(
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[False] = False,
+    instrument: bool = True,
+) -> _Decorator: ...
+@overload
+def concurrent_endpoint(
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: Literal[True],
+    instrument: bool = True,
+) -> _PortedDecorator: ...
+def concurrent_endpoint(
+    method: Any = None,
+    *,
+    propagate: Propagator = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """An async endpoint that does not hold the actor's turn while it is suspended.
+
+    Its messages start in turn (FIFO per caller, after the actor's previous message), and the
+    body runs until its first `await`; then the actor takes its next message while the body
+    goes on as a task on the proc's event loop. So other endpoints of the same actor, and
+    further concurrent calls, run while it waits (one may set an `asyncio.Event` it awaits).
+    Its result or `Exception` goes to the caller as for `@endpoint` (`ActorError`); with
+    `explicit_response_port=True` it replies through its `Port`, and an exception that escapes
+    it fails the actor, as in Monarch. `async def` only (ValueError otherwise, as in Monarch):
+    a sync method has no point at which to let the next message in.
+    """
+    _check_options(propagate, explicit_response_port, instrument)
+    if method is None:
+        return functools.partial(
+            concurrent_endpoint,
+            propagate=propagate,
+            explicit_response_port=explicit_response_port,
+            instrument=instrument,
+        )
+    if isinstance(method, Endpoint):
+        raise ValueError(
+            "concurrent_endpoint does not wrap @endpoint: use @concurrent_endpoint alone and "
+            "pass the endpoint's options to it (@concurrent_endpoint(explicit_response_port=True))"
+        )
+    _check_method(method, "concurrent_endpoint")
+    if not inspect.iscoroutinefunction(method):
+        raise ValueError(
+            f"concurrent_endpoint can only wrap async endpoints: make {method.__name__} an "
+            "`async def`, or use @endpoint (a sync endpoint holds the actor's turn until it "
+            "returns)"
+        )
+    return Endpoint(
+        method,
+        propagate=propagate,
+        explicit_response_port=explicit_response_port,
+        instrument=instrument,
+        concurrent=True,
+    )
 
 
 def endpoint_names(cls: type) -> frozenset[str]:
@@ -63,3 +363,8 @@ def endpoint_names(cls: type) -> frozenset[str]:
             elif name in names:  # overridden by a plain method: no longer an endpoint
                 names.discard(name)
     return frozenset(names)
+
+
+def endpoints_of(cls: type) -> dict[str, Endpoint]:
+    """Each endpoint of a class (and its bases), by name."""
+    return {name: getattr(cls, name) for name in endpoint_names(cls)}

@@ -26,6 +26,11 @@ class MeshFailure:
         host agent saw the exit (a SIGKILL gives `signal=9`).
       - "endpoint_error": a `broadcast` (fire-and-forget) message raised at `ranks`; nobody
         was waiting on a result, so the failure went to supervision instead.
+      - "actor_failed": an actor at `ranks` ended on a BaseException that is not an
+        Exception (SystemExit, KeyboardInterrupt), an escaped explicit-port error, or
+        `context().actor_instance.abort()`.
+      - "init_error": the actor's constructor raised at `ranks` (`spawn` still returns the
+        mesh; calls on it raise SupervisionError).
       - "child_failed": an actor at `ranks` owned a mesh that failed (`child`) and did not
         handle it.
       - "stopped": the mesh was stopped by its owner.

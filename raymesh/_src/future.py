@@ -58,6 +58,11 @@ class Future(Generic[R]):
         self._error: BaseException | None = None
 
     @staticmethod
+    def resolved(value: R, what: str = "") -> Future[R]:
+        """A future that already holds `value` (e.g. what a blocking `stop()` returns)."""
+        return Future([], lambda _: value, lambda i, d: RuntimeError(d), what)
+
+    @staticmethod
     def failed(error: BaseException) -> Future[Any]:
         fut: Future[Any] = Future([], _identity, lambda i, d: error, "")
         fut._error = error

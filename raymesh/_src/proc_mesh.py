@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
+import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 from raymesh._src import backend
 from raymesh._src.context import current_actor_context, current_rank
 from raymesh._src.errors import MeshFailure
+from raymesh._src.future import Future
 from raymesh._src.mesh_state import ProcMeshState
 from raymesh._src.proc import ProcRuntime, start_proc_runtime
 from raymesh._src.shape import Extent, MeshTrait, Point, Shape
@@ -38,6 +40,7 @@ T = TypeVar("T")
 __all__ = ["HostMesh", "ProcMesh", "host_mesh", "this_host", "this_proc"]
 
 _GPU_AXIS = "gpus"
+_said_cpu_gpus = threading.Event()
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -169,7 +172,15 @@ class HostMesh(MeshTrait):
         )
         per = Extent.of(per_host).nelem
         node_ids = [n for n in self.node_ids for _ in range(per)]
-        gpu = _GPU_AXIS in per_host
+        # An axis named `gpus` gives each proc a GPU of its host. On hosts with no GPU at all it
+        # is only a name, as in Monarch, whose CPU examples say `gpus`: CPU procs, said once.
+        gpu = _GPU_AXIS in per_host and self.gpus > 0
+        if _GPU_AXIS in per_host and not gpu and not _said_cpu_gpus.is_set():
+            _said_cpu_gpus.set()
+            logger.warning(
+                "raymesh: axis 'gpus' on hosts without GPUs: CPU procs (on hosts with GPUs each "
+                "proc of a 'gpus' axis gets one)"
+            )
         return _create(extent, node_ids, name, cpus_per_proc, gpu, timeout, asked, escalate)
 
     def _spawn_placed(
@@ -253,9 +264,10 @@ def preload(*modules: str) -> None:
 
 
 def this_host() -> HostMesh:
-    """The caller's own node, as a host mesh of one (`{"hosts": 1}`)."""
+    """The caller's own node, as a host mesh of one with no axes (as in Monarch): its procs
+    have only the `per_host` axes (`host_mesh()` has the `hosts` axis)."""
     here = backend.current_node_id()
-    return HostMesh([n for n in backend.nodes() if n.node_id == here])
+    return HostMesh([n for n in backend.nodes() if n.node_id == here], Shape.of({}))
 
 
 def _owner_key() -> str | None:
@@ -358,12 +370,14 @@ class ProcMesh(MeshTrait):
             except Exception:  # its node may be gone, with the process
                 logger.debug("raymesh: killing %s rank %d failed", self.name, r, exc_info=True)
 
-    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> Future[None]:
         """End every proc of this mesh (all of it, even when called on a slice) and wait until
-        the processes are gone. Later calls on its actors raise SupervisionError."""
+        the processes are gone; returns a resolved Future (as Monarch's `stop()` returns one:
+        `await procs.stop()` works too). Later calls on its actors raise SupervisionError."""
         if not self._state.owned:
             raise RuntimeError(f"only the owner of mesh {self.name!r} can stop it")
         _stop(self._state, wait=True, timeout=timeout)
+        return Future.resolved(None, f"stop of {self.name!r}")
 
     def __repr__(self) -> str:
         return f"ProcMesh({self.name!r}, {self._shape})"

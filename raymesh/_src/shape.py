@@ -120,6 +120,11 @@ class Point(Mapping[str, int]):
         inner = ", ".join(f"{k}={v}" for k, v in zip(self.extent.labels, self.coords))
         return f"Point({inner})"
 
+    def __str__(self) -> str:
+        """Monarch's form: each axis's coordinate over its size, `{'hosts': 0/1, 'gpus': 1/2}`."""
+        parts = zip(self.extent.labels, self.coords, self.extent.sizes)
+        return "{" + ", ".join(f"{k!r}: {v}/{n}" for k, v, n in parts) + "}"
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -142,6 +142,17 @@ class Trainer(Actor):
         return sorted(self.loaders.rank.call().get(timeout=30).values())
 
 
+class FailsToStart(Actor):
+    """Its constructor raises."""
+
+    def __init__(self, why: str) -> None:
+        raise RuntimeError(f"cannot start: {why}")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
 class Parent(Actor):
     """Owns a child mesh; records the supervision events it receives."""
 
@@ -159,6 +170,11 @@ class Parent(Actor):
         )
         self.children = self.procs.spawn("kids", Counter, 100)
         return self.procs.pids
+
+    @endpoint
+    def spawn_broken_children(self) -> None:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="broken-children")
+        self.children = self.procs.spawn("broken", FailsToStart, "no config")
 
     @endpoint
     def children_failure(self) -> MeshFailure | None:

@@ -35,11 +35,12 @@ def test_the_readme_example_runs_as_written(procs):
 
 
 def test_call_returns_a_value_mesh_indexed_by_points(procs):
+    # this_host() has no axes (as in Monarch): the procs have only their per_host axes.
     counters = procs.spawn("ranks", Counter)
     vm = counters.rank.call().get(timeout=30)
     assert len(vm) == 4
-    assert [dict(p) for p, _ in vm] == [{"hosts": 0, "procs": i} for i in range(4)]
-    assert vm.item(hosts=0, procs=3) == 3
+    assert [dict(p) for p, _ in vm] == [{"procs": i} for i in range(4)]
+    assert vm.item(procs=3) == 3
     assert vm.slice(procs=slice(1, 3)).values() == [1, 2]
 
 
@@ -114,11 +115,11 @@ def test_context_gives_the_rank_and_the_message_rank_within_the_slice(procs):
     counters = procs.spawn("ctx", Counter)
     whole = counters.where.call().get(timeout=30).values()
     assert [w["message_rank"] for w in whole] == [0, 1, 2, 3]
-    assert whole[2]["rank"] == {"hosts": 0, "procs": 2}
-    assert whole[0]["size"] == {"hosts": 1, "procs": 4}
+    assert whole[2]["rank"] == {"procs": 2}
+    assert whole[0]["size"] == {"procs": 4}
     part = counters.slice(procs=slice(2, 4)).where.call().get(timeout=30).values()
     assert [w["message_rank"] for w in part] == [0, 1]
-    assert part[0]["message_extent"] == {"hosts": 1, "procs": 2}
+    assert part[0]["message_extent"] == {"procs": 2}
     assert [w["rank"]["procs"] for w in part] == [2, 3]
 
 
@@ -153,7 +154,7 @@ def test_unpicklable_arguments_name_the_argument_and_the_fix(procs):
 
 def test_unknown_axis_and_out_of_range_slices_are_clear_errors(procs):
     counters = procs.spawn("sliced", Counter)
-    with pytest.raises(ValueError, match=r"unknown axis 'gpus'.*\['hosts', 'procs'\]"):
+    with pytest.raises(ValueError, match=r"unknown axis 'gpus'.*\['procs'\]"):
         counters.slice(gpus=0)
     with pytest.raises(ValueError, match=r"procs=7 is out of range.*0\.\.3"):
         counters.slice(procs=7)
@@ -200,3 +201,16 @@ def test_calls_on_a_stopped_mesh_raise_supervision_error():
         counter.incr.call_one().get(timeout=30)
     with pytest.raises(SupervisionError, match="stopped"):
         procs.spawn("again", Counter)
+
+
+def test_stopping_an_actor_mesh_fails_its_calls_as_stopped_and_leaves_the_procs_serving():
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="keep")
+    counters = procs.spawn("going", Counter)
+    others = procs.spawn("staying", Counter, 5)
+    stopped = counters.slice(procs=0).stop()  # the whole actor mesh, as in Monarch
+    assert stopped.get(timeout=5) is None  # a Future, already resolved
+    for part in (counters, counters.slice(procs=1)):
+        with pytest.raises(SupervisionError, match="stopped"):
+            part.incr.call().get(timeout=30)
+    assert others.incr.call(1).get(timeout=30).values() == [6, 6]
+    assert procs.stop().get(timeout=5) is None

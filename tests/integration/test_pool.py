@@ -51,8 +51,8 @@ def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
         assert pids == set(procs.pids) and pids <= warm
         assert all(f["torch_loaded"] for f in facts.values())
         assert [f["point"] for f in facts.values()] == [
-            {"hosts": 0, "procs": 0},
-            {"hosts": 0, "procs": 1},
+            {"procs": 0},
+            {"procs": 1},
         ]
         refilled = _warm_pids()
         assert len(refilled) == len(warm) and not refilled & pids

@@ -14,7 +14,7 @@ import pytest
 import raymesh
 from raymesh import MeshFailure, SupervisionError, this_host
 
-from .actors import Counter, Parent
+from .actors import Counter, FailsToStart, Parent
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -132,6 +132,29 @@ def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
     owner_procs.stop()
 
 
+def test_a_constructor_that_raises_returns_the_mesh_and_each_rank_reaches_the_hook(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="bad-start")
+    broken = procs.spawn("broken", FailsToStart, "no config")  # returns, as in Monarch
+    failures = _wait_for(lambda: len(hook_calls) >= 2 and hook_calls)
+    assert sorted(f.ranks for f in failures) == [(0,), (1,)]
+    for f in failures:
+        assert f.kind == "init_error" and f.mesh_name == "broken"
+        assert "FailsToStart.__init__ raised RuntimeError: cannot start: no config" in f.cause
+    with pytest.raises(SupervisionError, match="cannot start: no config"):
+        broken.ping.call().get(timeout=10)
+    assert procs.spawn("fine", Counter, 1).incr.call(1).get(timeout=30).values() == [2, 2]
+    procs.stop()
+
+
+def test_an_owner_actor_gets_supervise_for_a_child_whose_constructor_raised():
+    owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="starter")
+    parent = owner_procs.spawn("parent", Parent, True)
+    parent.spawn_broken_children.call_one().get(timeout=60)
+    [failure] = _wait_for(lambda: parent.seen.call_one().get(timeout=10))
+    assert failure.kind == "init_error" and "cannot start" in failure.cause
+    owner_procs.stop()
+
+
 def test_a_mesh_that_does_not_escalate_records_a_death_but_never_calls_the_hook(hook_calls):
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="healer", escalate=False)
     counter = procs.spawn("c", Counter)
@@ -206,9 +229,13 @@ def test_nested_meshes_stop_with_their_owner():
     _wait_for(lambda: not any(_alive(p) for p in child_pids), timeout=15)
 
 
-def test_asking_for_gpus_on_a_cluster_without_gpus_is_a_clear_error():
-    with pytest.raises(raymesh.PlacementError, match=r"no GPUs.*'procs' instead of 'gpus'"):
-        this_host().spawn_procs(per_host={"gpus": 1}, timeout=5)
+def test_a_gpus_axis_on_hosts_without_gpus_gives_cpu_procs_as_in_monarch():
+    assert this_host().gpus == 0  # this test machine has none
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, timeout=30)
+    counters = procs.spawn("on_cpu", Counter, 1)
+    assert counters.incr.call(1).get(timeout=30).values() == [2, 2]
+    assert counters.slice(gpus=1).incr.call_one(1).get(timeout=30) == 3
+    procs.stop()
 
 
 def test_asking_for_more_cpus_than_the_host_has_says_what_it_has():
@@ -220,7 +247,7 @@ def test_bad_per_host_sizes_are_rejected():
     with pytest.raises(ValueError, match="procs=0"):
         this_host().spawn_procs(per_host={"procs": 0})
     with pytest.raises(ValueError, match="already a host axis"):
-        this_host().spawn_procs(per_host={"hosts": 2})
+        raymesh.host_mesh().spawn_procs(per_host={"hosts": 2})
 
 
 CONTROLLER = textwrap.dedent(
@@ -273,7 +300,7 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
             break
     output = "".join(lines)
     assert pids, output
-    assert "talkers[hosts=0,procs=" in output, output
+    assert "talkers[procs=" in output, output
     assert len(pids) > 2, "no warm procs seen"
     proc.kill()  # the controller crashes: no cleanup runs in it
     proc.wait(timeout=30)

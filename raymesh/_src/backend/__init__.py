@@ -28,6 +28,7 @@ from raymesh._src.backend.refs import (
     roundtrip,
     wait,
 )
+from raymesh._src.backend.registry import update as registry_update
 from raymesh._src.backend.runtime import (
     NodeInfo,
     address,
@@ -66,6 +67,7 @@ __all__ = [
     "preload",
     "probe",
     "put",
+    "registry_update",
     "roundtrip",
     "self_proc",
     "shutdown",

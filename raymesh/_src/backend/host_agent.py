@@ -8,6 +8,9 @@ code or signal) comes from the pidfd itself (PIDFD_GET_INFO with PIDFD_INFO_EXIT
 available once the raylet has reaped the process), or, on older kernels, from the zombie's
 `/proc/<pid>/stat` if the agent reads it before the raylet reaps. Where neither works (not
 Linux, or the race lost), the cause says the status is unknown.
+
+It also creates the job's registry when an actor asks for it before the driver did, so that the
+registry is owned by the agent (the driver's) rather than by that actor (see `registry`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from typing import Any
 
 import ray
+
+from raymesh._src.backend.registry import create as create_registry
 
 
 def _read_wait_status(pid: int) -> int | None:
@@ -155,6 +160,12 @@ class _HostAgent:
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
+
+    def registry(self, name: str) -> Any:
+        """The job's registry, created here if it does not exist yet, for an actor that asks
+        for it first: it is then this agent's, which the driver created, so it still ends with
+        the job (see `registry`)."""
+        return create_registry(name)
 
     def _loop(self) -> None:
         while True:

@@ -1,0 +1,239 @@
+"""Actors for test_monarch_semantics (importable by the procs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from raymesh import (
+    Actor,
+    MeshFailure,
+    Port,
+    concurrent_endpoint,
+    context,
+    current_actor_name,
+    endpoint,
+    this_host,
+)
+
+
+class Gate(Actor):
+    """A concurrent endpoint that waits for a plain one (Monarch's AsyncGate)."""
+
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()
+        self.unblock = asyncio.Event()
+        self.started: list[int] = []
+
+    @concurrent_endpoint
+    async def wait(self) -> str:
+        self.ready.set()
+        await self.unblock.wait()
+        return "done"
+
+    @endpoint
+    async def release_when_ready(self) -> str:
+        await self.ready.wait()
+        self.unblock.set()
+        return "released"
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @concurrent_endpoint
+    async def record(self, i: int) -> int:
+        self.started.append(i)  # before the first await: in the order the messages came
+        await asyncio.sleep(0.05 * (i % 3))
+        return i
+
+    @endpoint
+    def log(self) -> list[int]:
+        return list(self.started)
+
+    @concurrent_endpoint
+    async def fail(self, message: str) -> None:
+        await asyncio.sleep(0)
+        raise ValueError(message)
+
+
+class Options(Actor):
+    """Monarch's endpoint options, and replies through an explicit port."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.ports: list[Port] = []
+
+    @endpoint(propagate="inspect", instrument=False)
+    def plain(self, x: int) -> int:
+        return x + 1
+
+    @endpoint(explicit_response_port=True)
+    def later(self, port: Port[str], seconds: float) -> None:
+        def reply() -> None:
+            time.sleep(seconds)
+            port.send(f"from {threading.current_thread().name}")
+
+        threading.Thread(target=reply, name="replier").start()
+
+    @endpoint(explicit_response_port=True)
+    async def early(self, port: Port[str], seconds: float) -> None:
+        port.send("started")
+        await asyncio.sleep(seconds)
+        self.log.append("body")
+
+    @endpoint
+    def ping(self) -> str:
+        self.log.append("ping")
+        return "pong"
+
+    @endpoint
+    def seen(self) -> list[str]:
+        return list(self.log)
+
+    @endpoint(explicit_response_port=True)
+    def refuse(self, port: Port[int], message: str) -> None:
+        port.exception(KeyError(message))
+
+    @endpoint(explicit_response_port=True)
+    def drop(self, port: Port[int]) -> None:
+        pass
+
+    @endpoint(explicit_response_port=True)
+    async def escape(self, port: Port[int]) -> None:
+        raise ValueError("escaped the port")
+
+
+class ThreadBound(Actor):
+    """Sets thread-local state in its constructor, as a training actor does."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.local = threading.local()
+        self.local.value = "set in __init__"
+        torch.set_grad_enabled(False)
+
+    @endpoint
+    def observe(self) -> tuple[bool, str | None, bool]:
+        return (
+            threading.get_ident() == self.thread,
+            getattr(self.local, "value", None),
+            torch.is_grad_enabled(),
+        )
+
+    @endpoint
+    def slow(self, seconds: float) -> bool:
+        time.sleep(seconds)
+        return threading.get_ident() == self.thread
+
+
+class Identity(Actor):
+    """Reports who it is."""
+
+    @endpoint
+    def whoami(self) -> str:
+        return current_actor_name()
+
+    @endpoint
+    def instance(self) -> dict:
+        ins = context().actor_instance
+        return {
+            "rank": ins.rank.rank,
+            "actor_id": str(ins.actor_id),
+            "actor_name": ins.actor_id.actor_name,
+            "name": ins.name,
+            "class_name": ins.class_name,
+            "proc_id": ins.proc_id,
+            "repr": repr(ins),
+        }
+
+    @endpoint
+    def helper_pid(self) -> tuple[int, int]:
+        helper = context().actor_instance.proc.spawn("helper", Identity)
+        return os.getpid(), helper.pid.call_one().get(timeout=30)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def abort(self, reason: str | None) -> str:
+        context().actor_instance.abort(reason)
+        return "aborted"
+
+
+class Exiter(Actor):
+    """Ends itself the ways a process would end."""
+
+    @endpoint
+    def exit(self, code: int) -> None:
+        sys.exit(code)
+
+    @endpoint
+    async def interrupt(self) -> None:
+        await asyncio.sleep(0)
+        raise KeyboardInterrupt
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    async def aping(self) -> str:
+        return "apong"
+
+
+class Watcher(Actor):
+    """Owns a child mesh and waits, inside an endpoint, for `__supervise__` to see it fail."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.failed_sync = threading.Event()
+        self.failures: list[MeshFailure] = []
+        self.lock = threading.Lock()
+        self.procs = None
+        self.children = None
+
+    @endpoint
+    def spawn_children(self, exits: bool) -> int:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="watched")
+        self.children = self.procs.spawn("kid", Exiter)
+        if exits:
+            self.children.exit.broadcast(3)
+        return self.procs.pids[0]
+
+    @endpoint
+    async def wait_async(self, timeout: float) -> str:
+        await asyncio.wait_for(self.failed.wait(), timeout)
+        return self.failures[0].kind
+
+    @endpoint
+    def wait_sync(self, timeout: float) -> str:
+        if not self.failed_sync.wait(timeout):
+            raise TimeoutError("__supervise__ did not run while this endpoint waited")
+        return self.failures[0].kind
+
+    @endpoint
+    def seen(self) -> list[MeshFailure]:
+        with self.lock:
+            return list(self.failures)
+
+    def __supervise__(self, failure: MeshFailure) -> bool:
+        with self.lock:
+            self.failures.append(failure)
+        self.failed.set()  # runs on the proc's event loop: an asyncio.Event may be set here
+        self.failed_sync.set()
+        return True
+
+
+class AsyncWatcher(Watcher):
+    """The same, with an async `__supervise__`."""
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return super().__supervise__(failure)

@@ -1,0 +1,252 @@
+"""Monarch's `Accumulator` and `get_or_spawn_controller` on real Ray procs."""
+
+from __future__ import annotations
+
+import operator
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raymesh import (
+    Accumulator,
+    ActorError,
+    SupervisionError,
+    get_or_spawn_controller,
+    this_host,
+)
+
+from ..scripts import run_python
+from .monarch_api_actors import Asker, OtherRegistry, Registry, StartsOnSecondTry, Summand
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+@pytest.fixture(scope="module")
+def procs():
+    procs = this_host().spawn_procs(per_host={"procs": 4}, name="monarch-api")
+    yield procs
+    procs.stop()
+
+
+# ---- Accumulator --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_accumulate_folds_every_actors_reply_with_combine(procs):
+    summands = procs.spawn("sum", Summand)
+    total = Accumulator(summands.value_plus, 0, operator.add).accumulate(10)
+    assert total.get(timeout=30) == (0 + 1 + 2 + 3) + 4 * 10
+    ranks = Accumulator(summands.value_plus, [], lambda acc, r: [*acc, r]).accumulate()
+    assert sorted(ranks.get(timeout=30)) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_accumulate_returns_at_once_and_folds_off_the_callers_thread(procs):
+    summands = procs.spawn("slow-sum", Summand)
+    folded_on: list[str] = []
+
+    def combine(acc: int, reply: int) -> int:
+        folded_on.append(threading.current_thread().name)
+        return acc + reply
+
+    started = time.monotonic()
+    total = Accumulator(summands.value_plus, 0, combine).accumulate(delay=0.3)
+    assert time.monotonic() - started < 0.25
+    assert not total.done()
+    assert total.get(timeout=30) == 6
+    assert total.done()
+    assert len(folded_on) == 4 and threading.current_thread().name not in folded_on
+
+
+@pytest.mark.timeout(60)
+def test_accumulate_on_a_slice_folds_only_that_slice(procs):
+    summands = procs.spawn("slice-sum", Summand)
+    half = summands.slice(procs=slice(2, 4))
+    assert Accumulator(half.value_plus, 0, operator.add).accumulate().get(timeout=30) == 5
+
+
+@pytest.mark.timeout(60)
+def test_accumulate_sees_the_callers_earlier_messages_first(procs):
+    summands = procs.spawn("fifo-sum", Summand)
+    summands.bump.broadcast()
+    total = Accumulator(summands.value_plus, 0, operator.add).accumulate()
+    assert total.get(timeout=30) == 6 + 400
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_error_surfaces_from_the_accumulated_future_as_from_call(procs):
+    summands = procs.spawn("failing-sum", Summand)
+    future = Accumulator(summands.fail_at, 0, operator.add).accumulate(2)
+    with pytest.raises(ActorError) as info:
+        future.get(timeout=30)
+    assert info.value.rank == 2, "the failing actor's rank, as call reports it"
+    assert info.value.mesh_name == "failing-sum" and info.value.endpoint == "fail_at"
+    assert info.value.remote_type == "ValueError" and "rank 2 refuses" in str(info.value)
+    with pytest.raises(ActorError) as again:  # settled: the same error, at once
+        future.get(timeout=0)
+    assert again.value is info.value
+    # the actors live on
+    assert Accumulator(summands.fail_at, 0, operator.add).accumulate(-1).get(timeout=30) == 6
+
+
+@pytest.mark.timeout(60)
+def test_an_error_in_combine_surfaces_from_the_accumulated_future(procs):
+    summands = procs.spawn("bad-combine", Summand)
+
+    def combine(acc: int, reply: int) -> int:
+        raise KeyError("combine broke")
+
+    with pytest.raises(KeyError, match="combine broke"):
+        Accumulator(summands.value_plus, 0, combine).accumulate().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_proc_fails_the_accumulated_future_with_supervision_error():
+    victims = this_host().spawn_procs(per_host={"procs": 1}, name="acc-victims")
+    try:
+        summands = victims.spawn("sum", Summand)
+        future = Accumulator(summands.value_plus, 0, operator.add).accumulate(delay=0.0)
+        assert future.get(timeout=30) == 0
+        os.kill(victims.pids[0], signal.SIGKILL)
+        future = Accumulator(summands.value_plus, 0, operator.add).accumulate()
+        with pytest.raises(SupervisionError) as info:
+            future.get(timeout=20)
+        assert info.value.failure.mesh_name == "acc-victims"
+        assert info.value.failure.kind == "proc_died"
+    finally:
+        victims.stop()
+
+
+def test_an_accumulator_needs_a_meshs_endpoint_and_names_the_fix():
+    with pytest.raises(TypeError, match=r"Accumulator\(counters.get_value"):
+        Accumulator(Summand.value_plus, 0, operator.add)
+
+
+# ---- get_or_spawn_controller --------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_first_calls_spawn_one_controller_on_a_proc_of_its_own(tmp_path):
+    constructions = tmp_path / "constructions"
+    futures: list = []
+
+    def ask() -> None:
+        futures.append(get_or_spawn_controller("one", Registry, str(constructions)))
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    controllers = [f.get(timeout=60) for f in futures]
+    pids = {c.pid.call_one().get(timeout=30) for c in controllers}
+    assert len(pids) == 1
+    assert constructions.read_text().split() == [str(pid) for pid in pids]
+    assert pids != {os.getpid()}
+    # a mesh of one with no axes, like Monarch's: call_one reaches it, call gives one value
+    assert controllers[0].sizes == {}
+    assert [c.visit.call_one().get(timeout=30) for c in controllers] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.timeout(60)
+def test_actors_and_the_controller_script_get_the_same_controller(procs):
+    askers = procs.spawn("askers", Asker)
+    mine = get_or_spawn_controller("shared", Registry).get(timeout=60)
+    pid = mine.pid.call_one().get(timeout=30)
+    visits = askers.visit.call("shared").get(timeout=60).values()
+    assert {p for p, _ in visits} == {pid}
+    assert sorted(n for _, n in visits) == [1, 2, 3, 4]
+    assert askers.slice(procs=0).visit_async.call_one("shared").get(timeout=60) == 5
+    assert mine.visit.call_one().get(timeout=30) == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_controller_fails_its_calls_and_later_requests_and_is_not_respawned():
+    controller = get_or_spawn_controller("mortal", Registry).get(timeout=60)
+    controller.die.broadcast()
+    with pytest.raises(SupervisionError) as info:
+        for _ in range(100):  # until the death is seen
+            controller.visit.call_one().get(timeout=10)
+            time.sleep(0.05)
+    assert info.value.failure.kind == "proc_died"
+    deadline = time.monotonic() + 10
+    while True:  # the registry learns of the death from its supervisor (milliseconds)
+        try:
+            get_or_spawn_controller("mortal", Registry).get(timeout=30)
+        except SupervisionError as e:
+            assert e.failure.mesh_name == "mortal" and e.failure.kind == "proc_died"
+            break
+        assert time.monotonic() < deadline, "the registry still hands out a dead controller"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_whose_constructor_raises_is_not_kept_and_the_next_call_retries(tmp_path):
+    flag = tmp_path / "ready"
+    with pytest.raises((ActorError, SupervisionError), match="does not exist yet"):
+        get_or_spawn_controller("second-try", StartsOnSecondTry, str(flag)).get(timeout=60)
+    flag.touch()
+    controller = get_or_spawn_controller("second-try", StartsOnSecondTry, str(flag))
+    assert controller.get(timeout=60).pid.call_one().get(timeout=30) > 0
+
+
+@pytest.mark.timeout(60)
+def test_asking_for_a_controller_with_another_class_names_the_fix():
+    get_or_spawn_controller("typed", Registry).get(timeout=60)
+    with pytest.raises(ValueError, match=r"already a .*Registry; ask for it with that class"):
+        get_or_spawn_controller("typed", OtherRegistry).get(timeout=60)
+
+
+def test_get_or_spawn_controller_rejects_an_empty_name_and_an_instance():
+    with pytest.raises(ValueError, match="non-empty name"):
+        get_or_spawn_controller("", Registry)
+    with pytest.raises(TypeError, match="not an instance"):
+        get_or_spawn_controller("x", Registry())  # type: ignore[arg-type]
+
+
+# A job of its own: an actor asks first (before the job has a registry), then that actor's procs
+# stop, and the driver still gets the same controller.
+_ANOTHER_JOB = """
+from raymesh import get_or_spawn_controller, this_host
+from tests.integration.monarch_api_actors import Asker, Registry
+
+procs = this_host().spawn_procs(per_host={"procs": 1}, name="first-asker")
+asker = procs.spawn("asker", Asker)
+pid, visits = asker.visit.call_one("per-job").get(timeout=60)
+assert visits == 1 and pid != asker.pid.call_one().get(timeout=30), pid
+procs.stop()
+controller = get_or_spawn_controller("per-job", Registry).get(timeout=60)
+assert controller.pid.call_one().get(timeout=30) == pid
+assert controller.visit.call_one().get(timeout=30) == 2
+print("CONTROLLER", pid)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_controller_first_asked_for_by_an_actor_outlives_it_and_ends_with_its_job():
+    from raymesh._src import backend
+
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = run_python(["-c", _ANOTHER_JOB], env, timeout=100)
+    [theirs] = [int(line.split()[1]) for line in out.splitlines() if line.startswith("CONTROLLER")]
+    deadline = time.monotonic() + 20
+    while _alive(theirs):
+        assert time.monotonic() < deadline, f"job's controller (pid {theirs}) outlived the job"
+        time.sleep(0.1)
+    # This job has a controller of that name of its own.
+    ours = get_or_spawn_controller("per-job", Registry).get(timeout=60)
+    assert ours.pid.call_one().get(timeout=30) != theirs
