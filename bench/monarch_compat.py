@@ -14,7 +14,7 @@ raised to it), --total S (wall limit for all the pytest runs, default 780), --js
 What it does, all in a fresh temp dir (nothing of Monarch's is copied into this repo):
 1. `git archive` Monarch's python/tests out of the mirror and reads Monarch's public API (the
    `__all__` of python/monarch/actor/__init__.py, with the module each name comes from).
-2. Writes a shim package `monarch` whose `monarch.actor` is `from raymesh import *` plus the
+2. Writes a shim package `monarch` whose `monarch.actor` is the module `raymesh.actor` plus the
    aliases in RENAMES (Monarch name -> raymesh name). Nothing else: a Monarch name raymesh lacks
    stays missing, and the tests that use it fail.
 3. Classifies each test function by AST: the names it references, its decorators, the fixtures it
@@ -39,8 +39,9 @@ What it does, all in a fresh temp dir (nothing of Monarch's is copied into this 
    with --isolation subprocess, Monarch's harness is used, its two `monarch.config`
    runtime-config calls made no-ops and its child's process group killed on a timeout.
 5. Runs pytest on the included tests (PYTHONPATH: shim first), with pytest-asyncio
-   (asyncio_mode=auto, as Monarch's pyproject sets). If pytest-asyncio is not importable it is
-   pip-installed into the temp dir (not into the venv). pytest-timeout uses the thread method
+   (asyncio_mode=auto, as Monarch's pyproject sets). If pytest-asyncio or cloudpickle (which
+   Monarch's tests import) is not importable it is pip-installed into the temp dir (not into
+   the venv). pytest-timeout uses the thread method
    (a test blocked in native code ignores SIGALRM), which ends the pytest process: the test is
    recorded as timed out and pytest starts again on the tests not yet run. Then every process
    left carrying this run's marker variable is killed by pid. Prints a JSON summary.
@@ -804,20 +805,19 @@ timeout = {timeout}
 
 
 def shim_actor_init() -> str:
-    lines = [
-        '"""monarch.actor over raymesh: `from raymesh import *` plus renames (no behaviour)."""',
-        "",
-        "from raymesh import *  # noqa: F403",
-    ]
-    for monarch_name, raymesh_name in sorted(RENAMES.items()):
-        lines += [
-            "",
-            "try:",
-            f"    from raymesh import {raymesh_name} as {monarch_name}",
-            "except ImportError:  # raymesh no longer has it: the name stays missing",
-            "    pass",
-        ]
-    return "\n".join(lines) + "\n"
+    return f'''"""monarch.actor over raymesh: the module raymesh.actor itself plus renames (no
+behaviour). The module itself, not a copy of its names, so that a program assigning one of its
+attributes (`monarch.actor.unhandled_fault_hook = fn`) assigns raymesh's, as `import raymesh.actor`
+in place of `import monarch.actor` would."""
+import sys
+
+import raymesh.actor as _actor
+
+for _monarch_name, _raymesh_name in {sorted(RENAMES.items())!r}:
+    if hasattr(_actor, _raymesh_name) and not hasattr(_actor, _monarch_name):
+        setattr(_actor, _monarch_name, getattr(_actor, _raymesh_name))
+sys.modules[__name__] = _actor
+'''
 
 
 ISOLATE_INPROCESS = '''"""isolate_in_subprocess, as bench/monarch_compat.py --isolation inprocess:
@@ -904,30 +904,27 @@ def patch_isolate_harness(path: Path) -> list[str]:
 # Running
 
 
-def ensure_pytest_asyncio(tmp: Path) -> tuple[str | None, str]:
-    """A directory to add to PYTHONPATH (None if the venv already has the plugin), and a note."""
-    if importlib.util.find_spec("pytest_asyncio") is not None:
-        return None, "pytest-asyncio from the venv"
+# What Monarch's tests import beyond pytest and torch (module -> pip requirement).
+TEST_DEPENDENCIES = {"pytest_asyncio": "pytest-asyncio>=0.23", "cloudpickle": "cloudpickle"}
+
+
+def ensure_test_dependencies(tmp: Path) -> tuple[str | None, str]:
+    """A directory to add to PYTHONPATH (None if the venv already has them all), and a note.
+    Missing ones are pip-installed into the temp dir, never into the venv."""
+    missing = [req for mod, req in TEST_DEPENDENCIES.items() if not importlib.util.find_spec(mod)]
+    if not missing:
+        return None, "pytest-asyncio and cloudpickle from the venv"
     target = tmp / "plugins"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--target",
-            str(target),
-            "pytest-asyncio>=0.23",
-        ],
+        [*pip, str(target), *missing],
         capture_output=True,
         text=True,
     )
     if r.returncode != 0:
-        raise SystemExit(f"pytest-asyncio is needed and could not be installed:\n{r.stderr}")
-    version = next((p.name for p in target.glob("pytest_asyncio-*.dist-info")), "pytest_asyncio")
-    return str(target), f"{version.removesuffix('.dist-info')} pip-installed into the temp dir"
+        raise SystemExit(f"{missing} are needed and could not be installed:\n{r.stderr}")
+    versions = sorted(p.name.removesuffix(".dist-info") for p in target.glob("*.dist-info"))
+    return str(target), f"{', '.join(versions)} pip-installed into the temp dir"
 
 
 def shim_names(env: dict[str, str]) -> tuple[set[str], str]:
@@ -1212,7 +1209,7 @@ def _main(args: argparse.Namespace, tmp: Path, commit: str, load_start: tuple) -
     (shim / "monarch" / "actor" / "__init__.py").write_text(shim_actor_init())
 
     plugin_dir, plugin_note = (
-        (None, "not needed") if args.classify_only else (ensure_pytest_asyncio(tmp))
+        (None, "not needed") if args.classify_only else (ensure_test_dependencies(tmp))
     )
     token = uuid.uuid4().hex
     env = dict(os.environ)

@@ -3,10 +3,15 @@
 `from raymesh.actor import Actor, endpoint, this_host` (the same names are in `raymesh`).
 """
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 from raymesh._src.accumulator import Accumulator
 from raymesh._src.actor import Actor
 from raymesh._src.actor_mesh import ActorMesh, EndpointRef
 from raymesh._src.backend import PlacementError
+from raymesh._src.channel import Channel, PortReceiver
 from raymesh._src.context import (
     ActorContext,
     context,
@@ -18,9 +23,17 @@ from raymesh._src.controllers import get_or_spawn_controller
 from raymesh._src.endpoint import Endpoint, Port, concurrent_endpoint, endpoint
 from raymesh._src.errors import ActorError, MeshFailure, SupervisionError
 from raymesh._src.future import Future
-from raymesh._src.proc_mesh import HostMesh, ProcMesh, host_mesh, preload, this_host, this_proc
+from raymesh._src.proc_mesh import (
+    HostMesh,
+    ProcMesh,
+    host_mesh,
+    hosts_from_config,
+    preload,
+    this_host,
+    this_proc,
+)
 from raymesh._src.shape import Extent, Point, Shape
-from raymesh._src.supervision import set_unhandled_fault_hook, unhandled_fault_hook
+from raymesh._src.supervision import FrontModule, set_unhandled_fault_hook
 from raymesh._src.value_mesh import ValueMesh
 
 __all__ = [
@@ -29,6 +42,7 @@ __all__ = [
     "ActorContext",
     "ActorError",
     "ActorMesh",
+    "Channel",
     "Endpoint",
     "EndpointRef",
     "Extent",
@@ -38,6 +52,7 @@ __all__ = [
     "PlacementError",
     "Point",
     "Port",
+    "PortReceiver",
     "ProcMesh",
     "Shape",
     "SupervisionError",
@@ -50,9 +65,15 @@ __all__ = [
     "endpoint",
     "get_or_spawn_controller",
     "host_mesh",
+    "hosts_from_config",
     "preload",
     "set_unhandled_fault_hook",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",
 ]
+
+# The controller's unhandled-fault hook, read and assigned as this attribute (Monarch's way:
+# `raymesh.actor.unhandled_fault_hook = fn`), or with set_unhandled_fault_hook.
+unhandled_fault_hook: Callable[[MeshFailure], Any]
+sys.modules[__name__].__class__ = FrontModule

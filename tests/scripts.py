@@ -15,9 +15,17 @@ RESULT = "RESULT "  # a cluster script prints its answer as one line: RESULT <js
 
 def run_python(args: list[str], env: dict[str, str], timeout: float = 180) -> str:
     """`python *args`; asserts it exits 0 (showing its output if not); returns its stdout."""
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
+    try:
+        out = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:  # show where it was, not only that it was slow
+        tail = "".join(
+            (x.decode(errors="replace") if isinstance(x, bytes) else x or "")[-6000:]
+            for x in (e.stdout, e.stderr)
+        )
+        message = f"python {args[0]} ran past {timeout}s; its output's end:\n{tail}"
+        raise AssertionError(message) from None
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 

@@ -2,13 +2,14 @@
 raymesh: the same program with `raymesh` in place of `monarch` in the imports (and so in
 `raymesh.actor.unhandled_fault_hook = ...`, which names the module it imported).
 
-    python examples/monarch/getting_started.py                     # a machine with 12 GPUs
-    RAY_OVERRIDE_RESOURCES='{"GPU": 12}' python examples/monarch/getting_started.py  # a laptop
+    python examples/monarch/getting_started.py                            # any machine
     RAYMESH_ADDRESS=<head>:6379 python examples/monarch/getting_started.py  # a Ray cluster
+    MONARCH_HOSTS=2 RAYMESH_ADDRESS=<head>:6379 python ...                  # 2 of its hosts
 
-An axis named `gpus` gives each raymesh proc a GPU of its own (Monarch's names no resource),
-so without GPUs let Ray count logical ones: RAY_OVERRIDE_RESOURCES makes the embedded local
-Ray report 12 (8 for `procs`, 4 per host for `trainer_procs`; the procs never touch CUDA).
+An axis named `gpus` gives each raymesh proc a GPU of its own where the hosts have GPUs
+(Monarch's names no resource); on hosts without GPUs it is only a name, as in Monarch.
+`hosts_from_config("MONARCH_HOSTS")` is the Ray cluster's hosts (Monarch's stand-in starts two
+local worker processes as "hosts"), so on one machine `hosts` has one host.
 
 Left out, each where it stood, because raymesh has no counterpart:
 - "Point-to-Point RDMA" (`monarch.rdma.RDMABuffer`);

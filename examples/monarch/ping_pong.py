@@ -4,13 +4,12 @@ program with `raymesh.actor` in place of `monarch.actor` in the imports, nothing
 It spawns actors on meshes of procs, calls their endpoints from the script, and has actors of
 two meshes message each other.
 
-    python examples/monarch/ping_pong.py                          # a machine with 8 GPUs
-    RAY_OVERRIDE_RESOURCES='{"GPU": 8}' python examples/monarch/ping_pong.py   # any laptop
-    RAYMESH_ADDRESS=<head>:6379 python examples/monarch/ping_pong.py  # a Ray cluster with GPUs
+    python examples/monarch/ping_pong.py                            # any machine
+    RAYMESH_ADDRESS=<head>:6379 python examples/monarch/ping_pong.py  # a Ray cluster
 
-An axis named `gpus` gives each raymesh proc a GPU of its own (Monarch's names no resource),
-so without GPUs let Ray count logical ones: RAY_OVERRIDE_RESOURCES makes the embedded local
-Ray report 8 (the procs never touch CUDA here).
+An axis named `gpus` gives each raymesh proc a GPU of its own where the hosts have GPUs
+(Monarch's names no resource); on hosts without GPUs it is only a name, as in Monarch, and the
+procs are CPU procs.
 """
 
 # %%

@@ -29,14 +29,17 @@ not in turn with the endpoints, so an endpoint that awaits what `__supervise__` 
 `asyncio.Event`) is woken; one `__supervise__` at a time. Guard state it shares with sync
 endpoints with a lock. Return True to handle it; anything else passes it up to the owner's own
 owner, and at the controller to `raymesh.unhandled_fault_hook`.
+
+Stopping: `__cleanup__(exc)` runs once when the actor stops or fails (see its docstring).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raymesh._src import context as _ctx
@@ -50,10 +53,27 @@ logger = logging.getLogger("raymesh")
 class Actor:
     """Subclass this and mark remotely callable methods with `@endpoint`."""
 
+    @functools.cached_property
+    def logger(self) -> logging.Logger:
+        """A logger named after the actor's class (Monarch's `self.logger`), at DEBUG: what it
+        prints depends on the proc's handlers (`ProcMesh.logging_option(level=...)`)."""
+        lgr = logging.getLogger(type(self).__name__)
+        lgr.setLevel(logging.DEBUG)
+        return lgr
+
     def __supervise__(self, failure: MeshFailure) -> bool:
         """Called when a mesh this actor spawned fails (on the proc's event loop; may be
         `async def`). Return True to handle it."""
         return False
+
+    def __cleanup__(self, exc: Exception | None) -> Awaitable[None] | None:
+        """Called once when the actor stops (may be `async def`): by `stop()` of its actor
+        mesh or its proc mesh, with `exc` None, or when it failed (an endpoint raised a
+        `BaseException`, `abort()`), with `exc` saying why. By then the meshes it spawned are
+        stopped and its running async endpoints cancelled. A sync one runs on the actor's
+        thread, an async one on the proc's event loop; each gets 10 s, then stop() goes on.
+        Not called when its proc dies (SIGKILL, a crash). For what the actor holds itself:
+        files, connections, threads."""
 
 
 class ActorStopped(Exception):

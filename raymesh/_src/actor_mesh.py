@@ -22,7 +22,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from raymesh._src import backend
+from raymesh._src import backend, ownership
+from raymesh._src.context import current_actor_context
 from raymesh._src.endpoint import endpoint_names
 from raymesh._src.errors import MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
@@ -62,9 +63,15 @@ class _ActorMeshState:
         self.endpoints = endpoint_names(cls)
         self.proc_state = proc_state
         self.shape = shape  # every actor of the mesh, as spawned
+        ctx = current_actor_context()  # the actor spawning it, which owns it; None: controller
+        self.owner_key = ctx.actor_key if ctx is not None else None
 
 
-def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+def spawn_actors(
+    proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict, *, owned: bool = True
+) -> ActorMesh:
+    """`ProcMesh.spawn`. owned=False: the spawning actor does not own the mesh (it is not
+    stopped with it), for raymesh's own per-process services (a channel's mailbox)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"spawn(name={name!r}): give the actor mesh a non-empty name")
     if not isinstance(cls, type):
@@ -80,6 +87,8 @@ def spawn_actors(proc_mesh: Any, name: str, cls: type, args: tuple, kwargs: dict
         for point, rank in shape.points()
     ]
     mesh: ActorMesh = ActorMesh(state, shape)
+    if owned:
+        ownership.own(state.owner_key, state, name, mesh.stop)
     replies = Future(pending, list, mesh._gone, f"spawn of {name!r}").get(_SPAWN_TIMEOUT_S)
     # A constructor that raised fails the actor mesh, as in Monarch: the mesh is returned, each
     # failed rank goes to supervision (the owner's __supervise__, at the top the fault hook),
@@ -159,10 +168,11 @@ class ActorMesh(MeshTrait, Generic[T]):
             state.name, tuple(state.shape.ranks), "stopped", "the actor mesh was stopped"
         )
         pstate.record(state.key, stopped)
+        ownership.disown(state.owner_key, state)
         backend_refs = [pstate.procs[r].stop_actor(state.key) for r in state.shape.ranks]
         refs = [r for r in backend_refs if backend.is_ref(r)]
-        if refs:
-            backend.get(refs, 30.0)
+        if refs:  # each actor's stop is bounded (its __cleanup__ gets 10 s); a dead proc fails
+            backend.wait(refs, len(refs), 30.0)
         return Future.resolved(None, f"stop of {state.name!r}")
 
     def __repr__(self) -> str:
@@ -291,22 +301,31 @@ class EndpointRef(Generic[T]):
         return self._future(one, pending, single=True)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
-        """Send to every actor now; iterate to get one resolved future per reply, in order of
-        arrival."""
+        """Send to every actor now; returns one future per actor at once, in order of
+        arrival: the k-th resolves with the k-th reply to come in (or raises its error).
+        Iterating never waits, so `for f in ep.stream(): await f` keeps an event loop free."""
         shape = self._mesh._shape
         try:
             pending = self._mesh._send(shape, self._name, args, kwargs, True)
         except SupervisionError as e:
             return iter([Future.failed(e)])
-        futures = {
-            id(p): self._future(_index_shape(shape, i), [p], single=True, rank=i)
+        replies = [
+            self._future(_index_shape(shape, i), [p], single=True, rank=i)
             for i, p in enumerate(pending)
-        }
-        return (futures[id(item)] for item in backend.as_completed(pending))
+        ]
+        what = f"stream of {self._name}"
+        return iter(
+            Future([slot], lambda raw: replies[raw[0]].get(), _never_gone, what)
+            for slot in backend.arrivals(pending)
+        )
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor without waiting; failures go to the mesh owner's supervision."""
         self._mesh._send(self._mesh._shape, self._name, args, kwargs, False)
+
+
+def _never_gone(index: int, detail: str) -> BaseException:  # an arrival slot never fails
+    return RuntimeError(detail)
 
 
 def _index_shape(shape: Shape, index: int) -> Shape:

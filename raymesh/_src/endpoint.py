@@ -144,32 +144,49 @@ class Reply:
         self._done.acquire()
         return self.value
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a Port replies from the proc that received its message and cannot be sent to "
+            "another actor; reply from this proc (any thread), have the other actor return "
+            "its result to this one, or open a Channel and send its Port"
+        )
+
+
+class Sink(Protocol):
+    """Where a `Port` sends: a message's `Reply`, or a channel (`raymesh._src.channel`)."""
+
+    def settle(self, value: Any) -> bool: ...  # False: it takes no more values
+
+    def dropped(self) -> None: ...  # the Port was garbage-collected
+
 
 class Port(Generic[R_contra]):
-    """The reply channel of one message to an `@endpoint(explicit_response_port=True)` method.
+    """Where values go: the reply of one message to an
+    `@endpoint(explicit_response_port=True)` method (one value, from the proc that received
+    it), or the sending end of a `Channel` (any number of values, from any actor it is sent to).
 
-    `send(value)` replies with a value, `exception(error)` with an error (the caller's
-    `Future` raises `ActorError`). One reply per message; either may be called from any thread
-    of the proc, during the call or after the method has returned.
+    `send(value)` sends a value, `exception(error)` an error (the receiving Future raises
+    `ActorError`); either may be called from any thread, during the call or after the method
+    has returned.
     """
 
     __slots__ = ("__weakref__", "_sink")
 
-    def __init__(self, sink: Reply) -> None:
+    def __init__(self, sink: Sink) -> None:
         self._sink = sink
 
     def send(self, obj: R_contra) -> None:
-        """Reply with `obj` (dropped for a `broadcast` message: nobody waits for it)."""
+        """Send `obj` (a reply to a `broadcast` message is dropped: nobody waits for it)."""
         if not self._sink.settle(obj):
-            raise RuntimeError("this port has already replied: a message gets one reply")
+            raise RuntimeError("this port has already sent its one value")
 
     def exception(self, obj: BaseException) -> None:
-        """Reply with an error: the caller's Future raises ActorError carrying `obj`'s type,
+        """Send an error: the receiving Future raises ActorError carrying `obj`'s type,
         message and traceback. The actor keeps serving."""
         if not isinstance(obj, BaseException):
             raise TypeError(f"Port.exception takes an exception, not {type(obj).__name__}")
         if not self._sink.settle(RemoteFailure.from_exception(obj)):
-            raise RuntimeError("this port has already replied: a message gets one reply")
+            raise RuntimeError("this port has already sent its one value")
 
     def __del__(self) -> None:
         try:
@@ -178,11 +195,7 @@ class Port(Generic[R_contra]):
             pass
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "a Port replies from the proc that received its message and cannot be sent to "
-            "another actor; reply from this proc (any thread), or have the other actor return "
-            "its result to this one"
-        )
+        return (Port, (self._sink,))  # a message's reply refuses (see Reply.__reduce__)
 
     def __repr__(self) -> str:
         return "<Port>"

@@ -55,11 +55,24 @@ class MeshFailure:
             return f"signal {self.signal}"
 
     def __str__(self) -> str:
-        ranks = ",".join(map(str, self.ranks))
-        text = f"mesh {self.mesh_name!r} rank(s) {ranks}: {self.cause}"
+        text = self._line()
         if self.child is not None:
             text += f" <- {self.child}"
         return text
+
+    def report(self) -> str:
+        """The whole chain, one line per level: this failure, then (indented) the child mesh
+        failure it came from, and so on down to where it started (Monarch's `report()`)."""
+        lines: list[str] = []
+        failure: MeshFailure | None = self
+        depth = 0
+        while failure is not None:
+            lines.append(f"{'  ' * depth}{failure.kind}: {failure._line()}")
+            failure, depth = failure.child, depth + 1
+        return "\n".join(lines)
+
+    def _line(self) -> str:
+        return f"mesh {self.mesh_name!r} rank(s) {','.join(map(str, self.ranks))}: {self.cause}"
 
 
 class SupervisionError(RuntimeError):
@@ -96,8 +109,8 @@ class ActorError(RuntimeError):
         self.remote_type = remote_type
         self.remote_message = remote_message
         self.remote_traceback = remote_traceback
-        super().__init__(
-            f"{endpoint} on mesh {mesh_name!r} rank {rank} raised {remote_type}: "
+        super().__init__(  # "Actor call <mesh>.<endpoint> failed": Monarch's words
+            f"Actor call {mesh_name}.{endpoint} failed at rank {rank}: {remote_type}: "
             f"{remote_message}\n\nRemote traceback:\n{remote_traceback}"
         )
 

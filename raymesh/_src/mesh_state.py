@@ -47,6 +47,7 @@ class ProcMeshState:
         self.stopped = False
         self.lock = threading.Lock()
         self.dead: dict[int, MeshFailure] = {}  # proc rank -> how it died
+        self.killed: set[int] = set()  # ranks the owner SIGKILLed (`ProcMesh.kill()`)
         self.reported: set[int] = set()  # dead ranks already handed to supervision
         # The owner handles failures itself (e.g. the training controller heals them): record
         # them on the mesh, but do not escalate them to the unhandled fault hook. Set when the

@@ -15,7 +15,8 @@ the transport's ordering:
 - where it runs: every actor has a thread of its own, which runs its constructor and its sync
   endpoints, so thread-local state set in `__init__` (torch's grad mode, a `threading.local`)
   is what its endpoints see. Async endpoints, and `__supervise__`, run on the proc's event loop
-  (one per proc, as in Monarch). The delivering thread hands a sync message to the actor's
+  (one per proc, as in Monarch); an actor whose endpoints are all async is constructed there
+  too, for the same reason. The delivering thread hands a sync message to the actor's
   thread and waits for it: two thread wake-ups, about 10 us per message on a 2-core machine
   (a call_one costs ~300-400 us);
 - `__supervise__` does not take the turn: it runs while an endpoint is running (which may be
@@ -23,12 +24,17 @@ the transport's ordering:
 - an endpoint that raises an `Exception` replies with it (`ActorError`) and the actor serves
   on; one that raises any other `BaseException` (SystemExit, KeyboardInterrupt, a
   cancellation), or calls `context().actor_instance.abort()`, fails the actor: its owner gets
-  an "actor_failed" supervision event, and messages it has not started are refused.
+  an "actor_failed" supervision event, and messages it has not started are refused;
+- stopping an actor (`stop_actor`, or `stop_all` before its proc is ended) refuses the
+  messages it has not started, cancels its running async endpoints and waits for them, stops
+  the meshes it owns (`ownership`), then runs its `__cleanup__(None)`, each step bounded. A
+  failed actor's `__cleanup__` runs once, with the failure, when it fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -36,6 +42,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from raymesh._src import context as _ctx
+from raymesh._src import ownership
 from raymesh._src.actor import Actor, ActorStopped, ActorThread, Job
 from raymesh._src.endpoint import Endpoint, Port, Reply, endpoints_of
 from raymesh._src.errors import MeshFailure, RemoteFailure
@@ -47,6 +54,10 @@ logger = logging.getLogger("raymesh")
 # is delivered anyway (and logged): an earlier message can only be missing if its sender died
 # between numbering and sending it, and one lost sender must not wedge the actor.
 _GAP_TIMEOUT_S = 30.0
+
+# How long stopping one actor waits for each of its steps: its async endpoints to end once
+# cancelled, and its __cleanup__ (an actor stuck in an endpoint must not block stop() forever).
+CLEANUP_TIMEOUT_S = 10.0
 
 
 async def _guarded(ctx: _ctx.ActorContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -88,7 +99,8 @@ class _Slot:
         self.failed: MeshFailure | None = None
         self.stopped = False
         self.supervising = threading.Lock()  # one __supervise__ at a time
-        self.tasks: set[asyncio.Task] = set()  # concurrent endpoints running (loop thread only)
+        self.tasks: set[asyncio.Task] = set()  # async endpoints started as tasks (loop thread)
+        self.cleaned = False  # __cleanup__ ran (or was started): it runs once
 
     def acquire(self, sender: str, seq: int) -> None:
         """Take the actor's turn for message `seq` of `sender`, after its earlier ones."""
@@ -154,8 +166,14 @@ class ProcRuntime:
         slot = _Slot(actor_key, mesh_name, point, info, f"raymesh-actor-{actor_key}")
         info._abort = lambda reason: self._fail(slot, f"aborted: {reason or 'no reason provided'}")
         ctx = _ctx.ActorContext(point, point, mesh_name, actor_key, self.proc_mesh_name, info)
+        endpoints = endpoints_of(cls)
         try:
-            slot.instance = slot.thread.call(ctx, cls, args, kwargs)
+            if endpoints and all(e.is_async for e in endpoints.values()):
+                # An async actor is constructed on the event loop its endpoints run on, so that
+                # thread-local state set in __init__ is theirs (as in Monarch).
+                slot.instance = self._await(ctx, cls, args, kwargs)
+            else:
+                slot.instance = slot.thread.call(ctx, cls, args, kwargs)
         except BaseException as exc:  # the spawn reports it
             slot.thread.close()
             return RemoteFailure.from_exception(exc)
@@ -163,15 +181,82 @@ class ProcRuntime:
         self._slots[actor_key] = slot
         return None
 
-    def stop_actor(self, actor_key: str) -> None:
+    def instance(self, actor_key: str) -> Any:
+        """The object of an actor hosted here (raymesh's own services read their state)."""
+        return self._slots[actor_key].instance
+
+    def stop_actor(self, actor_key: str, timeout: float = CLEANUP_TIMEOUT_S) -> None:
+        """Stop one actor (see the module docstring): refuse what it has not started, cancel
+        its running async endpoints, stop the meshes it owns, run `__cleanup__(None)`. Returns
+        when that is done, or after about 2 x `timeout` for an actor that does not finish."""
         slot = self._slots.pop(actor_key, None)
         if slot is None:
             return
         slot.stopped = True
+        self._cancel_tasks(slot, timeout)
+        ownership.stop_owned(actor_key)
+        self._cleanup(slot, None, timeout)
         slot.thread.close()
+
+    def stop_all(self, timeout: float = CLEANUP_TIMEOUT_S) -> None:
+        """Stop every actor of this proc, the newest first, before the proc is ended."""
+        for key in reversed(list(self._slots)):
+            self.stop_actor(key, timeout)
+
+    def _cancel_tasks(self, slot: _Slot, timeout: float) -> None:
+        """Cancel the actor's running async endpoint tasks and wait (bounded) until they have
+        ended, so their `finally` blocks run before `__cleanup__` (as in Monarch)."""
         loop = self._loop
-        if slot.tasks and loop is not None:  # concurrent endpoints still running: cancel them
-            loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(slot.tasks)])
+        if loop is None:
+            return
+
+        async def cancel() -> None:
+            tasks = list(slot.tasks)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel(), loop).result(timeout + 1.0)
+        except Exception:
+            logger.warning("raymesh: endpoints of %s did not end when cancelled", slot.key)
+
+    def _cleanup(self, slot: _Slot, exc: Exception | None, timeout: float) -> None:
+        """Run the actor's `__cleanup__(exc)` once (a sync one on its thread, an async one on
+        the event loop), waiting at most `timeout`. What it raises is logged: its mesh is
+        stopped or already failed, so there is nobody left to tell."""
+        method = getattr(type(slot.instance), "__cleanup__", None)
+        if method is None or method is Actor.__cleanup__ or slot.cleaned:
+            return
+        slot.cleaned = True
+        ctx = _ctx.ActorContext(
+            slot.point, slot.point, slot.mesh_name, slot.key, self.proc_mesh_name, slot.info
+        )
+        bound = slot.instance.__cleanup__
+        try:
+            if inspect.iscoroutinefunction(method):
+                coro = _guarded(ctx, bound, (exc,), {})
+                ok, value = asyncio.run_coroutine_threadsafe(coro, self._event_loop()).result(
+                    timeout
+                )
+            else:
+                ended = threading.Event()
+                errors: list[BaseException | None] = []
+
+                def done(job: Job) -> None:
+                    errors.append(job.error)
+                    ended.set()
+
+                slot.thread.submit(ctx, bound, (exc,), {}, done)
+                if not ended.wait(timeout):
+                    raise TimeoutError
+                ok, value = errors[0] is None, errors[0]
+        except (TimeoutError, ActorStopped):
+            logger.warning("raymesh: __cleanup__ of %s did not end within %ss", slot.key, timeout)
+            return
+        if not ok:
+            logger.error("raymesh: __cleanup__ of %s raised", slot.key, exc_info=value)
 
     def handle(
         self,
@@ -271,8 +356,8 @@ class ProcRuntime:
 
         def start() -> None:  # on the event loop
             task = loop.create_task(coro)
+            slot.tasks.add(task)
             if spec.concurrent:
-                slot.tasks.add(task)
                 loop.call_soon(slot.release)  # runs after the body's first step
 
             def done(t: asyncio.Task) -> None:
@@ -323,6 +408,14 @@ class ProcRuntime:
             )
         logger.error("raymesh: %s", failure)
         self.post(slot.key, failure)
+        # Its __cleanup__ runs now, with the failure (as in Monarch), on a thread of its own:
+        # _fail may run on the actor's thread, which the cleanup needs.
+        threading.Thread(
+            target=self._cleanup,
+            args=(slot, RuntimeError(failure.cause), CLEANUP_TIMEOUT_S),
+            name=f"raymesh-cleanup-{slot.key}",
+            daemon=True,
+        ).start()
 
     def supervise(self, owner_key: str, failure: MeshFailure) -> bool:
         """Deliver a child mesh's failure to its owner actor's `__supervise__`.

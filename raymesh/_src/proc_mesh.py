@@ -16,16 +16,18 @@ actors are references: they can spawn and call, but do not own.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import logging
+import os
 import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from raymesh._src import backend
+from raymesh._src import backend, ownership
 from raymesh._src.context import current_actor_context, current_rank
 from raymesh._src.errors import MeshFailure
 from raymesh._src.future import Future
@@ -37,7 +39,7 @@ logger = logging.getLogger("raymesh")
 
 T = TypeVar("T")
 
-__all__ = ["HostMesh", "ProcMesh", "host_mesh", "this_host", "this_proc"]
+__all__ = ["HostMesh", "ProcMesh", "host_mesh", "hosts_from_config", "this_host", "this_proc"]
 
 _GPU_AXIS = "gpus"
 _said_cpu_gpus = threading.Event()
@@ -263,6 +265,32 @@ def preload(*modules: str) -> None:
     backend.preload(modules)
 
 
+def hosts_from_config(name: str) -> HostMesh:
+    """Monarch's: the job's hosts, as configured under `name`. In raymesh the environment
+    variable `name` says which of the Ray cluster's hosts: unset, all of them (`host_mesh()`);
+    a number N, the first N; a comma-separated list, the hosts with those addresses."""
+    hosts = host_mesh()
+    wanted = os.environ.get(name, "").strip()
+    if not wanted:
+        return hosts
+    if wanted.isdigit():
+        n = int(wanted)
+        if not 1 <= n <= len(hosts.node_ids):
+            raise ValueError(
+                f"{name}={wanted}: the cluster has {len(hosts.node_ids)} host(s); ask for 1 to "
+                f"{len(hosts.node_ids)}, or unset {name} for all of them"
+            )
+        return hosts.select_hosts(hosts.node_ids[:n])
+    by_address = dict(zip(hosts.addresses, hosts.node_ids))
+    addresses = [a.strip() for a in wanted.split(",") if a.strip()]
+    unknown = [a for a in addresses if a not in by_address]
+    if unknown:
+        raise ValueError(
+            f"{name}={wanted!r}: no host at {unknown}; the cluster's hosts are {sorted(by_address)}"
+        )
+    return hosts.select_hosts([by_address[a] for a in addresses])
+
+
 def this_host() -> HostMesh:
     """The caller's own node, as a host mesh of one with no axes (as in Monarch): its procs
     have only the `per_host` axes (`host_mesh()` has the `hosts` axis)."""
@@ -282,6 +310,7 @@ def _own(state: ProcMeshState) -> None:
     from raymesh._src.supervision import supervisor
 
     _owned.add(state)
+    ownership.own(state.owner_key, state, state.name, lambda: _stop(state, wait=True))
     supervisor().watch(state)
 
 
@@ -302,13 +331,26 @@ def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S)
     from raymesh._src.supervision import supervisor
 
     supervisor().forget(state)
+    ownership.disown(state.owner_key, state)
     if state.group is None:
         return
+    if wait:  # the actors stop first: their __cleanup__ runs, the meshes they own stop
+        _stop_actors(state, timeout)
     backend.kill(state.group)
     if wait:
         alive = backend.wait_exited(state.group.procs, timeout)
         if alive:
             raise TimeoutError(f"procs {alive} of mesh {state.name!r} still run after {timeout}s")
+
+
+def _stop_actors(state: ProcMeshState, timeout: float) -> None:
+    """Stop the actors of the procs still running (not dead, not killed), in parallel, waiting
+    at most `timeout`: a proc that does not answer is ended anyway."""
+    with state.lock:
+        skip = set(state.dead) | state.killed
+    refs = [p.stop_all(timeout / 3) for r, p in enumerate(state.procs) if r not in skip]
+    if refs:
+        backend.wait(refs, len(refs), timeout)
 
 
 class ProcMesh(MeshTrait):
@@ -363,6 +405,8 @@ class ProcMesh(MeshTrait):
         their actors fail with SupervisionError."""
         if not self._state.owned:
             raise RuntimeError(f"only the owner of mesh {self.name!r} can kill it")
+        with self._state.lock:
+            self._state.killed.update(self._shape.ranks)  # stop() will not wait for them
         for r in self._shape.ranks:
             proc = self._state.procs[r]
             try:
@@ -378,6 +422,33 @@ class ProcMesh(MeshTrait):
             raise RuntimeError(f"only the owner of mesh {self.name!r} can stop it")
         _stop(self._state, wait=True, timeout=timeout)
         return Future.resolved(None, f"stop of {self.name!r}")
+
+    async def logging_option(
+        self,
+        stream_to_client: bool = True,
+        aggregate_window_sec: int | None = 3,
+        level: int = logging.INFO,
+    ) -> None:
+        """Monarch's: where this view's procs send their output, and their log level (await
+        it, or `asyncio.run(procs.logging_option(...))`). `stream_to_client=False` sends each
+        proc's stdout/stderr to a file of its own (see `raymesh._src.logs.log_path`) instead of
+        the controller's console; `level` sets the procs' root logger level. Lines are
+        aggregated by Ray for the whole job, not per mesh: `aggregate_window_sec` must be
+        None or a number >= 0 and changes nothing (`RAY_DEDUP_LOGS=0` turns aggregation off)."""
+        from raymesh._src.logs import LoggingOption
+
+        if aggregate_window_sec is not None and not aggregate_window_sec >= 0:
+            raise ValueError(
+                f"logging_option(aggregate_window_sec={aggregate_window_sec!r}): give None or "
+                "a number of seconds >= 0"
+            )
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise TypeError(f"logging_option(level={level!r}): give a level such as logging.INFO")
+
+        def apply() -> None:
+            self.spawn("raymesh-logging", LoggingOption, bool(stream_to_client), level).stop()
+
+        await asyncio.get_running_loop().run_in_executor(None, apply)
 
     def __repr__(self) -> str:
         return f"ProcMesh({self.name!r}, {self._shape})"

@@ -263,6 +263,11 @@ class MeshTrait:
         """Axis name -> size."""
         return self._shape.sizes
 
+    @property
+    def extent(self) -> Extent:
+        """The axes and their sizes (Monarch's `mesh.extent`: `{'hosts': 2, 'gpus': 8}`)."""
+        return self._shape.extent
+
     def size(self, axis: str | None = None) -> int:
         """The size of `axis`, or the number of elements when no axis is given."""
         return self._shape.size(axis)

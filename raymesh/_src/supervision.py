@@ -9,7 +9,7 @@ calling the mesh, at the cost of one idle pending call per proc.
 
 Who handles a failure: the mesh's owner actor's `__supervise__` (run as a message, in turn with
 its endpoints); True stops it there, anything else makes it the owner's own failure, reported up
-to *its* owner. At the controller, `unhandled_fault_hook` runs. The mesh itself is marked failed
+to *its* owner. At the controller, the unhandled-fault hook runs. The mesh itself is marked failed
 first (a dead proc cannot come back), so later calls raise `SupervisionError` without waiting.
 A mesh spawned with `escalate=False` is marked failed the same way but handed to nobody: its
 owner reads `ProcMesh.failure` instead (raymesh.train's controller, which heals its ranks).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from raymesh._src.proc import current_runtime
 
 logger = logging.getLogger("raymesh")
 
-__all__ = ["set_unhandled_fault_hook", "unhandled_fault_hook"]
+__all__ = ["FrontModule", "set_unhandled_fault_hook"]
 
 # How long one watch call stays pending before it is re-armed (bounds an idle proc's cost).
 WATCH_S = 30.0
@@ -43,16 +44,29 @@ def default_unhandled_fault_hook(failure: MeshFailure) -> None:
 _hook: Callable[[MeshFailure], Any] = default_unhandled_fault_hook
 
 
-def unhandled_fault_hook(failure: MeshFailure) -> None:
-    """Runs at the controller for every failure no owner handled. Replace it with
-    `set_unhandled_fault_hook(fn)` (for example to exit the controller on any fault)."""
-    _hook(failure)
-
-
 def set_unhandled_fault_hook(fn: Callable[[MeshFailure], Any] | None) -> None:
-    """Replace the controller's fault hook; None restores the default (log, keep the error)."""
+    """Replace the controller's fault hook; None restores the default (log, keep the error).
+    Assigning `raymesh.actor.unhandled_fault_hook = fn` does the same (see `FrontModule`)."""
     global _hook
     _hook = fn if fn is not None else default_unhandled_fault_hook
+
+
+class FrontModule(types.ModuleType):
+    """The class of the public modules (`raymesh`, `raymesh.actor`): their
+    `unhandled_fault_hook` attribute *is* the controller's hook, read and assigned, because
+    Monarch's programs replace the hook by assigning the module attribute
+    (`monarch.actor.unhandled_fault_hook = fn`) and put back the one they read."""
+
+    @property
+    def unhandled_fault_hook(self) -> Callable[[MeshFailure], Any]:
+        return _hook
+
+    @unhandled_fault_hook.setter
+    def unhandled_fault_hook(self, fn: Callable[[MeshFailure], Any] | None) -> None:
+        set_unhandled_fault_hook(fn)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), "unhandled_fault_hook"})
 
 
 def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) -> None:
@@ -70,7 +84,7 @@ def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) 
             runtime.supervise(state.owner_key, failure)
         else:
             try:
-                unhandled_fault_hook(failure)
+                _hook(failure)
             except Exception:
                 logger.exception("raymesh: unhandled_fault_hook raised")
 
@@ -108,7 +122,7 @@ class Supervisor:
                 continue
             try:
                 ready, _ = backend.wait(refs, 1, 0.2)
-            except Exception:  # Ray is shutting down
+            except (Exception, SystemExit):  # Ray is shutting down (its wait may SystemExit)
                 self._changed.wait(timeout=1.0)
                 continue
             for ref in ready:

@@ -237,3 +237,120 @@ class AsyncWatcher(Watcher):
     async def __supervise__(self, failure: MeshFailure) -> bool:  # type: ignore[override]
         await asyncio.sleep(0)
         return super().__supervise__(failure)
+
+
+class Log(Actor):
+    """Where the actors below report what ran (lines, in order of arrival)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    @endpoint
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    @endpoint
+    def read(self) -> list[str]:
+        return list(self.lines)
+
+
+class Cleaned(Actor):
+    """A sync actor whose __cleanup__ reports its argument and the thread it runs on."""
+
+    def __init__(self, log, tag: str) -> None:
+        self.log = log
+        self.tag = tag
+        self.thread = threading.current_thread().name
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def abort(self, reason: str) -> None:
+        context().actor_instance.abort(reason)
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        same_thread = threading.current_thread().name == self.thread
+        self.log.add.call_one(f"{self.tag} cleanup exc={exc} same_thread={same_thread}").get()
+
+
+class AsyncCleaned(Actor):
+    """Monarch's ConcurrentEndpointCleanupOrder: a running concurrent endpoint is cancelled,
+    and its `finally` has run, before the async __cleanup__."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+        self.unblock = asyncio.Event()
+
+    @concurrent_endpoint(explicit_response_port=True)
+    async def run(self, port: Port[str]) -> None:
+        port.send("started")
+        try:
+            await self.unblock.wait()
+        finally:
+            await self.log.add.call_one("task ended")
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        await self.log.add.call_one(f"cleanup exc={exc}")
+
+
+class Owner(Actor):
+    """Owns a proc mesh of its own and an actor mesh on procs it was given (Monarch's
+    WrapperActor); defines no __cleanup__: what it owns is stopped anyway."""
+
+    def __init__(self, procs, log) -> None:
+        self.own_procs = this_host().spawn_procs(per_host={"procs": 1})
+        self.on_own = self.own_procs.spawn("on-own", Cleaned, log, "on-own")
+        self.on_given = procs.spawn("on-given", Cleaned, log, "on-given")
+
+    @endpoint
+    def own_pids(self) -> list[int]:
+        return self.own_procs.pids
+
+
+class Producer(Actor):
+    """Sends values to a channel's port it was given (Monarch's cookbook fan-in)."""
+
+    @endpoint
+    def produce(self, port: Port[int], n: int) -> None:
+        rank = context().actor_instance.rank.rank
+        for step in range(n):
+            port.send(rank * 10 + step)
+
+    @endpoint
+    async def produce_later(self, port: Port[int], n: int) -> None:
+        rank = context().actor_instance.rank.rank
+
+        async def stream() -> None:
+            for step in range(n):
+                port.send(rank * 10 + step)
+
+        self.task = asyncio.create_task(stream())  # sends after the endpoint returned
+
+    @endpoint
+    def fail(self, port: Port[int]) -> None:
+        port.exception(ValueError("no data"))
+
+    @endpoint
+    async def collect(self, producers, n: int) -> list[int]:
+        """Opens a channel here (an actor's own mailbox), fans the producers in."""
+        from raymesh import Channel
+
+        port, receiver = Channel[int].open()
+        producers.produce_later.broadcast(port, n)
+        return sorted([await receiver.recv() for _ in range(len(producers) * n)])
+
+
+class Named(Actor):
+    @endpoint
+    async def whoami(self) -> str:
+        return current_actor_name()
+
+
+class Streamer(Actor):
+    """Streams from actors that may share its proc's event loop (Monarch's From/To)."""
+
+    @endpoint
+    async def fetch(self, named) -> list[str]:
+        return [await f for f in named.whoami.stream()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -95,4 +96,17 @@ class Asker(Actor):
 
     @endpoint
     def pid(self) -> int:
+        return os.getpid()
+
+
+class Talker(Actor):
+    """Prints and logs a line (for ProcMesh.logging_option)."""
+
+    @endpoint
+    def say(self, line: str) -> int:
+        import logging
+
+        print(f"print {line}", flush=True)
+        logging.getLogger("talker").info("info %s", line)
+        sys.stderr.flush()
         return os.getpid()

@@ -1,7 +1,10 @@
-"""Monarch's `Accumulator` and `get_or_spawn_controller` on real Ray procs."""
+"""Monarch's `Accumulator`, `get_or_spawn_controller`, `hosts_from_config` and
+`ProcMesh.logging_option` on real Ray procs."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import operator
 import os
 import signal
@@ -16,11 +19,21 @@ from raymesh import (
     ActorError,
     SupervisionError,
     get_or_spawn_controller,
+    host_mesh,
+    hosts_from_config,
     this_host,
 )
+from raymesh._src.logs import log_path
 
 from ..scripts import run_python
-from .monarch_api_actors import Asker, OtherRegistry, Registry, StartsOnSecondTry, Summand
+from .monarch_api_actors import (
+    Asker,
+    OtherRegistry,
+    Registry,
+    StartsOnSecondTry,
+    Summand,
+    Talker,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -250,3 +263,35 @@ def test_a_controller_first_asked_for_by_an_actor_outlives_it_and_ends_with_its_
     # This job has a controller of that name of its own.
     ours = get_or_spawn_controller("per-job", Registry).get(timeout=60)
     assert ours.pid.call_one().get(timeout=30) != theirs
+
+
+# ---- hosts_from_config and ProcMesh.logging_option -----------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_hosts_from_config_reads_which_hosts_from_the_variable_it_names(monkeypatch):
+    everyone = host_mesh()
+    monkeypatch.delenv("RAYMESH_TEST_HOSTS", raising=False)
+    assert hosts_from_config("RAYMESH_TEST_HOSTS").node_ids == everyone.node_ids
+    monkeypatch.setenv("RAYMESH_TEST_HOSTS", "1")
+    assert hosts_from_config("RAYMESH_TEST_HOSTS").node_ids == everyone.node_ids[:1]
+    monkeypatch.setenv("RAYMESH_TEST_HOSTS", everyone.addresses[0])
+    assert hosts_from_config("RAYMESH_TEST_HOSTS").node_ids == everyone.node_ids[:1]
+    for bad, says in (("99", "ask for 1 to"), ("10.9.9.9", "no host at")):
+        monkeypatch.setenv("RAYMESH_TEST_HOSTS", bad)
+        with pytest.raises(ValueError, match=f"RAYMESH_TEST_HOSTS='?{bad}'?: .*{says}"):
+            hosts_from_config("RAYMESH_TEST_HOSTS")
+
+
+@pytest.mark.timeout(60)
+def test_logging_option_sends_a_procs_output_to_its_file_and_back(procs):
+    talker = procs.slice(procs=3).spawn("talker", Talker)
+    asyncio.run(procs.slice(procs=3).logging_option(stream_to_client=False, level=logging.INFO))
+    pid = talker.say.call_one("kept").get(timeout=10)
+    text = log_path("monarch-api", pid).read_text()
+    assert "print kept" in text and "INFO talker: info kept" in text
+    asyncio.run(procs.slice(procs=3).logging_option(stream_to_client=True))
+    talker.say.call_one("streamed").get(timeout=10)
+    assert "streamed" not in log_path("monarch-api", pid).read_text()
+    with pytest.raises(ValueError, match="aggregate_window_sec=-1"):
+        asyncio.run(procs.logging_option(aggregate_window_sec=-1))

@@ -1,6 +1,7 @@
 """Monarch's actor semantics on real Ray procs: concurrent endpoints, the actor's identity and
 abort, endpoint options and explicit response ports, one thread per actor, a BaseException
-that kills the actor, and `__supervise__` that never waits behind a running endpoint."""
+that kills the actor, `__supervise__` that never waits behind a running endpoint, and
+`__cleanup__` with the recursive stop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import pytest
 
 import raymesh
+import raymesh.actor
 from raymesh import (
     Actor,
     ActorError,
@@ -27,11 +29,17 @@ from raymesh._src.endpoint import Reply
 from raymesh.actor import Port
 
 from .monarch_actors import (
+    AsyncCleaned,
     AsyncWatcher,
+    Cleaned,
     Exiter,
     Gate,
     Identity,
+    Log,
+    Named,
     Options,
+    Owner,
+    Streamer,
     ThreadBound,
     Watcher,
 )
@@ -48,10 +56,13 @@ def procs():
 
 @pytest.fixture
 def hook_calls():
+    """Replaces the fault hook Monarch's way, by assigning the module attribute, and puts the
+    saved one back (the tests using it fail if the assignment does not reach supervision)."""
     calls: list[MeshFailure] = []
-    raymesh.set_unhandled_fault_hook(calls.append)
+    saved = raymesh.actor.unhandled_fault_hook
+    raymesh.actor.unhandled_fault_hook = calls.append
     yield calls
-    raymesh.set_unhandled_fault_hook(None)
+    raymesh.actor.unhandled_fault_hook = saved
 
 
 def _wait_for(predicate, timeout: float = 8.0):
@@ -220,7 +231,7 @@ def test_a_port_replies_once_and_stays_in_its_proc():
     reply = Reply(None)
     port: Port[int] = Port(reply)
     port.send(1)
-    with pytest.raises(RuntimeError, match="already replied"):
+    with pytest.raises(RuntimeError, match="already sent its one value"):
         port.send(2)
     with pytest.raises(TypeError, match="cannot be sent to another actor"):
         pickle.dumps(port)
@@ -306,3 +317,70 @@ def test_supervise_runs_while_an_endpoint_of_its_owner_waits_for_it(procs, watch
     time.sleep(0.2)
     os.kill(child_pid, signal.SIGKILL)
     assert waiting.get(timeout=10) == "proc_died"
+
+
+# ---- 7. stopping: __cleanup__, and what an actor owns stops with it ------------------------
+
+
+@pytest.fixture
+def log(procs):
+    log = procs.slice(procs=1).spawn("log", Log)
+    yield log
+    log.stop()
+
+
+@pytest.mark.timeout(60)
+def test_stopping_an_actor_mesh_runs_cleanup_once_on_each_actors_thread(procs, log):
+    cleaned = procs.spawn("cleaned", Cleaned, log, "cleaned")
+    assert list(cleaned.ping.call().get(timeout=10).values()) == ["pong", "pong"]
+    assert log.read.call_one().get(timeout=10) == []  # nothing before stop
+    cleaned.stop().get(timeout=60)
+    lines = log.read.call_one().get(timeout=10)
+    assert lines == ["cleaned cleanup exc=None same_thread=True"] * 2
+    with pytest.raises(SupervisionError, match="stopped"):
+        cleaned.ping.call().get(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_actor_gets_cleanup_with_the_reason(procs, log, hook_calls):
+    cleaned = procs.slice(procs=0).spawn("aborts", Cleaned, log, "aborts")
+    cleaned.abort.call_one("disk full").get(timeout=10)
+    [line] = _wait_for(lambda: log.read.call_one().get(timeout=10))
+    assert line.startswith("aborts cleanup exc=actor aborts-") and "disk full" in line
+    cleaned.stop().get(timeout=30)  # a failed actor's cleanup has run: not again
+    assert log.read.call_one().get(timeout=10) == [line]
+
+
+@pytest.mark.timeout(60)
+def test_stopping_procs_cancels_running_async_endpoints_before_an_async_cleanup(log):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="cancelled")
+    actor = procs.spawn("async-cleaned", AsyncCleaned, log)
+    assert actor.run.call_one().get(timeout=10) == "started"
+    procs.stop().get(timeout=60)
+    assert log.read.call_one().get(timeout=10) == ["task ended", "cleanup exc=None"]
+
+
+@pytest.mark.timeout(90)
+def test_stopping_an_owner_stops_the_meshes_it_spawned_and_their_cleanups_run(procs, log):
+    owner = procs.slice(procs=0).spawn("owner", Owner, procs.slice(procs=1), log)
+    [pid] = owner.own_pids.call_one().get(timeout=30)
+    owner.stop().get(timeout=60)
+    lines = log.read.call_one().get(timeout=10)
+    assert sorted(lines) == [
+        "on-given cleanup exc=None same_thread=True",
+        "on-own cleanup exc=None same_thread=True",
+    ]
+    _wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30)  # its own procs ended
+
+
+# ---- 8. stream() in an async endpoint --------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_streaming_from_an_async_endpoint_to_actors_on_its_own_event_loop_does_not_block(procs):
+    named = procs.spawn("named", Named)
+    streamer = procs.slice(procs=0).spawn("streamer", Streamer)
+    # whoami runs on the proc's event loop, the one fetch awaits on: iterating the stream must
+    # hand back futures without waiting for replies
+    names = streamer.fetch.call_one(named).get(timeout=20)
+    assert len(set(names)) == 2 and all("named-" in n for n in names), names

@@ -114,6 +114,8 @@ ELASTIC = textwrap.dedent(
                 placing.append(record.getMessage()[:300])
 
     logging.getLogger("raymesh").addHandler(Keep())
+    # On stderr with the time, to show where a slow run spent it.
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
     logging.getLogger("raymesh").setLevel(logging.INFO)
 
     def slow(ctx):

@@ -185,7 +185,7 @@ def _actor_error() -> ActorError:
 
 def test_actor_error_message_names_the_endpoint_mesh_rank_and_remote_error():
     message = str(_actor_error())
-    assert "step on mesh 'trainers' rank 3 raised ValueError: bad batch" in message
+    assert "Actor call trainers.step failed at rank 3: ValueError: bad batch" in message
     assert "Remote traceback:" in message
     assert "ValueError: bad batch\n" in message
 
@@ -325,3 +325,16 @@ def test_remote_failure_to_error_builds_an_actor_error():
 def test_remote_failure_is_picklable():
     failure = RemoteFailure("ValueError", "bad", "tb text")
     assert pickle.loads(pickle.dumps(failure)) == failure
+
+
+def test_a_mesh_failure_reports_its_chain_one_level_per_line():
+    child = MeshFailure("inner", (0,), "proc_died", "proc (pid 7) killed by SIGKILL", signal=9)
+    failure = MeshFailure("outer", (1, 2), "child_failed", "a mesh it owns failed", child=child)
+    assert failure.report() == (
+        "child_failed: mesh 'outer' rank(s) 1,2: a mesh it owns failed\n"
+        "  proc_died: mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"
+    )
+    assert str(failure) == (
+        "mesh 'outer' rank(s) 1,2: a mesh it owns failed <- "
+        "mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"
+    )

@@ -19,7 +19,7 @@ from raymesh._src.backend.procs import (
 )
 from raymesh._src.backend.refs import (
     ProcGone,
-    as_completed,
+    arrivals,
     describe_unpicklable,
     done,
     get,
@@ -49,7 +49,7 @@ __all__ = [
     "ProcGroup",
     "RayProc",
     "address",
-    "as_completed",
+    "arrivals",
     "create_procs",
     "current_node_id",
     "describe_unpicklable",

@@ -57,6 +57,8 @@ class HostedRuntime(Protocol):
 
     def stop_actor(self, actor_key: str, /) -> None: ...
 
+    def stop_all(self, timeout: float, /) -> None: ...
+
     def watch(self, timeout: float, /) -> list[tuple[str | None, MeshFailure]]: ...
 
 
@@ -124,6 +126,10 @@ class _ProcHost:
     @ray.method(concurrency_group="control")
     def stop_actor(self, actor_key: str) -> None:
         self.runtime.stop_actor(actor_key)
+
+    @ray.method(concurrency_group="control")
+    def stop_all(self, timeout: float) -> None:
+        self.runtime.stop_all(timeout)
 
     @ray.method(concurrency_group="control")
     def watch(self, timeout: float) -> list:

@@ -110,6 +110,10 @@ class RayProc:
     def stop_actor(self, actor_key: str) -> Any:
         return self.handle.stop_actor.remote(actor_key)
 
+    def stop_all(self, timeout: float) -> Any:
+        """Stop the proc's actors (their __cleanup__ runs) before it is ended."""
+        return self.handle.stop_all.remote(timeout)
+
     def exit_status(self, timeout: float) -> dict[str, Any] | None:
         """How this proc's process ended, as its host agent saw it (None if unknown)."""
         if not node_alive(self.node_id):  # no agent to ask (and creating one would hang)

@@ -7,8 +7,10 @@ call over a channel, or to an actor in this process); one list may hold both.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import itertools
 import pickle
-from collections.abc import Iterator
+import threading
 from typing import Any
 
 import ray
@@ -90,17 +92,21 @@ def done(items: list) -> list[bool]:
     return [x in ready if isinstance(x, ray.ObjectRef) else x.done() for x in items]
 
 
-def as_completed(items: list) -> Iterator[Any]:
-    """`items`, each as soon as its result (or failure) is in."""
-    if all(isinstance(x, ray.ObjectRef) for x in items):
-        remaining = list(items)
-        while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=1, fetch_local=False)
-            yield from ready
-        return
-    futures = {_future(x): x for x in items}
-    for f in concurrent.futures.as_completed(futures):
-        yield futures[f]
+def arrivals(items: list) -> list[concurrent.futures.Future]:
+    """One future per item, in order of arrival: the k-th resolves with the index (in `items`)
+    of the k-th item whose result (or failure) came in. Never waits, never fails."""
+    slots: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in items]
+    arrived = itertools.count()
+    lock = threading.Lock()
+
+    def done(index: int, _: concurrent.futures.Future) -> None:
+        with lock:
+            slot = slots[next(arrived)]
+        slot.set_result(index)
+
+    for i, x in enumerate(items):
+        _future(x).add_done_callback(functools.partial(done, i))
+    return slots
 
 
 def _first_line(e: BaseException) -> str:
