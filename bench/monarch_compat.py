@@ -21,7 +21,9 @@ What it does, all in a fresh temp dir (nothing of Monarch's is copied into this 
    takes, and (transitively) the module-level helpers, classes and strings those reference. A
    test is excluded when that closure touches anything but Monarch's public `monarch.actor` API:
    monarch._rust_bindings, monarch._src internals (an internal import path of a name that
-   `monarch.actor` itself re-exports counts as public), monarch.config/tools/job, local helper
+   `monarch.actor` itself re-exports counts as public), a private attribute of a Monarch object
+   (`obj._name` that the test module neither defines nor assigns, read from anything but a
+   non-Monarch import), monarch.config/tools/job, local helper
    modules built on those (scoped_state, ProcessJob), `mock.patch("monarch._src...")` strings,
    HYPERACTOR_*/MONARCH_* config variables. Tests Monarch itself does not run in its OSS CI
    (`oss_skip`) or skips unconditionally (`pytest.mark.skip`) are excluded too.
@@ -291,11 +293,13 @@ class RefCollector(ast.NodeVisitor):
         module_bindings: dict[str, Binding],
         module_names: set[str],
         docstrings: set[int],
+        own_attrs: frozenset[str] = frozenset(),
     ) -> None:
         self.cls = cls
         self.module_bindings = module_bindings
         self.module_names = module_names
         self.docstrings = docstrings
+        self.own_attrs = own_attrs  # attributes the test module itself defines or assigns
         self.local_bindings: dict[str, Binding] = {}
         self.refs = Refs()
         self.typing = False  # inside an annotation or cast()'s type argument
@@ -379,11 +383,42 @@ class RefCollector(ast.NodeVisitor):
             private = chain[-1].startswith("_") and not chain[-1].startswith("__")
             if b is not None and b.kind == "public" and private:  # e.g. Future._from_coro
                 self._apply(Binding("internal", f"monarch.actor.{b.what}.{chain[-1]}"))
+                self.generic_visit(node)
+                return
+        # A private attribute the test module neither defines nor assigns, read from anything
+        # but a non-Monarch import (`os._exit` is fine): a Monarch object's internals, e.g.
+        # `cast(Any, Actor.method)._explicit_response_port`.
+        root = cur.id if isinstance(cur, ast.Name) else None
+        imported = root is not None and (b := self._binding(root)) is not None and b.kind == "ok"
+        if (
+            isinstance(node.ctx, ast.Load)
+            and _is_private(node.attr)
+            and node.attr not in self.own_attrs
+            and not imported
+        ):
+            self._apply(Binding("internal", f"private attribute .{node.attr} of a Monarch object"))
         self.generic_visit(node)
 
     def visit_Constant(self, node: ast.Constant) -> None:
         if isinstance(node.value, str) and id(node) not in self.docstrings:
             self.cls.string_refs(node.value, self.refs)
+
+
+def _is_private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def _own_attributes(tree: ast.Module) -> frozenset[str]:
+    """Attribute names the module itself gives meaning: assigned (`x.a = ...`), or defined in
+    one of its class bodies (methods, class attributes)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            out.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                out |= _defined_names(stmt)
+    return frozenset(out)
 
 
 def _is_import(stmt: ast.stmt) -> bool:
@@ -474,11 +509,12 @@ def analyse_module(cls: Classifier, name: str, source: str) -> ModulePlan:
                 if n not in bindings:
                     defines[n].append(i)
     module_names = set(defines)
+    own_attrs = _own_attributes(tree)
     stmt_refs: dict[int, Refs] = {}
     for i, stmt in enumerate(tree.body):
         if _is_import(stmt):
             continue
-        rc = RefCollector(cls, bindings, module_names, docstrings)
+        rc = RefCollector(cls, bindings, module_names, docstrings, own_attrs)
         rc.visit(stmt)
         rc.refs.names -= _defined_names(stmt) if not _is_test(stmt) else set()
         stmt_refs[i] = rc.refs

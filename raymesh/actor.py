@@ -9,7 +9,7 @@ from typing import Any
 
 from raymesh._src.accumulator import Accumulator
 from raymesh._src.actor import Actor
-from raymesh._src.actor_mesh import ActorMesh, EndpointRef
+from raymesh._src.actor_mesh import ActorMesh, EndpointRef, send
 from raymesh._src.backend import PlacementError
 from raymesh._src.channel import Channel, PortReceiver
 from raymesh._src.context import (
@@ -29,6 +29,7 @@ from raymesh._src.proc_mesh import (
     host_mesh,
     hosts_from_config,
     preload,
+    shutdown_context,
     this_host,
     this_proc,
 )
@@ -67,7 +68,9 @@ __all__ = [
     "host_mesh",
     "hosts_from_config",
     "preload",
+    "send",
     "set_unhandled_fault_hook",
+    "shutdown_context",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",

@@ -5,8 +5,9 @@
 - `call_one(*args)` -> `Future[value]`: the mesh must hold exactly one actor.
 - `choose(*args)` -> `Future[value]`: one actor, the one with the fewest of this caller's
   `choose` calls still running (an idle one when there is one).
-- `stream(*args)` -> iterator of `Future[value]`, each already resolved, in order of arrival.
+- `stream(*args)` -> iterator of `Future[value]`, one per actor, in order of arrival.
 - `broadcast(*args)` -> None: fire-and-forget; an exception goes to the mesh owner's supervision.
+- `send(endpoint, args, kwargs, port)` (Monarch's): fire-and-forget, each reply sent on `port`.
 
 Each message goes to its proc over the proc's channel (small messages from the proc's host)
 or as a Ray actor task (see `backend.channel`). A call whose arguments hold a large buffer (a
@@ -16,16 +17,20 @@ every actor a reference, so N actors cost one copy, not N.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
+import logging
+import random
 import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 from raymesh._src import backend, ownership
-from raymesh._src.context import current_actor_context
-from raymesh._src.endpoint import endpoint_names
-from raymesh._src.errors import MeshFailure, RemoteFailure, SupervisionError
+from raymesh._src.context import actor_label, current_actor_context
+from raymesh._src.endpoint import Port, endpoint_names
+from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
 from raymesh._src.shape import MeshTrait, Shape
 from raymesh._src.supervision import dispatch
@@ -33,7 +38,9 @@ from raymesh._src.value_mesh import ValueMesh
 
 T = TypeVar("T")
 
-__all__ = ["ActorMesh", "EndpointRef"]
+logger = logging.getLogger("raymesh")
+
+__all__ = ["ActorMesh", "EndpointRef", "send"]
 
 _LARGE_BYTES = 1 << 20
 _SPAWN_TIMEOUT_S = 300.0
@@ -81,6 +88,9 @@ def spawn_actors(
     if error is not None:
         raise error
     state = _ActorMeshState(f"{name}-{uuid.uuid4().hex[:8]}", name, cls, pstate, shape)
+    class_name = f"{cls.__module__}.{cls.__qualname__}"
+    with pstate.lock:
+        pstate.actors[state.key] = (class_name, name, shape)
     payload = _payload(args, kwargs)
     pending = [
         pstate.procs[rank].spawn(state.key, name, point, cls, payload)
@@ -96,7 +106,9 @@ def spawn_actors(
     for (point, _), reply in zip(shape.points(), replies):
         if isinstance(reply, RemoteFailure):
             cause = f"{cls.__name__}.__init__ raised {reply.remote_type}: {reply.remote_message}"
-            failure = MeshFailure(name, (point.rank,), "init_error", cause)
+            failure = MeshFailure(
+                name, (point.rank,), "init_error", cause, actor=actor_label(class_name, name, point)
+            )
             dispatch(pstate, state.key, failure)
     return mesh
 
@@ -168,6 +180,8 @@ class ActorMesh(MeshTrait, Generic[T]):
             state.name, tuple(state.shape.ranks), "stopped", "the actor mesh was stopped"
         )
         pstate.record(state.key, stopped)
+        with pstate.lock:
+            pstate.actors.pop(state.key, None)
         ownership.disown(state.owner_key, state)
         backend_refs = [pstate.procs[r].stop_actor(state.key) for r in state.shape.ranks]
         refs = [r for r in backend_refs if backend.is_ref(r)]
@@ -322,6 +336,55 @@ class EndpointRef(Generic[T]):
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor without waiting; failures go to the mesh owner's supervision."""
         self._mesh._send(self._mesh._shape, self._name, args, kwargs, False)
+
+
+# Forwards `send`'s replies to their ports: one thread, so replies go on in order of arrival,
+# and never on the thread that saw them arrive (a Ray or channel I/O thread).
+_forwarder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raymesh-send")
+
+
+def send(
+    endpoint: EndpointRef[Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    port: Port[Any] | None = None,
+    selection: str = "all",
+) -> None:
+    """Monarch's `send`: message every actor of `endpoint`'s mesh (`selection="all"`) or one
+    of them (`"choose"`) without waiting. With a `port` (a `Channel`'s), each actor's reply is
+    sent on it as it arrives, and an error as `port.exception(...)` (the receiver's `recv()`
+    raises ActorError); without one, a failure goes to the mesh owner's supervision, as for
+    `broadcast`."""
+    if not isinstance(endpoint, EndpointRef):
+        raise TypeError(f"send(endpoint={endpoint!r}): give an actor mesh's endpoint (mesh.method)")
+    if selection not in ("all", "choose"):
+        raise ValueError(f"send(selection={selection!r}): give 'all' or 'choose'")
+    if port is None:
+        mesh = endpoint._mesh
+        shape = mesh._shape
+        if selection == "choose":
+            shape = _index_shape(shape, random.randrange(len(shape)))
+        mesh._send(shape, endpoint._name, tuple(args), dict(kwargs), False)
+        return
+    replies = (
+        endpoint.stream(*args, **kwargs)
+        if selection == "all"
+        else iter([endpoint.choose(*args, **kwargs)])
+    )
+    for reply in replies:
+        backend.when_done(reply._items, functools.partial(_forwarder.submit, _forward, reply, port))
+
+
+def _forward(reply: Future[Any], port: Port[Any]) -> None:
+    try:
+        try:
+            value = reply.get(timeout=0)
+        except (ActorError, SupervisionError) as e:
+            port.exception(e)
+        else:
+            port.send(value)
+    except RuntimeError:  # a `once` port took its one value already
+        logger.warning("raymesh: send() dropped a reply: its port took no more values")
 
 
 def _never_gone(index: int, detail: str) -> BaseException:  # an arrival slot never fails

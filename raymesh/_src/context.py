@@ -107,10 +107,14 @@ class ActorInstance:
             raise RuntimeError(f"{self} is not an actor on a proc: there is nothing to abort")
         self._abort(reason)
 
-    def __repr__(self) -> str:  # Monarch's form: <module.Class name{'procs': 1/2}>
-        parts = zip(self.rank.extent.labels, self.rank.coords, self.rank.extent.sizes)
-        rank = "{" + ", ".join(f"{k!r}: {v}/{n}" for k, v, n in parts) + "}"
-        return f"<{self.class_name} {self.name}{rank if len(self.rank) else ''}>"
+    def __repr__(self) -> str:
+        return actor_label(self.class_name, self.name, self.rank)
+
+
+def actor_label(class_name: str, name: str, rank: Point) -> str:
+    """An actor as Monarch names it: `<module.Class name{'procs': 1/2}>` (no braces when its
+    mesh has no axes)."""
+    return f"<{class_name} {name}{rank if len(rank) else ''}>"
 
 
 _ROOT_ID = ActorId("controller", "root", "root", 0)

@@ -34,6 +34,9 @@ class MeshFailure:
       - "child_failed": an actor at `ranks` owned a mesh that failed (`child`) and did not
         handle it.
       - "stopped": the mesh was stopped by its owner.
+
+    actor: the failed actor as Monarch names it, `<module.Class mesh-name{'axis': i/n}>`, where
+    one is known (for a dead proc: an actor that ran on it); `report()` leads with it.
     """
 
     mesh_name: str
@@ -43,6 +46,7 @@ class MeshFailure:
     exit_code: int | None = None
     signal: int | None = None
     child: MeshFailure | None = None
+    actor: str | None = None
     time: float = field(default_factory=time.time)
 
     @property
@@ -61,18 +65,41 @@ class MeshFailure:
         return text
 
     def report(self) -> str:
-        """The whole chain, one line per level: this failure, then (indented) the child mesh
-        failure it came from, and so on down to where it started (Monarch's `report()`)."""
-        lines: list[str] = []
+        """Monarch's `report()`: where the failure started, in Monarch's words ("The actor
+        <...> and all its descendants have failed:" and, indented, what happened to it: for a
+        dead proc "the process this actor was running on failed: Killed(sig=9)"), then
+        raymesh's chain, one line per level from this failure down to that one."""
+        leaf = self
+        while leaf.child is not None:
+            leaf = leaf.child
+        who = leaf.actor or f"on mesh {leaf.mesh_name!r} rank(s) {_ranks(leaf.ranks)}"
+        lines = [f"The actor {who} and all its descendants have failed:", f"  {leaf._what()}"]
+        lines.append("How it came here:")
         failure: MeshFailure | None = self
-        depth = 0
+        depth = 1
         while failure is not None:
             lines.append(f"{'  ' * depth}{failure.kind}: {failure._line()}")
             failure, depth = failure.child, depth + 1
         return "\n".join(lines)
 
+    def _what(self) -> str:
+        """What happened to the failed actor, worded as Monarch words it."""
+        if self.kind != "proc_died":
+            return self.cause
+        if self.signal is not None:
+            return f"the process this actor was running on failed: Killed(sig={self.signal})"
+        if self.exit_code:
+            return (
+                f"the process this actor was running on exited with non-zero code {self.exit_code}"
+            )
+        return f"the process this actor was running on failed: {self.cause}"
+
     def _line(self) -> str:
-        return f"mesh {self.mesh_name!r} rank(s) {','.join(map(str, self.ranks))}: {self.cause}"
+        return f"mesh {self.mesh_name!r} rank(s) {_ranks(self.ranks)}: {self.cause}"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ",".join(map(str, ranks))
 
 
 class SupervisionError(RuntimeError):

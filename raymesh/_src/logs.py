@@ -6,6 +6,9 @@ each proc by a short-lived actor so that it takes the proc's own message path.
 - `stream_to_client=False`: the proc's stdout and stderr (file descriptors 1 and 2, so C
   extensions' output too) go to a file of its own, `$TMPDIR/raymesh-logs-<uid>/<mesh>-<pid>.log`,
   instead of the worker log that Ray forwards to the controller; True puts them back.
+
+And, in every process that hosts actors, log records name the actor that made them
+(`name_actors_in_records`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,47 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 from raymesh._src.actor import Actor
-from raymesh._src.context import context
+from raymesh._src.context import context, current_actor_context
 
-__all__ = ["LoggingOption", "log_path"]
+__all__ = ["LoggingOption", "log_path", "name_actors_in_records"]
+
+_installed = threading.Lock()
+_named = False
+
+
+def name_actors_in_records() -> None:
+    """From now on, a log record made while an actor handles a message (in this process) names
+    it, as Monarch's do: its message starts with `[actor=<module.Class name{rank}>] ` and
+    `record.actor_prefix` holds that text, whatever handler or formatter prints it. An empty
+    message is left empty (torch's structured trace logging relies on that). Records made
+    outside any actor are untouched. Idempotent; `RAYMESH_LOG_ACTOR_PREFIX=0` turns it off."""
+    global _named
+    if os.environ.get("RAYMESH_LOG_ACTOR_PREFIX", "1").strip().lower() in ("0", "false", "no"):
+        return
+    with _installed:
+        if _named:
+            return
+        _named = True
+        make = logging.getLogRecordFactory()
+
+        def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            rec = make(*args, **kwargs)
+            ctx = current_actor_context()
+            if ctx is not None:
+                prefix = f"[actor={ctx.actor_instance!r}] "
+                rec.actor_prefix = prefix
+                if isinstance(rec.msg, str) and rec.msg:
+                    # %-escaped: getMessage() formats msg % args.
+                    rec.msg = prefix.replace("%", "%%") + rec.msg if rec.args else prefix + rec.msg
+            return rec
+
+        logging.setLogRecordFactory(record)
+
 
 _saved: dict[int, int] = {}  # fd -> a duplicate of what it was before it went to the file
 

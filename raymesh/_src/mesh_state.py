@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from raymesh._src.context import actor_label
 from raymesh._src.errors import MeshFailure, SupervisionError
 
 __all__ = ["ProcMeshState"]
@@ -54,6 +55,8 @@ class ProcMeshState:
         # mesh is created, before anything watches it, so no failure can slip past it.
         self.handled_by_owner = handled_by_owner
         self.actor_failures: dict[str, MeshFailure] = {}  # actor key -> unhandled failure
+        # actor key -> (module.Class, mesh name, shape): who runs here, to name a dead proc's
+        self.actors: dict[str, tuple[str, str, Any]] = {}
 
     def record(self, actor_key: str | None, failure: MeshFailure) -> bool:
         """Keep `failure` for later calls; False when the mesh is stopped or the failure was
@@ -89,9 +92,20 @@ class ProcMeshState:
             cause=f"proc (pid {self.procs[rank].pid}) {cause}",
             exit_code=status.get("exit_code"),
             signal=status.get("signal"),
+            actor=self._actor_on(rank),
         )
         with self.lock:
             return self.dead.setdefault(rank, failure)
+
+    def _actor_on(self, rank: int) -> str | None:
+        """The newest actor that runs on proc `rank`, named as Monarch names it."""
+        with self.lock:
+            actors = list(self.actors.values())
+        for class_name, name, shape in reversed(actors):
+            for point, r in shape.points():
+                if r == rank:
+                    return actor_label(class_name, name, point)
+        return None
 
     def check(self, ranks: tuple[int, ...], actor_key: str | None) -> SupervisionError | None:
         """The error a new call on `ranks` must fail with, if any."""

@@ -46,6 +46,7 @@ from raymesh._src import ownership
 from raymesh._src.actor import Actor, ActorStopped, ActorThread, Job
 from raymesh._src.endpoint import Endpoint, Port, Reply, endpoints_of
 from raymesh._src.errors import MeshFailure, RemoteFailure
+from raymesh._src.logs import name_actors_in_records
 from raymesh._src.shape import Point
 
 logger = logging.getLogger("raymesh")
@@ -147,6 +148,7 @@ class ProcRuntime:
         self._events_cv = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        name_actors_in_records()
 
     # ---- actors ----------------------------------------------------------------------------
     def spawn(
@@ -392,6 +394,7 @@ class ProcRuntime:
                 kind="endpoint_error",
                 cause=f"broadcast to {endpoint} raised {failure.remote_type}: "
                 f"{failure.remote_message}",
+                actor=repr(slot.info),
             ),
         )
 
@@ -405,6 +408,7 @@ class ProcRuntime:
                 ranks=(slot.point.rank,),
                 kind="actor_failed",
                 cause=f"actor {slot.key} failed: {cause}",
+                actor=repr(slot.info),
             )
         logger.error("raymesh: %s", failure)
         self.post(slot.key, failure)
@@ -457,6 +461,7 @@ class ProcRuntime:
                     kind="child_failed",
                     cause=f"a mesh it owns failed and {owner_key} did not handle it",
                     child=failure,
+                    actor=repr(slot.info) if slot else None,
                 ),
             )
         return handled

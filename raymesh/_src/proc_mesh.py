@@ -39,7 +39,15 @@ logger = logging.getLogger("raymesh")
 
 T = TypeVar("T")
 
-__all__ = ["HostMesh", "ProcMesh", "host_mesh", "hosts_from_config", "this_host", "this_proc"]
+__all__ = [
+    "HostMesh",
+    "ProcMesh",
+    "host_mesh",
+    "hosts_from_config",
+    "shutdown_context",
+    "this_host",
+    "this_proc",
+]
 
 _GPU_AXIS = "gpus"
 _said_cpu_gpus = threading.Event()
@@ -312,6 +320,24 @@ def _own(state: ProcMeshState) -> None:
     _owned.add(state)
     ownership.own(state.owner_key, state, state.name, lambda: _stop(state, wait=True))
     supervisor().watch(state)
+
+
+def shutdown_context() -> Future[None]:
+    """Monarch's: end this process's raymesh resources. Stops every proc mesh it owns (their
+    actors' `__cleanup__` runs, each proc ends and is waited for), then in the controller
+    disconnects from Ray if raymesh connected (the local Ray raymesh started stops with it; a
+    `ray.init` of the user's own is left as it is). Idempotent; a later spawn connects again.
+    Returns a resolved Future (it has waited)."""
+    from raymesh._src.proc import current_runtime
+
+    for state in list(_owned):
+        try:
+            _stop(state, wait=True)
+        except Exception:
+            logger.warning("raymesh: stopping %r at shutdown failed", state.name, exc_info=True)
+    if current_runtime() is None and backend.connected():
+        backend.shutdown()
+    return Future.resolved(None, "shutdown_context")
 
 
 @atexit.register

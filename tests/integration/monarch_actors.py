@@ -342,6 +342,24 @@ class Producer(Actor):
         return sorted([await receiver.recv() for _ in range(len(producers) * n)])
 
 
+class Squarer(Actor):
+    """Replies for Monarch's `send` (to a port, or to nobody)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    def square(self, x: int) -> int:
+        self.seen.append(x)
+        if x < 0:
+            raise ValueError(f"{x} is negative")
+        return x * x + context().actor_instance.rank.rank
+
+    @endpoint
+    def history(self) -> list[int]:
+        return list(self.seen)
+
+
 class Named(Actor):
     @endpoint
     async def whoami(self) -> str:

@@ -110,3 +110,34 @@ class Talker(Actor):
         logging.getLogger("talker").info("info %s", line)
         sys.stderr.flush()
         return os.getpid()
+
+    @endpoint
+    def capture(self, message: str, *args: object) -> str:
+        """What a bare `%(message)s` handler prints for `logger.warning(message, *args)`."""
+        import io
+        import logging
+
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("talker.capture")
+        logger.addHandler(handler)
+        try:
+            logger.warning(message, *args)
+        finally:
+            logger.removeHandler(handler)
+        return out.getvalue().rstrip("\n")
+
+
+class Tidy(Actor):
+    """Writes `path` from its __cleanup__ (for shutdown_context)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        Path(self.path).write_text(f"cleaned {exc}")

@@ -289,9 +289,63 @@ def test_logging_option_sends_a_procs_output_to_its_file_and_back(procs):
     asyncio.run(procs.slice(procs=3).logging_option(stream_to_client=False, level=logging.INFO))
     pid = talker.say.call_one("kept").get(timeout=10)
     text = log_path("monarch-api", pid).read_text()
-    assert "print kept" in text and "INFO talker: info kept" in text
+    assert "print kept" in text
+    assert (
+        "INFO talker: [actor=<tests.integration.monarch_api_actors.Talker talker>] info kept"
+        in text
+    )
     asyncio.run(procs.slice(procs=3).logging_option(stream_to_client=True))
     talker.say.call_one("streamed").get(timeout=10)
     assert "streamed" not in log_path("monarch-api", pid).read_text()
     with pytest.raises(ValueError, match="aggregate_window_sec=-1"):
         asyncio.run(procs.logging_option(aggregate_window_sec=-1))
+
+
+@pytest.mark.timeout(60)
+def test_log_records_made_in_an_actor_name_it_and_empty_messages_stay_empty(procs):
+    talker = procs.slice(procs=2).spawn("named-talker", Talker)
+    prefix = "[actor=<tests.integration.monarch_api_actors.Talker named-talker>] "  # no axes
+    assert talker.capture.call_one("%d%% done", 50).get(timeout=10) == prefix + "50% done"
+    assert talker.capture.call_one("").get(timeout=10) == ""  # torch's structured traces
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("raymesh.test").addHandler(handler)
+    try:
+        logging.getLogger("raymesh.test").warning("outside any actor")
+    finally:
+        logging.getLogger("raymesh.test").removeHandler(handler)
+    assert records[0].getMessage() == "outside any actor"
+
+
+# ---- shutdown_context ---------------------------------------------------------------------
+
+_SHUTDOWN = """
+import os, sys
+import ray
+from raymesh import shutdown_context, this_host
+from tests.integration.monarch_api_actors import Tidy
+
+procs = this_host().spawn_procs(per_host={"procs": 2}, name="to-shut")
+tidy = procs.spawn("tidy", Tidy, sys.argv[1])
+print("PIDS", *tidy.pid.call().get(timeout=60).values())
+assert shutdown_context().get(timeout=1) is None
+assert not ray.is_initialized()
+assert shutdown_context().get(timeout=1) is None  # idempotent
+print("DONE")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_context_stops_the_procs_running_cleanup_and_disconnects(tmp_path):
+    from raymesh._src import backend
+
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    marker = tmp_path / "cleaned"
+    out = run_python(["-c", _SHUTDOWN, str(marker)], env, timeout=100)
+    assert "DONE" in out, out
+    pids = [int(p) for p in out.split("PIDS", 1)[1].split("\n", 1)[0].split()]
+    assert marker.read_text() == "cleaned None"
+    assert not any(_alive(p) for p in pids)  # the session's Ray still runs; these procs do not

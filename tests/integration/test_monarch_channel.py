@@ -1,6 +1,6 @@
 """Channels on real procs: a Port sent to actors and sent on many times, read by the
 PortReceiver in the controller (mailbox on a proc of its own) or in an actor (its process's
-own mailbox); order per sender, errors, once-ports, timeouts."""
+own mailbox); order per sender, errors, once-ports, timeouts; Monarch's `send` to a port."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from raymesh import ActorError, Channel, this_host
+from raymesh import ActorError, Channel, send, this_host
 
-from .monarch_actors import Producer
+from .monarch_actors import Producer, Squarer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -75,3 +75,30 @@ def test_a_once_port_sends_one_value_and_a_receiver_stays_where_it_was_opened(pr
     assert receiver.recv().get(timeout=10) == 7
     with pytest.raises(TypeError, match="send the Port instead"):
         pickle.dumps(receiver)
+
+
+@pytest.fixture(scope="module")
+def squarers(procs):
+    return procs.spawn("squarers", Squarer)
+
+
+@pytest.mark.timeout(60)
+def test_send_puts_every_actors_reply_on_the_port_and_errors_raise_from_recv(squarers):
+    port, receiver = Channel[int].open()
+    send(squarers.square, (3,), {}, port)
+    assert sorted(receiver.recv().get(timeout=10) for _ in range(2)) == [9, 10]
+    send(squarers.square, (-1,), {}, port, selection="choose")
+    with pytest.raises(ActorError, match="-1 is negative"):
+        receiver.recv().get(timeout=10)
+    with pytest.raises(TimeoutError):  # "choose" sent to one actor: nothing else comes
+        receiver.recv().get(timeout=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_send_without_a_port_is_a_broadcast_in_the_callers_order(procs):
+    fresh = procs.spawn("squarers-no-port", Squarer)
+    for x in range(5):
+        send(fresh.square, (x,), {})
+    assert fresh.history.call().get(timeout=10).values() == [[0, 1, 2, 3, 4]] * 2
+    with pytest.raises(ValueError, match=r"selection='some'.*'all' or 'choose'"):
+        send(fresh.square, (1,), {}, selection="some")

@@ -79,6 +79,12 @@ def test_an_idle_mesh_still_reports_a_death_to_the_hook(hook_calls):
     os.kill(procs.pids[0], signal.SIGKILL)
     failure = _wait_for(lambda: hook_calls, timeout=5.0)[0]
     assert failure.mesh_name == "idle" and failure.signal == signal.SIGKILL
+    # Monarch's report names an actor that ran on the dead proc, and how the proc ended
+    assert failure.report().splitlines()[:2] == [
+        "The actor <tests.integration.actors.Counter c{'procs': 0/1}> and all its "
+        "descendants have failed:",
+        "  the process this actor was running on failed: Killed(sig=9)",
+    ]
     procs.stop()
 
 
@@ -99,6 +105,9 @@ def test_broadcast_exception_reaches_supervision(hook_calls):
     failures = _wait_for(lambda: len(hook_calls) >= 2 and hook_calls)
     assert {f.kind for f in failures} == {"endpoint_error"}
     assert sorted(r for f in failures for r in f.ranks) == [0, 1]
+    assert {f.actor for f in failures} == {
+        f"<tests.integration.actors.Counter bc{{'procs': {r}/2}}>" for r in (0, 1)
+    }
     assert "lost" in failures[0].cause
     # unhandled at the controller: the error stays on the actor mesh
     with pytest.raises(SupervisionError, match="lost"):
@@ -129,6 +138,12 @@ def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
     assert failure.kind == "child_failed"
     assert failure.mesh_name == "parent"
     assert failure.child is not None and failure.child.signal == signal.SIGKILL
+    assert failure.actor == "<tests.integration.actors.Parent parent{'procs': 0/1}>"
+    report = failure.report()  # where it started (the child's actor), then the whole chain
+    assert report.startswith(
+        "The actor <tests.integration.actors.Counter kids{'procs': 0/1}> and all its descendants"
+    )
+    assert "  child_failed: mesh 'parent'" in report and "    proc_died: mesh " in report
     owner_procs.stop()
 
 

@@ -327,13 +327,30 @@ def test_remote_failure_is_picklable():
     assert pickle.loads(pickle.dumps(failure)) == failure
 
 
-def test_a_mesh_failure_reports_its_chain_one_level_per_line():
-    child = MeshFailure("inner", (0,), "proc_died", "proc (pid 7) killed by SIGKILL", signal=9)
+def test_a_mesh_failure_reports_where_it_started_in_monarchs_words_then_its_chain():
+    child = MeshFailure(
+        "inner",
+        (0,),
+        "proc_died",
+        "proc (pid 7) killed by SIGKILL",
+        signal=9,
+        actor="<m.Worker w{'gpus': 0/1}>",
+    )
     failure = MeshFailure("outer", (1, 2), "child_failed", "a mesh it owns failed", child=child)
     assert failure.report() == (
-        "child_failed: mesh 'outer' rank(s) 1,2: a mesh it owns failed\n"
-        "  proc_died: mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"
+        "The actor <m.Worker w{'gpus': 0/1}> and all its descendants have failed:\n"
+        "  the process this actor was running on failed: Killed(sig=9)\n"
+        "How it came here:\n"
+        "  child_failed: mesh 'outer' rank(s) 1,2: a mesh it owns failed\n"
+        "    proc_died: mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"
     )
+    exited = MeshFailure("m", (3,), "proc_died", "proc (pid 8) exited with code 2", exit_code=2)
+    assert exited.report().splitlines()[:2] == [
+        "The actor on mesh 'm' rank(s) 3 and all its descendants have failed:",
+        "  the process this actor was running on exited with non-zero code 2",
+    ]
+    raised = MeshFailure("a", (0,), "endpoint_error", "broadcast to run raised ValueError: x")
+    assert raised.report().splitlines()[1] == "  broadcast to run raised ValueError: x"
     assert str(failure) == (
         "mesh 'outer' rank(s) 1,2: a mesh it owns failed <- "
         "mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"

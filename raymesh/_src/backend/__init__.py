@@ -27,11 +27,13 @@ from raymesh._src.backend.refs import (
     put,
     roundtrip,
     wait,
+    when_done,
 )
 from raymesh._src.backend.registry import update as registry_update
 from raymesh._src.backend.runtime import (
     NodeInfo,
     address,
+    connected,
     current_node_id,
     ensure_ray,
     gpu_ids,
@@ -50,6 +52,7 @@ __all__ = [
     "RayProc",
     "address",
     "arrivals",
+    "connected",
     "create_procs",
     "current_node_id",
     "describe_unpicklable",
@@ -75,4 +78,5 @@ __all__ = [
     "stop_probes",
     "wait",
     "wait_exited",
+    "when_done",
 ]

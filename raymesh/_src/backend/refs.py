@@ -11,6 +11,7 @@ import functools
 import itertools
 import pickle
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -107,6 +108,25 @@ def arrivals(items: list) -> list[concurrent.futures.Future]:
     for i, x in enumerate(items):
         _future(x).add_done_callback(functools.partial(done, i))
     return slots
+
+
+def when_done(items: list, fn: Callable[[], object]) -> None:
+    """Call `fn()` once every item's result (or failure) is in, on whichever thread saw the
+    last one arrive (keep `fn` short: hand real work to a thread of your own)."""
+    left = [len(items)]
+    lock = threading.Lock()
+
+    def arrived(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    if not items:
+        fn()
+    for x in items:
+        _future(x).add_done_callback(arrived)
 
 
 def _first_line(e: BaseException) -> str:

@@ -26,6 +26,7 @@ logger = logging.getLogger("raymesh")
 ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 _init_lock = threading.Lock()
 _started_local = False
+_connected = False  # raymesh called ray.init (not the user, not a Ray worker)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -64,7 +65,7 @@ def _loopback_only() -> None:
 
 def ensure_ray() -> None:
     """Make sure this process is connected to Ray (see the module docstring for which Ray)."""
-    global _started_local
+    global _started_local, _connected
     if ray.is_initialized():
         return
     with _init_lock:
@@ -92,6 +93,7 @@ def ensure_ray() -> None:
             )
             _started_local = True
             logger.info("raymesh: started a local Ray with %d logical CPUs", cpus)
+        _connected = True
         from raymesh._src.backend import procs  # it imports this module
 
         procs.prepare(current_node_id())
@@ -101,15 +103,20 @@ def started_local() -> bool:
     return _started_local
 
 
+def connected() -> bool:
+    """Whether raymesh made this process's Ray connection (a user's `ray.init` is theirs)."""
+    return _connected and ray.is_initialized()
+
+
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local
+    global _started_local, _connected
     if ray.is_initialized():
         from raymesh._src.backend import pool
 
         pool.drain()
         ray.shutdown()
-    _started_local = False
+    _started_local = _connected = False
 
 
 @dataclass(frozen=True)
