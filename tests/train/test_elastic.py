@@ -107,11 +107,15 @@ ELASTIC = textwrap.dedent(
     from raymesh.examples import mlp
 
     placing = []  # what the controller said about placement, to explain a failure
+    shrunk = []  # the controller's shrink decisions
 
     class Keep(logging.Handler):
         def emit(self, record):
-            if "placement" in record.getMessage():
-                placing.append(record.getMessage()[:300])
+            message = record.getMessage()
+            if "placement" in message:
+                placing.append(message[:300])
+            if "-> shrink" in message:
+                shrunk.append(message[:300])
 
     logging.getLogger("raymesh").addHandler(Keep())
     # On stderr with the time, to show where a slow run spent it.
@@ -145,7 +149,10 @@ ELASTIC = textwrap.dedent(
         if p["step"] >= 20 and not events:
             events.append("removed")
             cluster.remove_node(doomed, allow_graceful=False)
-        elif events == ["removed"] and p["world_size"] == 2:
+        # The node joins only once the job has shrunk: joining while the heal still waits
+        # for room (replace_timeout_s) lets it replace the lost ranks instead (a failed run on
+        # a loaded machine reported 2 ranks and healed to 4 without shrinking).
+        elif events == ["removed"] and shrunk and p["world_size"] == 2:
             events.append("added")
             cluster.add_node(num_cpus=2)
             # Hold the controller (the ranks train on) until the recruiter has placed ranks on
