@@ -114,13 +114,23 @@ class ActorThread:
         self._closed = False
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
-    def call(self, ctx: _ctx.ActorContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run `fn(*args, **kwargs)` on this thread and return (or raise) what it did."""
+    def call(
+        self,
+        ctx: _ctx.ActorContext,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        timeout: float | None = None,
+    ) -> Any:
+        """Run `fn(*args, **kwargs)` on this thread and return (or raise) what it did;
+        TimeoutError after `timeout` seconds (the call still runs)."""
         job = Job(ctx, fn, args, kwargs, None)
         job.done = threading.Lock()
         job.done.acquire()
         self._put(job)
-        job.done.acquire()  # released by the actor's thread
+        # released by the actor's thread
+        if not job.done.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"{fn!r} did not return within {timeout}s")
         if job.error is not None:
             raise job.error
         return job.result

@@ -235,30 +235,13 @@ class ProcRuntime:
         ctx = _ctx.ActorContext(
             slot.point, slot.point, slot.mesh_name, slot.key, self.proc_mesh_name, slot.info
         )
-        bound = slot.instance.__cleanup__
+        run = self._await if inspect.iscoroutinefunction(method) else slot.thread.call
         try:
-            if inspect.iscoroutinefunction(method):
-                coro = _guarded(ctx, bound, (exc,), {})
-                ok, value = asyncio.run_coroutine_threadsafe(coro, self._event_loop()).result(
-                    timeout
-                )
-            else:
-                ended = threading.Event()
-                errors: list[BaseException | None] = []
-
-                def done(job: Job) -> None:
-                    errors.append(job.error)
-                    ended.set()
-
-                slot.thread.submit(ctx, bound, (exc,), {}, done)
-                if not ended.wait(timeout):
-                    raise TimeoutError
-                ok, value = errors[0] is None, errors[0]
+            run(ctx, slot.instance.__cleanup__, (exc,), {}, timeout)
         except (TimeoutError, ActorStopped):
             logger.warning("raymesh: __cleanup__ of %s did not end within %ss", slot.key, timeout)
-            return
-        if not ok:
-            logger.error("raymesh: __cleanup__ of %s raised", slot.key, exc_info=value)
+        except BaseException as e:  # whatever it raised: logged, the stop goes on
+            logger.error("raymesh: __cleanup__ of %s raised", slot.key, exc_info=e)
 
     def handle(
         self,
@@ -466,12 +449,20 @@ class ProcRuntime:
             )
         return handled
 
-    def _await(self, ctx: _ctx.ActorContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run `fn` on the event loop (awaiting what it returns) and wait for it here."""
+    def _await(
+        self,
+        ctx: _ctx.ActorContext,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        timeout: float | None = None,
+    ) -> Any:
+        """Run `fn` on the event loop (awaiting what it returns) and wait for it here, at most
+        `timeout` seconds (TimeoutError; it still runs)."""
         future = asyncio.run_coroutine_threadsafe(
             _guarded(ctx, fn, args, kwargs), self._event_loop()
         )
-        ok, value = future.result()
+        ok, value = future.result(timeout)
         if not ok:
             raise value
         return value
