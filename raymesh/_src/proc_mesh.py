@@ -17,7 +17,6 @@ actors are references: they can spawn and call, but do not own.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import logging
 import os
@@ -340,13 +339,15 @@ def shutdown_context() -> Future[None]:
     return Future.resolved(None, "shutdown_context")
 
 
-@atexit.register
 def _stop_owned() -> None:
     for state in list(_owned):
         try:
             _stop(state, wait=False)
         except Exception:
             pass
+
+
+backend.before_shutdown(_stop_owned)  # at exit, too: the procs of a remote cluster stay up
 
 
 def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S) -> None:

@@ -98,8 +98,10 @@ class Supervisor:
         self._lock = threading.Lock()
         self._watches: dict[Any, tuple[ProcMeshState, int]] = {}
         self._changed = threading.Event()
+        self._in_ray = threading.Lock()  # held while this watcher calls into Ray (see quiesce)
         self._thread = threading.Thread(target=self._loop, name="raymesh-supervisor", daemon=True)
         self._thread.start()
+        backend.before_shutdown(self.quiesce)
 
     def watch(self, state: ProcMeshState) -> None:
         with self._lock:
@@ -112,37 +114,58 @@ class Supervisor:
             for ref in [r for r, (s, _) in self._watches.items() if s is state]:
                 del self._watches[ref]
 
+    def quiesce(self) -> None:
+        """Forget every watch once the Ray call in flight (if any) has returned: Ray is about
+        to shut down, and a thread inside a Ray call then can crash the process."""
+        with self._in_ray, self._lock:
+            self._watches.clear()
+
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                refs = list(self._watches)
+            with self._in_ray:
+                with self._lock:
+                    refs = list(self._watches)
+                arrived = self._arrivals(refs) if refs else []
             if not refs:
                 self._changed.wait(timeout=1.0)
                 self._changed.clear()
                 continue
-            try:
-                ready, _ = backend.wait(refs, 1, 0.2)
-            except (Exception, SystemExit):  # Ray is shutting down (its wait may SystemExit)
+            if arrived is None:  # Ray is shutting down
                 self._changed.wait(timeout=1.0)
                 continue
-            for ref in ready:
-                with self._lock:
-                    entry = self._watches.pop(ref, None)
-                if entry is not None:
-                    self._handle(ref, *entry)
+            for state, rank, events in arrived:
+                self._handle(state, rank, events)
 
-    def _handle(self, ref: Any, state: ProcMeshState, rank: int) -> None:
+    def _arrivals(self, refs: list[Any]) -> list[tuple[ProcMeshState, int, Any]] | None:
+        """The watches that fired within a short wait, each with its events (or the ProcGone
+        that ended it); None if Ray failed. Called holding `_in_ray`."""
         try:
-            events = backend.get([ref], timeout=5.0)[0]
-        except backend.ProcGone as gone:
-            dispatch(state, None, state.proc_gone(rank, gone.detail))
-            return
-        except Exception:
-            logger.exception("raymesh: watch on %s rank %d failed", state.name, rank)
+            ready, _ = backend.wait(refs, 1, 0.2)
+        except (Exception, SystemExit):  # its wait may SystemExit while Ray shuts down
+            return None
+        out = []
+        for ref in ready:
+            with self._lock:
+                entry = self._watches.pop(ref, None)
+            if entry is None:
+                continue
+            try:
+                events: Any = backend.get([ref], timeout=5.0)[0]
+            except backend.ProcGone as gone:
+                events = gone
+            except Exception:
+                logger.exception("raymesh: watch on %s rank %d failed", entry[0].name, entry[1])
+                continue
+            out.append((*entry, events))
+        return out
+
+    def _handle(self, state: ProcMeshState, rank: int, events: Any) -> None:
+        if isinstance(events, backend.ProcGone):
+            dispatch(state, None, state.proc_gone(rank, events.detail))
             return
         if state.stopped:
             return
-        with self._lock:
+        with self._in_ray, self._lock:  # watch() sends the proc a call
             self._watches[state.procs[rank].watch(WATCH_S)] = (state, rank)
         for actor_key, failure in events:
             dispatch(state, actor_key, failure)

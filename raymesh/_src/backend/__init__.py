@@ -33,6 +33,7 @@ from raymesh._src.backend.registry import update as registry_update
 from raymesh._src.backend.runtime import (
     NodeInfo,
     address,
+    before_shutdown,
     connected,
     current_node_id,
     ensure_ray,
@@ -52,6 +53,7 @@ __all__ = [
     "RayProc",
     "address",
     "arrivals",
+    "before_shutdown",
     "connected",
     "create_procs",
     "current_node_id",

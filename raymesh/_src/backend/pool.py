@@ -30,7 +30,6 @@ self-healing job's next replacement). Warm procs import at the lowest CPU priori
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import os
 import threading
@@ -43,6 +42,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raymesh._src.backend import runtime
 from raymesh._src.backend.proc_host import ProcHost
 
 DEFAULT_SIZE = 8
@@ -51,7 +51,6 @@ _warm: dict[str, deque[WarmProc]] = {}  # node id -> warm procs, oldest first
 _targets: dict[str, int] = {}  # node id -> warm procs to keep there
 _fillers: list[threading.Thread] = []  # fills waiting for their `after`
 _stopping = threading.Event()  # tells them to give up (see `drain`)
-_stop_at_exit = False
 _imports: list[str] = []  # what warm procs import beyond proc_host.PRELOAD (see `preload`)
 
 
@@ -113,10 +112,6 @@ def fill(counts: Mapping[str, int], after: Any = None, *, untouched_only: bool =
                 todo = {n: k for n, k in counts.items() if not (untouched_only and n in _warm)}
             fill(todo)
 
-        global _stop_at_exit
-        if not _stop_at_exit:  # after Ray's own exit hook (ray.init), so it runs before it
-            atexit.register(_stop_fillers)
-            _stop_at_exit = True
         thread = threading.Thread(target=then_fill, name="raymesh-warm-procs", daemon=True)
         _fillers.append(thread)
         thread.start()
@@ -170,6 +165,9 @@ def _stop_fillers() -> None:
         thread.join(timeout=5.0)
     _fillers.clear()
     _stopping.clear()
+
+
+runtime.before_shutdown(_stop_fillers)  # a fill calls into Ray
 
 
 def drain() -> None:

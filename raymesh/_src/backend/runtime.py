@@ -12,9 +12,11 @@ Order of preference, first match wins:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -27,6 +29,38 @@ ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 _init_lock = threading.Lock()
 _started_local = False
 _connected = False  # raymesh called ray.init (not the user, not a Ray worker)
+_quiescers: list[Callable[[], None]] = []
+_exit_hook_after_init = False  # _quiesce is registered to run before Ray's own exit hook
+
+
+def before_shutdown(fn: Callable[[], None]) -> None:
+    """Call `fn()` before Ray shuts down, whether by `shutdown()` or at interpreter exit.
+
+    Guarantee: once `fn` returns, the background thread it stands for makes no Ray call until
+    Ray is up again. A thread still inside a Ray call while Ray shuts down can crash the
+    process (a segfault in Ray's core worker), so every raymesh thread that calls into Ray on
+    its own (the supervisor, the warm-proc fillers) registers here."""
+    with _init_lock:
+        if fn not in _quiescers:
+            _quiescers.append(fn)
+
+
+def _quiesce() -> None:
+    for fn in list(_quiescers):
+        try:
+            fn()
+        except Exception:
+            logger.warning("raymesh: stopping %r before Ray's shutdown failed", fn, exc_info=True)
+
+
+def _run_quiesce_before_rays_exit_hook() -> None:
+    # atexit runs hooks last-registered first, and ray.init registers ray.shutdown each time:
+    # registering after it (moving ours to the end) makes ours run first.
+    global _exit_hook_after_init
+    if not _exit_hook_after_init:
+        atexit.unregister(_quiesce)
+        atexit.register(_quiesce)
+        _exit_hook_after_init = True
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -67,9 +101,13 @@ def ensure_ray() -> None:
     """Make sure this process is connected to Ray (see the module docstring for which Ray)."""
     global _started_local, _connected
     if ray.is_initialized():
+        if not _exit_hook_after_init:  # the user's ray.init, or a Ray worker's
+            with _init_lock:
+                _run_quiesce_before_rays_exit_hook()
         return
     with _init_lock:
         if ray.is_initialized():
+            _run_quiesce_before_rays_exit_hook()
             return
         _enable_zero_copy()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
@@ -94,6 +132,7 @@ def ensure_ray() -> None:
             _started_local = True
             logger.info("raymesh: started a local Ray with %d logical CPUs", cpus)
         _connected = True
+        _run_quiesce_before_rays_exit_hook()
         from raymesh._src.backend import procs  # it imports this module
 
         procs.prepare(current_node_id())
@@ -110,13 +149,14 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected
+    global _started_local, _connected, _exit_hook_after_init
     if ray.is_initialized():
         from raymesh._src.backend import pool
 
+        _quiesce()
         pool.drain()
         ray.shutdown()
-    _started_local = _connected = False
+    _started_local = _connected = _exit_hook_after_init = False
 
 
 @dataclass(frozen=True)
