@@ -292,7 +292,7 @@ def main() -> None:
     import ray
 
     import raymesh
-    from raymesh.train import data
+    from raymesh.data import order as data
 
     steps, timeout = (60, 240.0) if args.quick else (200, 420.0)
     os.environ.update(CHILD_ENV)  # for the DDP ranks and every subprocess
@@ -302,7 +302,7 @@ def main() -> None:
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "job": f"MLP 784-1024-1024-10, SGD(lr=0.01), {WORKERS} ranks x batch {BATCH_PER_RANK}, "
         f"{steps} steps (steady window {FIRST}..{steps}), CPU gloo 127.0.0.1, "
-        "torch.set_num_threads(1) per rank, SyntheticMNIST(4096) in raymesh.train.data order",
+        "torch.set_num_threads(1) per rank, SyntheticMNIST(4096) in raymesh.data.order order",
         "versions": dict(python=platform.python_version(), torch=torch.__version__,
                          ray=ray.__version__, raymesh=raymesh.__version__, cpus=os.cpu_count()),
     }  # fmt: skip

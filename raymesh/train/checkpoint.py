@@ -94,7 +94,7 @@ class Manifest:
     world_size: int  # ranks that saved it (loading at another world size reshards)
     strategy: str  # how the model was wrapped when saved: "ddp", "fsdp" or "hsdp"
     config: dict[str, Any]  # the job's config (TrainConfig.to_dict()), JSON data
-    data_position: int  # the next step of the global sample order (raymesh.train.data)
+    data_position: int  # the next step of the global sample order (raymesh.data.order)
     files: dict[str, str]  # relative path -> sha256 hex of every other file in the folder
     created: float  # time.time() at commit
     format: int = FORMAT  # manifest format; a newer one is refused rather than misread

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raymesh.data import Pipeline
 from raymesh.testing.faults import Fault, parse_fault
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
@@ -113,6 +114,9 @@ class TrainConfig:
     # reproducible runs (a rebalanced run is equal to float precision, not bitwise).
     rebalance: bool = False
     faults: tuple[Fault, ...] = ()  # injected faults, for tests and demos (raymesh.testing)
+    # Preprocessing on procs of its own, ahead of the ranks (raymesh.data; `[data]` in a job
+    # file). None: each rank reads and collates the build function's `Task.dataset` itself.
+    data: Pipeline | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, list):  # a TOML array
@@ -195,6 +199,10 @@ class TrainConfig:
                     "faults", str(f), f"rank {f.rank} does not exist with workers={self.workers}"
                 )
         object.__setattr__(self, "faults", faults)
+        if isinstance(self.data, dict):
+            object.__setattr__(self, "data", Pipeline.from_dict(self.data))
+        if self.data is not None and not isinstance(self.data, Pipeline):
+            raise _bad("data", self.data, "pass a raymesh.data.Pipeline(source=...) or None")
 
     @property
     def min_workers(self) -> int:
@@ -208,8 +216,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (faults as their CLI strings), e.g. for a checkpoint's manifest."""
-        data = dataclasses.asdict(self)
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["checkpoint"] = dataclasses.asdict(self.checkpoint) if self.checkpoint else None
         data["faults"] = [str(f) for f in self.faults]
+        data["data"] = self.data.to_dict() if self.data is not None else None
         return data
 
     @classmethod

@@ -42,14 +42,15 @@ from collections.abc import Callable
 from typing import Any
 
 from raymesh.actor import ActorError, SupervisionError
+from raymesh.data.order import split_sizes
+from raymesh.data.workers import Workers
 from raymesh.train import detection
 from raymesh.train.balance import BalancePolicy
 from raymesh.train.config import TrainConfig
-from raymesh.train.data import split_sizes
 from raymesh.train.failure import FailureDecision, FailurePolicy, GrowPolicy, TooManyFailures
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.placement import Placer
-from raymesh.train.protocol import ChunkResult, SetupInfo, StepMetrics
+from raymesh.train.protocol import ChunkResult, Feeders, SetupInfo, StepMetrics
 from raymesh.train.ranks import Rank, RankPool
 from raymesh.train.reporting import ReportSink, sinks
 from raymesh.train.result import Result, RunLog, TrainError
@@ -111,6 +112,8 @@ class TrainController:
         self.sizes: list[int] | None = None  # samples per rank for the next chunks (None: even)
         self.resumed_from = 0
         self.weights: dict[str, Any] = {}
+        # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
+        self.data = Workers(config.data, config.seed) if config.data is not None else None
 
     # ---- the run loop ------------------------------------------------------------------------
     def run(self) -> Result:
@@ -124,6 +127,8 @@ class TrainController:
                 self.enter(state)
         finally:
             self.pool.close()
+            if self.data is not None:
+                self.data.stop()
         if isinstance(state, Failed):
             raise state.error
         assert self.world.decision is not None
@@ -136,6 +141,7 @@ class TrainController:
             failures=self.log.failures,
             rebalances=self.log.rebalances,
             placement=self.placer.reason,
+            data=self.data.report() if self.data is not None else None,
             _weights=self.weights,
         )
 
@@ -176,6 +182,8 @@ class TrainController:
         """Spawn one proc and trainer per rank (and the spares), form the process group, build,
         decide the strategy, restore a checkpoint."""
         cfg = self.config
+        if self.data is not None:  # its procs start while the ranks do
+            self.data.start()
         nodes = self.placer.place(cfg.max_workers)
         # Resources a previous job just released can take the cluster a moment to report free.
         deadline = time.monotonic() + min(cfg.replace_timeout_s, 10.0)
@@ -222,14 +230,25 @@ class TrainController:
                 return Resizing(grow.reason, grow)
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
-                futs = [r.worker.run.call_one(start, stop, self.sizes) for r in self.world.ranks]
+                futs = [
+                    r.worker.run.call_one(start, stop, self.sizes, self.feeders(r))
+                    for r in self.world.ranks
+                ]
                 in_flight.append(((start, stop), futs))
             (start, stop), futs = in_flight.pop(0)
             results = detection.settle(futs, self.chunk_timeout(stop - start))
             if not any(detection.failed(r) for r in results):
                 self.record([r.metrics for r in results])
                 self.rebalance([r.metrics for r in results])
+                self.scale_data([r.metrics for r in results])
                 continue
+            for r in results:  # a sample that cannot be made fails the same way on any rank
+                if isinstance(r, ChunkResult) and r.cause == "data":
+                    raise TrainError(
+                        f"training stopped at step {start + len(r.metrics) + 1}: {r.error}",
+                        cause=None,
+                        history=self.log.history,
+                    )
             # A failure: keep the steps every reporting rank completed (a lost rank's reply
             # can be lost with it), let the chunk queued behind it fail too, then heal.
             reported = [r.metrics for r in results if isinstance(r, ChunkResult)]
@@ -329,6 +348,24 @@ class TrainController:
             len(self.world.ranks), max_workers=self.config.max_workers, ready=self.pool.ready()
         )
 
+    def feeders(self, rank: Rank) -> Feeders | None:
+        """The pipeline's workers, for a rank that has not heard of their latest set."""
+        if self.data is None or rank.fed == self.data.generation:
+            return None
+        rank.fed = self.data.generation
+        return Feeders(rank.fed, tuple(self.data.handles()))
+
+    def scale_data(self, per_rank: list[tuple[StepMetrics, ...]]) -> None:
+        """Tell the pipeline how long the ranks waited for batches; it replaces dead workers
+        and scales (raymesh.data.scaling), and the ranks hear of the change with their next
+        chunk."""
+        if self.data is None:
+            return
+        waited = sum(m.data_wait_s or 0.0 for ms in per_rank for m in ms)
+        ran = sum(m.step_s for ms in per_rank for m in ms)
+        self.data.observe(waited, ran)
+        self.data.tick()
+
     def chunk_timeout(self, steps: int) -> float:
         """How long a chunk may take before its ranks count as hung: a multiple of the measured
         step time, never below the configured floor."""
@@ -340,6 +377,7 @@ class TrainController:
             [list(m) for m in per_rank],
             global_batch_size=self.config.global_batch_size,
             steps=self.config.steps,
+            data_workers=self.data.size if self.data is not None else None,
         )
         if report is None:
             return

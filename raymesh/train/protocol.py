@@ -16,6 +16,7 @@ from raymesh.train.task import Local
 
 __all__ = [
     "ChunkResult",
+    "Feeders",
     "LostRank",
     "RankStatus",
     "Rendezvous",
@@ -59,6 +60,16 @@ class StepMetrics:
     end: float  # wall clock (time.time()) when the step was complete here
     compute_s: float  # this rank's own forward + backward seconds (for load balancing)
     samples: int  # the samples compute_s was measured on
+    data_wait_s: float | None = None  # seconds it waited for batches (None: no pipeline)
+
+
+@dataclass(frozen=True)
+class Feeders:
+    """The preprocessing workers a rank asks for batches (raymesh.data), sent with a chunk
+    when they changed since the rank last heard."""
+
+    generation: int  # grows with every change of the set
+    workers: tuple[Any, ...]  # one-actor meshes of raymesh.data's Preprocessor
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,10 @@ class ChunkResult:
     done: int  # steps completed in all (the data position)
     error: str | None = None  # why the chunk stopped early (None: it completed)
     # "peer": a collective failed because another rank went away; "own": this rank's step
-    # itself raised (the rank is then replaced). None when there is no error.
-    cause: Literal["own", "peer"] | None = None
+    # itself raised (the rank is then replaced); "data": a sample could not be made
+    # (raymesh.data.DataError: the job stops, as redoing it fails the same way). None when
+    # there is no error.
+    cause: Literal["own", "peer", "data"] | None = None
 
     @property
     def ok(self) -> bool:

@@ -39,6 +39,7 @@ class Rank:
     monitor: Any  # ActorMesh of one Monitor, on the same proc
     procs: ProcMesh  # a mesh of this one proc, with its own placement group
     node_id: str
+    fed: int = -1  # the pipeline workers' generation its trainer last heard (raymesh.data)
 
     def alive(self) -> bool:
         return self.procs.failure is None

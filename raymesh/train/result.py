@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raymesh.data.workers import PipelineReport
 from raymesh.train.failure import FailureRecord
 from raymesh.train.protocol import LostRank, StepMetrics
 from raymesh.train.reporting import Report
@@ -45,6 +46,7 @@ class Result:
     # Each rebalance (rebalance=True): {"step", "sizes", "flagged", "reason"}
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     placement: str | None = None  # why the ranks run where they do (multi-host: the plan)
+    data: PipelineReport | None = None  # what the pipeline did (TrainConfig.data), else None
     _weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -84,10 +86,17 @@ class RunLog:
         return times[len(times) // 2] if times else 0.0
 
     def record(
-        self, per_rank: list[list[StepMetrics]], *, global_batch_size: int, steps: int
+        self,
+        per_rank: list[list[StepMetrics]],
+        *,
+        global_batch_size: int,
+        steps: int,
+        data_workers: int | None = None,
     ) -> Report | None:
         """Fold one chunk's per-rank metrics (the steps every rank completed) into the
-        history; returns its report (None when no step completed)."""
+        history; returns its report (None when no step completed). With a pipeline
+        (`data_workers` its procs now), each row also has `data_wait` (the ranks' mean share
+        of the step spent waiting for batches) and `data_workers`."""
         n = len(per_rank[0])
         if n == 0:
             return None
@@ -98,9 +107,14 @@ class RunLog:
         for i in range(n):
             loss = sum(r[i].loss for r in per_rank) / len(per_rank)
             end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
-            rows.append(
-                {"step": per_rank[0][i].step, "loss": loss, "samples_per_s": rate, "end": end}
-            )
+            row = {"step": per_rank[0][i].step, "loss": loss, "samples_per_s": rate, "end": end}
+            if data_workers is not None:
+                waits = [r[i].data_wait_s or 0.0 for r in per_rank]
+                row["data_wait"] = sum(
+                    w / r[i].step_s for w, r in zip(waits, per_rank) if r[i].step_s > 0
+                ) / len(per_rank)
+                row["data_workers"] = data_workers
+            rows.append(row)
         self.history.extend(rows)
         if self.healing:  # the first step completed after healing: how long recovery took
             first_end = per_rank[0][0].end

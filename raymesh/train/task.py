@@ -57,14 +57,15 @@ class Task:
     optimizer: built over `model.parameters()` (raymesh rebuilds its param groups after FSDP
         sharding, keeping the class and hyperparameters).
     dataset: a map-style dataset (`__len__`, `__getitem__`); raymesh decides which indices each
-        rank reads at each step.
+        rank reads at each step. None when `TrainConfig.data` gives a pipeline (which then
+        takes the place of both `dataset` and `collate_fn`).
     loss_fn: `loss_fn(model, batch) -> scalar tensor`, the mean loss over `batch`.
     collate_fn: turns a list of samples into a batch (default: torch's default_collate).
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    dataset: Any
+    dataset: Any = None
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     collate_fn: Callable[[list[Any]], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -6,7 +6,7 @@ Determinism (what makes two runs with the same seed bit-identical, and a resumed
 uninterrupted one at the same world size):
 - torch is seeded with `seed` before the build function runs, so every rank builds identical
   weights;
-- the samples of step s are a pure function of (seed, s) (`raymesh.train.data`), split across
+- the samples of step s are a pure function of (seed, s) (`raymesh.data.order`), split across
   ranks in rank order;
 - before step s each rank reseeds torch with (seed, s, rank), so dropout and other random ops
   depend only on the step, not on how many steps this process has run;
@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from raymesh.actor import Actor, context, endpoint, this_host
-from raymesh.train import data as data_order
+from raymesh.data import order as data_order
+from raymesh.data.feed import Feed
+from raymesh.data.pipeline import DataError
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
 from raymesh.train.estimate import (
@@ -41,7 +43,14 @@ from raymesh.train.estimate import (
 from raymesh.train.hooks import RankHooks
 from raymesh.train.monitor import mark
 from raymesh.train.parallelize import parallelize
-from raymesh.train.protocol import ChunkResult, Rendezvous, ReplicaState, SetupInfo, StepMetrics
+from raymesh.train.protocol import (
+    ChunkResult,
+    Feeders,
+    Rendezvous,
+    ReplicaState,
+    SetupInfo,
+    StepMetrics,
+)
 from raymesh.train.step import Timing, mix, run_step, to_device
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import Context, Task
@@ -74,6 +83,10 @@ class TrainWorker(Actor):
         self.done = 0  # steps completed (the data position)
         self.sizes: list[int] | None = None  # samples per rank (None: the even split)
         self.timing = Timing(ddp_timings=config.rebalance)
+        # With a pipeline (TrainConfig.data), batches come from its workers, made ahead; the
+        # rank makes one itself only when no worker is left (see raymesh.data.feed).
+        self.feed = Feed(config.data, config.seed) if config.data is not None else None
+        self.current = 0  # the step being trained (0-based), whose batches `_batch` loads
 
     @endpoint
     def warm(self) -> None:
@@ -158,9 +171,14 @@ class TrainWorker(Actor):
         task = self.build(ctx)
         if not isinstance(task, Task):
             raise TypeError(f"the build function returned {type(task).__name__}, not train.Task")
+        if cfg.data is None and task.dataset is None:
+            raise TypeError(
+                "the build function's Task has no dataset: give Task(dataset=...), or a "
+                "pipeline as TrainConfig(data=raymesh.data.Pipeline(source=...))"
+            )
         task.model.to(self.device)
         self.task = task
-        self.n = len(task.dataset)
+        self.n = len(cfg.data) if cfg.data is not None else len(task.dataset)
         self.collate = task.collate_fn or default_collate
         params = sum(p.numel() for p in task.model.parameters())
         if not measure:
@@ -274,19 +292,28 @@ class TrainWorker(Actor):
         batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
         return data_order.rank_share(batch, self.world_size, self.rank, self.sizes)
 
+    def _micro(self, step: int) -> list[list[int]]:
+        return data_order.micro_batches(self._indices(step), self.config.micro_batch_size)
+
     def _batch(self, indices: Any) -> Any:
         assert self.task is not None
+        if self.feed is not None:
+            return to_device(self.feed.get(self.current, indices), self.device)
         return to_device(self.collate([self.task.dataset[i] for i in indices]), self.device)
 
     def _step(self, step: int) -> float:
         assert self.task is not None and self.model is not None
         cfg = self.config
+        self.current = step
+        if self.feed is not None:  # this step's batches and the next ones', made ahead
+            ahead = range(step, min(step + self.feed.pipe.prefetch, cfg.steps))
+            self.feed.ahead((s, tuple(m)) for s in ahead for m in self._micro(s))
         torch.manual_seed(mix(cfg.seed, step, self.rank))
         return run_step(
             model=self.model,
             optimizer=self.optimizer,
             loss_fn=self.task.loss_fn,
-            micro=data_order.micro_batches(self._indices(step), cfg.micro_batch_size),
+            micro=self._micro(step),
             load=self._batch,
             device=self.device,
             step=step,
@@ -298,9 +325,12 @@ class TrainWorker(Actor):
         )
 
     @endpoint
-    def run(self, start: int, stop: int, sizes: list[int] | None = None) -> ChunkResult:
+    def run(
+        self, start: int, stop: int, sizes: list[int] | None = None, feeders: Feeders | None = None
+    ) -> ChunkResult:
         """Train steps [start, stop) (0-based) with `sizes` samples per rank (None: the even
-        split); checkpoint on the configured steps.
+        split), asking `feeders` for batches from now on (if given: the pipeline's workers
+        changed); checkpoint on the configured steps.
 
         A failing step is not retried here: the rank leaves its process group at once (so
         peers blocked on it fail fast), reports why in the result, and the controller heals
@@ -310,6 +340,8 @@ class TrainWorker(Actor):
         if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
             return ChunkResult((), self.done, error="no process group", cause="peer")
         self.sizes = sizes
+        if feeders is not None and self.feed is not None:
+            self.feed.use(feeders.generation, feeders.workers)
         try:
             for step in range(start, stop):
                 mark(step + 1, "start")
@@ -326,6 +358,7 @@ class TrainWorker(Actor):
                         end=time.time(),
                         compute_s=self.timing.compute_s,
                         samples=self.timing.samples,
+                        data_wait_s=self.feed.take_wait() if self.feed is not None else None,
                     )
                 )
                 if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
@@ -333,7 +366,9 @@ class TrainWorker(Actor):
                 mark(step + 1, "done")
         except Exception as e:
             error = f"{type(e).__name__}: {str(e)[:500]}"
-            cause: Literal["own", "peer"] = "peer" if _is_comm_error(e) else "own"
+            cause: Literal["own", "peer", "data"] = (
+                "data" if isinstance(e, DataError) else "peer" if _is_comm_error(e) else "own"
+            )
         else:
             return ChunkResult(tuple(out), self.done)
         # Out of the except block: its traceback, whose frames hold the wrapped model and so

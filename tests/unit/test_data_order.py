@@ -1,4 +1,4 @@
-"""The global sample order (raymesh.train.data): deterministic, resumable, world-size free."""
+"""The global sample order (raymesh.data.order): deterministic, resumable, world-size free."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from raymesh.train.data import (
+from raymesh.data.order import (
     epoch_of,
     epoch_order,
     global_batch,
@@ -24,7 +24,7 @@ def test_the_order_is_the_same_on_every_call() -> None:
 
 def test_the_order_is_the_same_in_another_process() -> None:
     # Python salts str hashes per process; the order must not depend on that.
-    code = "from raymesh.train.data import epoch_order; print(epoch_order(7, 3, 50))"
+    code = "from raymesh.data.order import epoch_order; print(epoch_order(7, 3, 50))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout

@@ -13,6 +13,7 @@ The layers, lowest first (a module may import its own layer and any lower one):
 - topology (`raymesh.topology`): plans where ranks run; the core reads a plan through protocols.
 - testing (`raymesh.testing`): faults as plain data; it may import the core at most, so that
   any layer's tests can use it (not topology, though it sits above it).
+- data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
 - train (`raymesh.train`), examples (`raymesh.examples`), cli (`raymesh.cli`).
 
 Every import counts: top-level, inside functions (lazy), under `if TYPE_CHECKING:` (a type
@@ -37,7 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raymesh"
 
-ORDER = ("base", "backend", "core", "topology", "testing", "train", "examples", "cli")
+ORDER = ("base", "backend", "core", "topology", "testing", "data", "train", "examples", "cli")
 
 # Module (or package, with everything under it) -> layer; the longest match wins. "raymesh"
 # itself matches only the package's __init__, so a new top-level module must be placed here.
@@ -53,6 +54,7 @@ LAYERS = {
     "raymesh": "core",
     "raymesh.topology": "topology",
     "raymesh.testing": "testing",
+    "raymesh.data": "data",
     "raymesh.train": "train",
     "raymesh.examples": "examples",
     "raymesh.cli": "cli",
@@ -74,6 +76,7 @@ PUBLIC = (
     "raymesh.actor",
     "raymesh.topology",
     "raymesh.testing",
+    "raymesh.data",
     "raymesh.train",
     "raymesh.cli",
     "raymesh.cli.main",

@@ -45,6 +45,7 @@ def _check_int(name: str, value: object, minimum: int | None) -> None:
 def _epoch_seed(seed: int, epoch: int) -> int:
     # A cryptographic hash mixes (seed, epoch) so that neighbouring seeds or epochs give unrelated
     # streams, and is stable across processes (Python's hash() of str is salted per process).
+    # The salt keeps the module's old name: a new one would change every job's sample order.
     digest = hashlib.blake2b(f"raymesh.train.data:{seed}:{epoch}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little")  # < 2**64, what manual_seed accepts
 

@@ -1,0 +1,154 @@
+"""raymesh.data on real procs: batches made ahead on preprocessing procs equal the ones made in
+place, a SIGKILLed preprocessing proc changes nothing, scaling follows the consumer's wait, and
+train.fit with a pipeline is bitwise the run without one (healing and resuming included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from raymesh import data, train
+from raymesh.data import order
+
+from ..train.weights import equal
+from .helpers import Indexed, RecordPid, augment, fails_on_seven, slow, teacher
+
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
+
+BUILD = "tests.data.helpers:build"
+BUILD_WITHOUT_DATA = "tests.data.helpers:build_without_data"
+
+
+def _expected(pipe, step, batch_size, seed=0):
+    return data.make_batch(pipe, seed, step, order.global_batch(seed, step, batch_size, len(pipe)))
+
+
+def _pids(folder) -> list[int]:
+    return [int(p) for p in os.listdir(folder)]
+
+
+def test_batches_made_on_workers_equal_batches_made_here_through_a_sigkill(tmp_path):
+    pipe = data.Pipeline(source=Indexed(64), transform=RecordPid(str(tmp_path)), workers=2)
+    stream = data.batches(pipe, batch_size=8, steps=5000)
+    batches = iter(stream)
+    killed, killed_at = None, 0
+    for step, batch in enumerate(batches):
+        expected = _expected(pipe, step, 8)
+        assert torch.equal(batch[0], expected[0]) and torch.equal(batch[1], expected[1]), step
+        if killed is None and _pids(tmp_path):  # a worker has made a batch: kill it
+            killed, killed_at = _pids(tmp_path)[0], step
+            os.kill(killed, signal.SIGKILL)
+        if killed is not None and step > killed_at + 20 and stream.report().replaced:
+            break
+        time.sleep(0.01)
+    batches.close()  # stops the workers
+    assert killed is not None and killed != os.getpid()
+    report = stream.report()
+    assert report.replaced == 1 and report.workers == 0, report
+
+
+def test_workers_scale_up_under_a_slow_transform_and_down_when_the_consumer_is_slow():
+    pipe = data.Pipeline(
+        source=Indexed(64), transform=slow, workers=(1, 3), prefetch=6, scale_interval_s=0.5
+    )
+    stream = data.batches(pipe, batch_size=4, steps=5000)
+    batches = iter(stream)
+    slowed = False
+    for _ in batches:
+        decisions = [d.workers for d in stream.report().decisions]
+        slowed = slowed or decisions[-2:] == [2, 3]
+        if slowed:  # the consumer slows down: the pipeline gets far ahead
+            time.sleep(0.25)
+            if decisions[-1] < 3:
+                break
+    batches.close()
+    decisions = [d.workers for d in stream.report().decisions]
+    assert decisions[:2] == [2, 3] and decisions[-1] == 2, stream.report()
+
+
+def test_a_ray_dataset_and_parquet_files_are_sources_read_on_a_worker(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    ds = ray.data.range(50, override_num_blocks=5).map(lambda r: {"x": r["id"] * 3})
+    source = data.from_ray(ds)
+    assert len(source) == 50 and source.read([49, 0, 7]) == [{"x": 147}, {"x": 0}, {"x": 21}]
+    pq.write_table(pa.table({"x": list(range(30))}), tmp_path / "a.parquet", row_group_size=8)
+    for src in (source, data.from_files(str(tmp_path / "*.parquet"))):
+        pipe = data.Pipeline(source=src, workers=1, prefetch=2)
+        n = len(src)
+        scale = 3 if src is source else 1
+        for step, batch in enumerate(data.batches(pipe, batch_size=8, steps=6)):
+            ids = order.global_batch(0, step, 8, n)
+            assert batch["x"].tolist() == [i * scale for i in ids]
+
+
+def _config(**kw) -> train.TrainConfig:
+    base = dict(workers=2, steps=40, global_batch_size=32, seed=0, report_every=2)
+    base.update(kw)
+    return train.TrainConfig(**base)
+
+
+def test_fit_with_a_pipeline_is_bitwise_the_fit_without_one(tmp_path):
+    plain = train.fit(BUILD, _config())
+    piped = train.fit(
+        BUILD_WITHOUT_DATA,
+        _config(data=data.Pipeline(source=teacher(), workers=2), run_dir=str(tmp_path)),
+    )
+    assert equal(plain.state_dict(), piped.state_dict())
+    assert piped.data is not None and piped.data.peak_workers == 2
+    assert 0.0 <= piped.data.wait_fraction <= 1.0
+    rows = piped.history
+    assert all("data_wait" in r and r["data_workers"] in (0, 1, 2) for r in rows)
+    assert rows[-1]["data_workers"] == 2  # up before the end: the later batches came from them
+    assert "data_wait" in (tmp_path / "metrics.jsonl").read_text()
+    assert plain.data is None and "data_wait" not in plain.history[0]
+
+
+def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(tmp_path):
+    in_place = data.Pipeline(source=teacher(), transform=augment, workers=0)
+    inline = train.fit(BUILD_WITHOUT_DATA, _config(data=in_place))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    pipe = data.Pipeline(source=teacher(), transform=RecordPid(str(pids)), workers=2, prefetch=2)
+    killed: list[int] = []
+
+    def kill_one() -> None:
+        deadline = time.monotonic() + 120
+        while not _pids(pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _pids(pids):
+            killed.append(_pids(pids)[0])
+            os.kill(killed[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    healed = train.fit(BUILD_WITHOUT_DATA, _config(data=pipe))
+    killer.join(timeout=130)
+    assert killed, "no preprocessing proc made a batch"
+    assert equal(inline.state_dict(), healed.state_dict())
+    assert healed.failures == []  # a preprocessing proc is not a rank: nothing to heal there
+
+    # 200 samples, 32 a step: step 10 ends inside the second epoch.
+    ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10)
+    augmented = data.Pipeline(source=teacher(), transform=augment, workers=1)
+    train.fit(BUILD_WITHOUT_DATA, _config(steps=10, checkpoint=ckpt, data=augmented))
+    resumed = train.fit(BUILD_WITHOUT_DATA, _config(checkpoint=ckpt, data=augmented))
+    assert resumed.resumed_from == 10
+    assert equal(inline.state_dict(), resumed.state_dict())
+
+
+def test_a_transform_that_raises_stops_the_job_naming_the_sample_and_skip_leaves_it_out():
+    pipe = data.Pipeline(source=Indexed(64), transform=fails_on_seven, workers=1)
+    config = _config(global_batch_size=64, steps=4, data=pipe)
+    with pytest.raises(train.TrainError, match=r"dataset Indexed .*sample 7: transform raised"):
+        train.fit("tests.data.helpers:build_indexed", config)
+    skipping = data.Pipeline(source=Indexed(64), transform=fails_on_seven, on_error="skip")
+    sizes = [len(b[1]) for b in data.batches(skipping, batch_size=64, steps=2)]
+    assert sizes == [63, 63]
