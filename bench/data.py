@@ -1,7 +1,7 @@
 """Data benchmark: a trainer fed by raymesh.data vs torch's DataLoader vs Ray Data, in one run.
 
-    python bench/data.py                      # 150 and 1000 steps (~5 min on 2 cores)
-    python bench/data.py --steps 150          # one length only
+    python bench/data.py                      # 150 and 1000 steps, 2 rounds (~12 min, 2 cores)
+    python bench/data.py --steps 150 --repeats 1
 
 The job of ../shared/anchors/data_util.py: an MLP 256-1024-1024-10 trained with SGD in this
 process, one intra-op thread, batch 128. Sample i is made from i alone: a 4096-point noisy
@@ -18,7 +18,9 @@ Whole-run steps/s counts from the call that starts iterating to the last step, s
 is included (for raymesh: starting its preprocessing procs; batches are made in the trainer
 until the first is up); first_batch_s is the time to the first batch; busy is the trainer's
 forward/backward/step time over the whole run. Ray (raymesh's embedded local Ray) is started
-once before any variant, outside the timings, as the anchor does. Prints one JSON object.
+once before any variant, outside the timings, as the anchor does. Each round runs every variant
+once, in the order above (rounds interleave, so a machine that slows down slows all of them);
+figures are medians over rounds. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -174,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, nargs="+", default=[150, 1000])
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -210,10 +213,15 @@ def main() -> None:
             "raymesh_1": raymesh_data(steps, args.batch, reps, 1),
             "raymesh_1_2": raymesh_data(steps, args.batch, reps, (1, 2)),
         }
-        results = {}
-        for name, make in variants.items():
-            results[name] = r = train_loop(make, steps)
-            log(f"{steps} steps {name:14s} {r}")
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for k in range(args.repeats):
+            for name, make in variants.items():
+                rounds[name].append(r := train_loop(make, steps))
+                log(f"{steps} steps, round {k}: {name:14s} {r}")
+        results = {
+            name: {m: round(statistics.median(r[m] for r in rs), 3) for m in rs[0]} | {"rounds": rs}
+            for name, rs in rounds.items()
+        }
         base = results["dataloader_0"]["steps_per_s"]
         best_raymesh = max(
             results["raymesh_1"]["steps_per_s"], results["raymesh_1_2"]["steps_per_s"]

@@ -11,6 +11,7 @@ and because a batch is a pure function of (seed, step, indices) the redone batch
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -42,10 +43,27 @@ class WorkerStats:
 
 
 class Preprocessor(Actor):
-    """Makes batches on a preprocessing proc (one per proc)."""
+    """Makes batches on a preprocessing proc (one per proc).
 
-    def __init__(self, pipe: Pipeline, seed: int) -> None:
+    nice: the consumer's niceness, when the consumer is not a Ray worker (a script iterating
+    `data.batches`). Ray starts its workers at niceness 15, below such a consumer, which then
+    takes the CPU that the batches it waits for need; the proc moves to the consumer's
+    niceness where the OS lets it (lowering niceness needs CAP_SYS_NICE), else says so once."""
+
+    def __init__(self, pipe: Pipeline, seed: int, nice: int | None = None) -> None:
         self.pipe, self.seed = pipe, seed
+        if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) > nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            except OSError:
+                logger.warning(
+                    "raymesh.data: preprocessing procs run at niceness %d, below their "
+                    "consumer's %d, and may not catch up with it; start Ray with "
+                    "RAY_worker_niceness=%d to give them the same share",
+                    os.getpriority(os.PRIO_PROCESS, 0),
+                    nice,
+                    nice,
+                )
         self.started = time.monotonic()
         self.batches = self.samples = 0
         self.busy_s = 0.0

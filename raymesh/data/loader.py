@@ -3,6 +3,7 @@ training data order, made ahead on the pipeline's preprocessing procs."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +26,8 @@ class Batches:
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"steps={steps!r}: give an integer >= 0")
         self.pipe, self.batch_size, self.steps, self.seed = pipe, batch_size, steps, seed
-        self.workers = Workers(pipe, seed)
+        # The workers run at this process's niceness (a script's: Ray's workers run lower).
+        self.workers = Workers(pipe, seed, nice=os.getpriority(os.PRIO_PROCESS, 0))
 
     def __iter__(self) -> Iterator[Any]:
         pipe, seed, steps = self.pipe, self.seed, self.steps

@@ -28,6 +28,7 @@ logger = logging.getLogger("raymesh")
 
 SPAWN_TIMEOUT_S = 120.0
 STATS_TIMEOUT_S = 10.0
+MAX_SPAWN_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,17 @@ class _Worker:
 class Workers:
     """The preprocessing procs of one pipeline (see the module docstring)."""
 
-    def __init__(self, pipe: Pipeline, seed: int) -> None:
-        self.pipe, self.seed = pipe, seed
+    def __init__(self, pipe: Pipeline, seed: int, *, nice: int | None = None) -> None:
+        """nice: the consumer's niceness, for workers that feed a process outside Ray (see
+        `Preprocessor`); None: they keep Ray's worker niceness, as the trainers do."""
+        self.pipe, self.seed, self.nice = pipe, seed, nice
         low, high = pipe.bounds
         self.policy = ScalePolicy(min=low, max=high)
         self.workers: list[_Worker] = []
         self.generation = 0
         self.decisions: list[Scale] = []
         self.replaced = 0
+        self.spawn_failures = 0
         self._lock = threading.Lock()
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, "raymesh-data-spawn")
         self._spawning: concurrent.futures.Future | None = None
@@ -99,9 +103,18 @@ class Workers:
         `scale_interval_s`). Spawns run on a thread of their own; never blocks on one."""
         if self._spawning is not None and not self._spawning.done():
             return
-        if self._spawning is not None:
-            self._spawning.result()  # a spawn that failed raises here, in the controller
-            self._spawning = None
+        if self._spawning is not None and self._spawning.exception() is not None:
+            # The consumers make their own batches meanwhile; a worker that cannot start
+            # (its pipeline does not unpickle there, no room) is tried MAX_SPAWN_FAILURES times.
+            self.spawn_failures += 1
+            logger.warning(
+                "raymesh.data: starting a preprocessing worker failed (%s)%s",
+                str(self._spawning.exception()).splitlines()[0][:300],
+                "; giving up on more" if self.spawn_failures >= MAX_SPAWN_FAILURES else "",
+            )
+        self._spawning = None
+        if self.spawn_failures >= MAX_SPAWN_FAILURES:
+            return
         dead = self._reap()
         if dead:
             self.replaced += dead
@@ -162,7 +175,7 @@ class Workers:
             timeout=SPAWN_TIMEOUT_S,
             escalate=False,  # this pool watches its workers (tick), and replaces them
         )
-        actor = procs.spawn("preprocess", Preprocessor, self.pipe, self.seed)
+        actor = procs.spawn("preprocess", Preprocessor, self.pipe, self.seed, self.nice)
         return _Worker(procs, actor)
 
     def _grow(self, n: int) -> None:
