@@ -39,6 +39,12 @@ def slow(sample):
     return sample
 
 
+def pause(sample):
+    """The sample as it is, a millisecond later: a deterministic transform with a cost."""
+    time.sleep(0.001)
+    return sample
+
+
 def fails_on_seven(sample):
     if int(sample[1]) == 7:
         raise ValueError("sample seven is broken")
