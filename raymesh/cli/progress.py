@@ -1,5 +1,5 @@
 """A live progress bar for training runs: step/total, loss, samples/s, ETA, per-rank losses,
-and with a pipeline the ranks' data wait and its preprocessing procs.
+and with a pipeline the ranks' data wait, its preprocessing procs and their samples/s.
 
 On a terminal it redraws one line in place; otherwise (CI logs, pipes) it prints a line at every
 10% so that logs stay short.
@@ -34,7 +34,10 @@ class ProgressBar:
             f"{p['samples_per_s']:.0f} samples/s ETA {_fmt_eta(p['eta_s'])} | {ranks}"
         )
         if "data_workers" in p:  # a pipeline: the ranks' wait for batches, its procs
-            line += f" | data wait {p['data_wait']:.0%}, {p['data_workers']} prep"
+            line += (
+                f" | data wait {p['data_wait']:.0%}, {p['data_workers']} prep "
+                f"{p['data_samples_per_s']:.0f} samples/s"
+            )
         if self.live:
             self.stream.write("\r" + line[:200])
             if step >= steps:

@@ -141,6 +141,10 @@ class Workers:
                 self.generation += 1
             gone.procs.stop()  # its batches in flight are redone by the feeds
 
+    def figures(self) -> dict[str, float]:
+        """What a report row shows of the pipeline now."""
+        return {"data_workers": self.size, "data_samples_per_s": round(self.samples_per_s, 1)}
+
     def report(self) -> PipelineReport:
         return PipelineReport(
             workers=self.size,

@@ -377,7 +377,7 @@ class TrainController:
             [list(m) for m in per_rank],
             global_batch_size=self.config.global_batch_size,
             steps=self.config.steps,
-            data_workers=self.data.size if self.data is not None else None,
+            data=self.data.figures() if self.data is not None else None,
         )
         if report is None:
             return

@@ -49,7 +49,7 @@ class Report:
             "ranks": [{"rank": r, "loss": loss} for r, loss in enumerate(self.rank_losses)],
             "failures": self.failures,
             "world_size": self.world_size,
-            **{k: self.rows[-1][k] for k in ("data_wait", "data_workers") if k in self.rows[-1]},
+            **{k: v for k, v in self.rows[-1].items() if k.startswith("data_")},
         }
 
 

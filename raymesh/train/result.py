@@ -91,12 +91,12 @@ class RunLog:
         *,
         global_batch_size: int,
         steps: int,
-        data_workers: int | None = None,
+        data: dict[str, float] | None = None,
     ) -> Report | None:
         """Fold one chunk's per-rank metrics (the steps every rank completed) into the
-        history; returns its report (None when no step completed). With a pipeline
-        (`data_workers` its procs now), each row also has `data_wait` (the ranks' mean share
-        of the step spent waiting for batches) and `data_workers`."""
+        history; returns its report (None when no step completed). With a pipeline, each row
+        also has `data_wait` (the ranks' mean share of the step spent waiting for batches)
+        and the pipeline's figures `data` (`data_workers`, `data_samples_per_s`)."""
         n = len(per_rank[0])
         if n == 0:
             return None
@@ -108,12 +108,12 @@ class RunLog:
             loss = sum(r[i].loss for r in per_rank) / len(per_rank)
             end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
             row = {"step": per_rank[0][i].step, "loss": loss, "samples_per_s": rate, "end": end}
-            if data_workers is not None:
+            if data is not None:
                 waits = [r[i].data_wait_s or 0.0 for r in per_rank]
                 row["data_wait"] = sum(
                     w / r[i].step_s for w, r in zip(waits, per_rank) if r[i].step_s > 0
                 ) / len(per_rank)
-                row["data_workers"] = data_workers
+                row.update(data)
             rows.append(row)
         self.history.extend(rows)
         if self.healing:  # the first step completed after healing: how long recovery took

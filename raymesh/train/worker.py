@@ -337,11 +337,11 @@ class TrainWorker(Actor):
         the job."""
         out: list[StepMetrics] = []
         ckpt = self.config.checkpoint
+        if feeders is not None and self.feed is not None:  # first: the controller counts it heard
+            self.feed.use(feeders.generation, feeders.workers)
         if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
             return ChunkResult((), self.done, error="no process group", cause="peer")
         self.sizes = sizes
-        if feeders is not None and self.feed is not None:
-            self.feed.use(feeders.generation, feeders.workers)
         try:
             for step in range(start, stop):
                 mark(step + 1, "start")

@@ -104,6 +104,7 @@ def test_fit_with_a_pipeline_is_bitwise_the_fit_without_one(tmp_path):
     assert 0.0 <= piped.data.wait_fraction <= 1.0
     rows = piped.history
     assert all("data_wait" in r and r["data_workers"] in (0, 1, 2) for r in rows)
+    assert all(r["data_samples_per_s"] >= 0 for r in rows)
     assert rows[-1]["data_workers"] == 2  # up before the end: the later batches came from them
     assert "data_wait" in (tmp_path / "metrics.jsonl").read_text()
     assert plain.data is None and "data_wait" not in plain.history[0]

@@ -157,3 +157,18 @@ def test_scaling_adds_a_worker_when_trainers_wait_and_removes_one_when_far_ahead
     assert down is not None and down.workers == 2 and "ahead" in down.reason
     assert policy.decide(workers=3, wait_fraction=0.0, busy_workers=1.5) is None  # still needed
     assert policy.decide(workers=1, wait_fraction=0.0, busy_workers=0.0) is None  # at min
+
+
+def test_the_progress_bar_shows_the_pipeline_when_there_is_one():
+    import io
+
+    from raymesh.cli.progress import ProgressBar
+
+    base = {"step": 5, "steps": 10, "loss": 1.0, "samples_per_s": 100.0, "eta_s": 3.0}
+    base["ranks"] = [{"rank": 0, "loss": 1.0}]
+    out = io.StringIO()
+    ProgressBar(out)(base)
+    ProgressBar(out)(base | {"data_wait": 0.25, "data_workers": 2, "data_samples_per_s": 999.6})
+    plain, piped = out.getvalue().splitlines()
+    assert "data" not in plain
+    assert piped.endswith("| data wait 25%, 2 prep 1000 samples/s")
