@@ -47,7 +47,9 @@ def fit(
         is imported here first, so a bad name fails before any proc starts). None takes
         `config.build`.
     progress: called in this process after each reported chunk with step, steps, loss,
-        samples_per_s, eta_s and per-rank losses (the CLI draws its progress bar from it).
+        samples_per_s, eta_s and per-rank losses (the CLI draws its progress bar from it). An
+        exception it raises ends the job there (its procs stopped) and propagates out of fit
+        (raymesh.tune prunes a trial that way).
     Raises ValueError for a bad config or build, `TrainError` when training fails.
     """
     if not isinstance(config, TrainConfig):

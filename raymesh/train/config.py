@@ -117,6 +117,9 @@ class TrainConfig:
     # Preprocessing on procs of its own, ahead of the ranks (raymesh.data; `[data]` in a job
     # file). None: each rank reads and collates the build function's `Task.dataset` itself.
     data: Pipeline | None = None
+    # Hyperparameters the build function reads as `ctx.params` (raymesh.tune sets a trial's);
+    # plain data (numbers, strings, lists), as a checkpoint's manifest stores them.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, list):  # a TOML array
@@ -203,6 +206,8 @@ class TrainConfig:
             object.__setattr__(self, "data", Pipeline.from_dict(self.data))
         if self.data is not None and not isinstance(self.data, Pipeline):
             raise _bad("data", self.data, "pass a raymesh.data.Pipeline(source=...) or None")
+        if not isinstance(self.params, dict) or not all(isinstance(k, str) for k in self.params):
+            raise _bad("params", self.params, "give a dict of named values, e.g. {'lr': 0.01}")
 
     @property
     def min_workers(self) -> int:

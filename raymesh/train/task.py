@@ -28,6 +28,11 @@ class Context:
     seed: int  # TrainConfig.seed
     config: Any = None  # the TrainConfig
 
+    @property
+    def params(self) -> dict[str, Any]:
+        """The job's hyperparameters (`TrainConfig.params`; a raymesh.tune trial's)."""
+        return dict(getattr(self.config, "params", None) or {})
+
 
 @dataclass(frozen=True)
 class Local:

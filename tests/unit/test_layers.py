@@ -14,7 +14,8 @@ The layers, lowest first (a module may import its own layer and any lower one):
 - testing (`raymesh.testing`): faults as plain data; it may import the core at most, so that
   any layer's tests can use it (not topology, though it sits above it).
 - data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
-- train (`raymesh.train`), examples (`raymesh.examples`), cli (`raymesh.cli`).
+- train (`raymesh.train`), tune (`raymesh.tune`: studies whose trials are training jobs),
+  examples (`raymesh.examples`), cli (`raymesh.cli`).
 
 Every import counts: top-level, inside functions (lazy), under `if TYPE_CHECKING:` (a type
 named across layers is a dependency all the same), relative ones, and
@@ -38,7 +39,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raymesh"
 
-ORDER = ("base", "backend", "core", "topology", "testing", "data", "train", "examples", "cli")
+ORDER = (
+    "base",
+    "backend",
+    "core",
+    "topology",
+    "testing",
+    "data",
+    "train",
+    "tune",
+    "examples",
+    "cli",
+)
 
 # Module (or package, with everything under it) -> layer; the longest match wins. "raymesh"
 # itself matches only the package's __init__, so a new top-level module must be placed here.
@@ -56,6 +68,7 @@ LAYERS = {
     "raymesh.testing": "testing",
     "raymesh.data": "data",
     "raymesh.train": "train",
+    "raymesh.tune": "tune",
     "raymesh.examples": "examples",
     "raymesh.cli": "cli",
 }
@@ -78,6 +91,7 @@ PUBLIC = (
     "raymesh.testing",
     "raymesh.data",
     "raymesh.train",
+    "raymesh.tune",
     "raymesh.cli",
     "raymesh.cli.main",
 )

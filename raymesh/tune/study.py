@@ -1,0 +1,403 @@
+"""`run`: a hyperparameter study whose trials are whole raymesh.train jobs.
+
+Optuna drives the search from outside (ask and tell): its samplers choose each trial's
+parameters (TPE by default, "random", or "grid" over choice-only spaces), and its pruners stop
+trials early (`scheduler`: "asha" is Optuna's asynchronous successive halving, "hyperband",
+"median"). Every report of a trial's job (one per `TrainConfig.report_every` steps) is told to
+the pruner with its step; a trial told to stop ends at that step boundary, its procs stopped.
+
+Guarantees:
+- A trial is `train.fit(build, config)` with the trial's parameters in `config.params` (the
+  build reads `ctx.params`): any world size and strategy, self-healing included. A trial that
+  fails for good (`TrainError`, `TooManyFailures`) is recorded as failed, with its error, and
+  the study goes on.
+- With `storage`, the study lives in Optuna's SQLite storage next to the trials' folders.
+  `resume=True` continues a study whose controller died: finished trials are kept, trials that
+  were running are run again with the same parameters, from their last checkpoint when
+  `config.checkpoint.every` made one (each trial checkpoints in a folder named after its
+  parameters).
+- Bad input (an empty or invalid space, an unknown scheduler or sampler, a metric that jobs do
+  not report, a mode other than "min" or "max") is a ValueError before any trial starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raymesh import train
+from raymesh.train.api import resolve_build
+from raymesh.tune.space import domains, to_distributions
+
+__all__ = ["METRICS", "Study", "TrialResult", "run"]
+
+logger = logging.getLogger("raymesh")
+
+# What a job reports at each chunk (train.fit's progress), and so what a study can optimize.
+METRICS = ("loss", "samples_per_s")
+SCHEDULERS = ("asha", "hyperband", "median", None)
+SAMPLERS = ("tpe", "random", "grid")
+
+
+class _Pruned(Exception):
+    """Raised from a trial's progress callback: the pruner stopped it at this step."""
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One trial: its parameters, how it ended, its last reported metric and where it saved."""
+
+    number: int
+    params: dict[str, Any]
+    state: str  # "complete", "pruned", "failed" or "running"
+    value: float | None  # the metric at its last report (None: none came)
+    step: int  # the last step it reported
+    checkpoint: str | None = None  # its newest committed checkpoint (with storage)
+    error: str | None = None  # why it failed
+    curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)  # (step, metric)
+
+
+@dataclass
+class Study:
+    """What `run` returns: every trial, the best one, a table and the files it wrote."""
+
+    metric: str
+    mode: str
+    trials: list[TrialResult]
+    folder: Path | None  # results.csv and the plots (with storage)
+
+    @property
+    def best(self) -> TrialResult:
+        done = [t for t in self.trials if t.state == "complete" and t.value is not None]
+        if not done:
+            raise ValueError("no trial completed: the study has no best trial")
+        pick = min if self.mode == "min" else max
+        return pick(done, key=lambda t: t.value)  # type: ignore[arg-type,return-value]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One plain row per trial: number, state, value, step, then each parameter."""
+        return [
+            {"number": t.number, "state": t.state, self.metric: t.value, "step": t.step}
+            | {f"param_{k}": v for k, v in t.params.items()}
+            | ({"error": t.error} if t.error else {})
+            for t in self.trials
+        ]
+
+    def table(self) -> Any:
+        """The rows as a pandas DataFrame when pandas is installed, else the list of rows."""
+        try:
+            import pandas
+        except ImportError:
+            return self.rows()
+        return pandas.DataFrame(self.rows())
+
+
+def _pruner(scheduler: str | None, first_step: int) -> Any:
+    import optuna
+
+    if scheduler == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=first_step, reduction_factor=4)
+    if scheduler == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=first_step)
+    if scheduler == "median":
+        return optuna.pruners.MedianPruner(n_warmup_steps=first_step)
+    return optuna.pruners.NopPruner()
+
+
+def _sampler(sampler: str, found: Mapping[str, Any], seed: int) -> Any:
+    import optuna
+
+    if sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler == "grid":  # every point is enqueued (`_grid`): the sampler never draws
+        not_choice = [n for n, d in found.items() if d.kind != "choice"]
+        if not_choice:
+            raise ValueError(
+                f"sampler='grid' needs choice() for every parameter; {not_choice} are ranges"
+            )
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def _grid(study: Any, found: Mapping[str, Any]) -> int:
+    """Enqueue every point of a choice-only space not tried yet (Optuna's GridSampler ends
+    the study from inside its own optimize loop, which ask-and-tell does not run); returns
+    the number of points."""
+    names = list(found)
+    points = [dict(zip(names, p)) for p in itertools.product(*(found[n].options for n in names))]
+    tried = [t.params for t in study.get_trials(deepcopy=False)]
+    for point in points:
+        if point not in tried:
+            study.enqueue_trial(point)
+    return len(points)
+
+
+def _check(metric: str, mode: str, scheduler: Any, sampler: Any, trials: Any, concurrent: Any):
+    if metric not in METRICS:
+        raise ValueError(
+            f"metric={metric!r}: a job reports {list(METRICS)} at each step; optimize one of them"
+        )
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r}: give 'min' or 'max'")
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={scheduler!r}: give one of {list(SCHEDULERS)}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r}: give one of {list(SAMPLERS)}")
+    for name, value in (("trials", trials), ("concurrent", concurrent)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: give an integer >= 1")
+
+
+def _slug(params: Mapping[str, Any]) -> str:
+    text = json.dumps(params, sort_keys=True, default=str)
+    return "trial-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run(
+    build: Callable[[train.Context], train.Task] | str,
+    config: train.TrainConfig,
+    *,
+    space: Mapping[str, Any],
+    trials: int = 16,
+    concurrent: int = 1,
+    metric: str = "loss",
+    mode: str = "min",
+    scheduler: str | None = "asha",
+    sampler: str = "tpe",
+    storage: str | None = None,
+    resume: bool = False,
+    seed: int = 0,
+    progress: Callable[[Study], None] | None = None,
+) -> Study:
+    """Run `trials` trials of `build` with parameters drawn from `space`, `concurrent` at a
+    time, optimizing `metric` (`mode` "min" or "max"); see the module docstring.
+
+    storage: a path ("runs/study.db"): the Optuna SQLite database, with results.csv, the plots
+        and each trial's checkpoints beside it. None: in memory, nothing written.
+    resume: continue the study in `storage` (it must exist); without it an existing study is
+        an error, so a finished study is never extended by accident.
+    progress: called with the study so far after every trial ends (the CLI's live table).
+    """
+    import optuna
+
+    _check(metric, mode, scheduler, sampler, trials, concurrent)
+    found, constants = domains(space)
+    distributions = to_distributions(found)
+    if not isinstance(config, train.TrainConfig):
+        raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
+    fn = resolve_build(build)  # a bad name fails here, before any trial
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    folder, url = None, None
+    if storage is not None:
+        db = Path(storage)
+        if db.exists() and not resume:
+            raise ValueError(
+                f"storage={storage!r} already holds a study; pass resume=True to continue it, "
+                "or give a new path"
+            )
+        if resume and not db.exists():
+            raise ValueError(f"resume=True: no study at storage={storage!r} to continue")
+        db.parent.mkdir(parents=True, exist_ok=True)
+        folder, url = db.parent, f"sqlite:///{db.resolve()}"
+    study = optuna.create_study(
+        study_name="raymesh",
+        storage=url,
+        load_if_exists=resume,
+        direction="minimize" if mode == "min" else "maximize",
+        sampler=_sampler(sampler, found, seed),
+        pruner=_pruner(scheduler, config.report_every),
+    )
+    _requeue_running(study)
+    if sampler == "grid":
+        trials = min(trials, _grid(study, found))
+    lock = threading.Lock()
+
+    def left() -> int:
+        finished = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
+        ended = [t for t in study.get_trials(deepcopy=False) if t.state in finished]
+        failed = [t for t in study.get_trials(deepcopy=False) if _failed_for_good(t)]
+        return trials - len(ended) - len(failed)
+
+    def one() -> bool:
+        with lock:
+            if left() - running[0] <= 0:
+                return False
+            running[0] += 1
+            trial = study.ask(distributions)
+        try:
+            _trial(study, trial, fn, config, constants, metric, folder)
+        finally:
+            with lock:
+                running[0] -= 1
+        if progress is not None:
+            progress(_result(study, metric, mode, folder))
+        return True
+
+    running = [0]
+    with ThreadPoolExecutor(concurrent, "raymesh-trial") as pool:
+
+        def loop() -> None:
+            while one():
+                pass
+
+        for f in [pool.submit(loop) for _ in range(concurrent)]:
+            f.result()
+    out = _result(study, metric, mode, folder)
+    if folder is not None:
+        _write(out, folder)
+    return out
+
+
+def _failed_for_good(t: Any) -> bool:
+    """A trial whose job failed (it has an error); a FAIL without one was left running by a
+    dead controller and asked again (`_requeue_running`)."""
+    import optuna
+
+    return t.state == optuna.trial.TrialState.FAIL and "error" in t.user_attrs
+
+
+def _requeue_running(study: Any) -> None:
+    """Trials a dead controller left running: ended, and asked again with the same params."""
+    import optuna
+
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, skip_if_exists=False)
+        logger.info("raymesh.tune: trial %d was running when the study stopped: again", t.number)
+
+
+def _trial(study, trial, fn, config, constants, metric, folder) -> None:
+    import optuna
+
+    params = dict(trial.params) | dict(constants)
+    overrides: dict[str, Any] = {"params": dict(config.params) | params}
+    if folder is not None:
+        ckpt = config.checkpoint or train.CheckpointConfig(dir="unused")
+        trial_dir = folder / "trials" / _slug(params)
+        overrides["checkpoint"] = dataclasses.replace(ckpt, dir=str(trial_dir))
+        overrides["run_dir"] = str(trial_dir)
+        trial.set_user_attr("dir", str(trial_dir))
+    cfg = dataclasses.replace(config, **overrides)
+
+    def report(p: dict[str, Any]) -> None:
+        trial.report(float(p[metric]), int(p["step"]))
+        trial.set_user_attr("step", int(p["step"]))
+        if trial.should_prune():
+            raise _Pruned(int(p["step"]))
+
+    try:
+        result = train.fit(fn, cfg, progress=report)
+    except _Pruned as stop:
+        logger.info("raymesh.tune: trial %d pruned at step %d", trial.number, stop.args[0])
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return
+    except (train.TrainError, train.TooManyFailures) as e:
+        trial.set_user_attr("error", str(e).splitlines()[0][:500])
+        logger.warning("raymesh.tune: trial %d failed: %s", trial.number, e)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return
+    if result.checkpoint is not None:
+        trial.set_user_attr("checkpoint", result.checkpoint)
+    study.tell(trial, float(result.history[-1][metric]))
+
+
+def _result(study: Any, metric: str, mode: str, folder: Path | None) -> Study:
+    import optuna
+
+    names = {
+        optuna.trial.TrialState.COMPLETE: "complete",
+        optuna.trial.TrialState.PRUNED: "pruned",
+        optuna.trial.TrialState.FAIL: "failed",
+        optuna.trial.TrialState.RUNNING: "running",
+        optuna.trial.TrialState.WAITING: "waiting",
+    }
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state == optuna.trial.TrialState.FAIL and not _failed_for_good(t):
+            continue  # left running by a dead controller: run again under a new number
+        curve = tuple(sorted(t.intermediate_values.items()))
+        value = t.value if t.value is not None else (curve[-1][1] if curve else None)
+        out.append(
+            TrialResult(
+                number=t.number,
+                params=dict(t.params),
+                state=names.get(t.state, str(t.state)),
+                value=value,
+                step=int(t.user_attrs.get("step", curve[-1][0] if curve else 0)),
+                checkpoint=t.user_attrs.get("checkpoint"),
+                error=t.user_attrs.get("error"),
+                curve=curve,
+            )
+        )
+    return Study(metric=metric, mode=mode, trials=out, folder=folder)
+
+
+def _write(study: Study, folder: Path) -> None:
+    """results.csv, and the plots when matplotlib is installed."""
+    rows = study.rows()
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with (folder / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("raymesh.tune: matplotlib is not installed: no plots")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in study.trials:
+        if t.curve:
+            steps, values = zip(*t.curve)
+            ax.plot(steps, values, alpha=0.8, label=f"{t.number} ({t.state})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(study.metric)
+    ax.set_title("learning curves")
+    if len(study.trials) <= 12:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "curves.png", dpi=100)
+    plt.close(fig)
+    _parallel_coordinates(study, folder, plt)
+
+
+def _parallel_coordinates(study: Study, folder: Path, plt: Any) -> None:
+    """Each finished trial as a line across its parameters (scaled to [0, 1]), by its metric."""
+    done = [t for t in study.trials if t.value is not None and t.params]
+    names = sorted({k for t in done for k in t.params})
+    if not done or not names:
+        return
+    columns = []
+    for name in names:
+        raw = [t.params.get(name) for t in done]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw)
+        labels = sorted(map(str, set(raw)))
+        values = [float(v) if numeric else float(labels.index(str(v))) for v in raw]  # type: ignore[arg-type]
+        low, high = min(values), max(values)
+        columns.append([(v - low) / (high - low) if high > low else 0.5 for v in values])
+    metric = [float(t.value) for t in done if t.value is not None]
+    lo, hi = min(metric), max(metric)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    cmap = plt.get_cmap("viridis")
+    for i, value in enumerate(metric):
+        shade = (value - lo) / (hi - lo) if hi > lo else 0.5
+        ax.plot(range(len(names)), [c[i] for c in columns], color=cmap(shade), alpha=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("parameter (scaled)")
+    ax.set_title(f"parameters by {study.metric} (dark: low)")
+    fig.tight_layout()
+    fig.savefig(folder / "parameters.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,52 @@
+"""raymesh.tune's input, checked before any trial starts (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raymesh import train, tune
+from raymesh.tune.space import domains
+
+
+def _run(**kw):
+    args = dict(space={"lr": tune.loguniform(1e-4, 1e-1)}, trials=2)
+    return tune.run("tests.tune.helpers:quadratic", train.TrainConfig(), **(args | kw))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"space": {}}, "give a dict of parameters"),
+        ({"space": {"lr": 0.1}}, "no domain to search"),
+        ({"space": {"lr": tune.loguniform(0, 1)}}, "a log domain needs low > 0"),
+        ({"space": {"lr": tune.uniform(1, 1)}}, "low=1.0 must be below high=1.0"),
+        ({"space": {"w": tune.choice([])}}, "give at least one option"),
+        ({"scheduler": "pbt"}, "scheduler='pbt'"),
+        ({"metric": "accuracy"}, "metric='accuracy'"),
+        ({"mode": "lowest"}, "mode='lowest'"),
+        ({"trials": 0}, "trials=0"),
+        ({"sampler": "grid"}, "sampler='grid' needs choice"),
+    ],
+)
+def test_bad_input_is_an_error_naming_it_before_any_trial(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        _run(**kw)
+
+
+def test_ray_tune_domains_are_read_as_they_are():
+    from ray import tune as ray_tune
+
+    found, constants = domains(
+        {
+            "lr": ray_tune.loguniform(1e-4, 1e-1),
+            "drop": ray_tune.uniform(0.0, 0.5),
+            "layers": ray_tune.randint(1, 4),
+            "act": ray_tune.choice(["relu", "gelu"]),
+            "epochs": 3,
+        }
+    )
+    assert found["lr"] == tune.Domain("float", 1e-4, 1e-1, log=True)
+    assert found["drop"] == tune.uniform(0.0, 0.5)
+    assert found["layers"] == tune.randint(1, 4)
+    assert found["act"].options == ("relu", "gelu")
+    assert constants == {"epochs": 3}
