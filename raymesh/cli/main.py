@@ -20,6 +20,7 @@ from typing import Any
 
 from raymesh._version import __version__
 from raymesh.cli import topology as topology_cli
+from raymesh.cli import tune as tune_cli
 
 
 def _info() -> dict[str, Any]:
@@ -138,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
     )
     topology_cli.add_parser(sub)
+    tune_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "topology":
         return topology_cli.run(args)
+    if args.command == "tune":
+        return tune_cli.run(args)
     if args.command == "train":
         return _train(args)
     if args.command == "info":

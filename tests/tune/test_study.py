@@ -64,3 +64,30 @@ def test_a_study_in_storage_resumes_keeping_finished_trials_and_rerunning_a_runn
     assert [t.state for t in resumed.trials] == ["complete"] * 3
     assert [t.params for t in resumed.trials[:2]] == [t.params for t in first.trials]
     assert resumed.trials[2].params == left_running.params  # run again, same parameters
+
+
+def test_raymesh_tune_runs_a_job_file_and_prints_its_trials(tmp_path, capsys):
+    from raymesh.cli.main import main
+
+    job = tmp_path / "study.toml"
+    job.write_text(
+        f"""
+build = "{BUILD}"
+workers = 1
+steps = 3
+global_batch_size = 4
+
+[tune]
+trials = 2
+sampler = "grid"
+scheduler = "median"
+storage = "{tmp_path / "runs" / "study.db"}"
+
+[tune.space]
+x = "choice([0.3, 0.6])"
+"""
+    )
+    assert main(["tune", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "trial  state" in out and "best: trial" in out and "'x': 0.3" in out
+    assert (tmp_path / "runs" / "results.csv").exists()

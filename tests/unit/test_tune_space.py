@@ -50,3 +50,37 @@ def test_ray_tune_domains_are_read_as_they_are():
     assert found["layers"] == tune.randint(1, 4)
     assert found["act"].options == ("relu", "gelu")
     assert constants == {"epochs": 3}
+
+
+def test_a_job_file_gives_the_config_the_space_and_the_run_arguments(tmp_path):
+    from raymesh.tune.jobfile import load_study
+
+    job = tmp_path / "study.toml"
+    job.write_text(
+        """
+build = "tests.tune.helpers:quadratic"
+steps = 4
+
+[tune]
+trials = 3
+scheduler = "median"
+
+[tune.space]
+x = "uniform(0.0, 0.6)"
+width = "choice([64, 128])"
+name = "plain string"
+"""
+    )
+    config, kwargs = load_study(job)
+    assert config.steps == 4 and kwargs["trials"] == 3 and kwargs["scheduler"] == "median"
+    assert kwargs["space"] == {
+        "x": tune.uniform(0.0, 0.6),
+        "width": tune.choice([64, 128]),
+        "name": "plain string",
+    }
+    job.write_text('build = "m:f"\n[tune]\ntrials = 2\n[tune.space]\nx = "uniform(a, b)"\n')
+    with pytest.raises(ValueError, match=r"tune.space.x = 'uniform\(a, b\)': the arguments"):
+        load_study(job)
+    job.write_text('build = "m:f"\n[tune]\ntrails = 2\n[tune.space]\nx = "uniform(0, 1)"\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['trails'\]"):
+        load_study(job)
