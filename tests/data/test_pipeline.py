@@ -54,7 +54,7 @@ def test_batches_made_on_workers_equal_batches_made_here_through_a_sigkill(tmp_p
 
 def test_workers_scale_up_under_a_slow_transform_and_down_when_the_consumer_is_slow():
     pipe = data.Pipeline(
-        source=Indexed(64), transform=slow, workers=(1, 3), prefetch=6, scale_interval_s=0.5
+        source=Indexed(64), transform=slow, workers=(1, 3), prefetch=6, scale_interval_s=0.3
     )
     stream = data.batches(pipe, batch_size=4, steps=5000)
     batches = iter(stream)
@@ -63,7 +63,7 @@ def test_workers_scale_up_under_a_slow_transform_and_down_when_the_consumer_is_s
         decisions = [d.workers for d in stream.report().decisions]
         slowed = slowed or decisions[-2:] == [2, 3]
         if slowed:  # the consumer slows down: the pipeline gets far ahead
-            time.sleep(0.25)
+            time.sleep(0.15)
             if decisions[-1] < 3:
                 break
     batches.close()
@@ -79,6 +79,7 @@ def test_a_ray_dataset_and_parquet_files_are_sources_read_on_a_worker(tmp_path):
     ds = ray.data.range(50, override_num_blocks=5).map(lambda r: {"x": r["id"] * 3})
     source = data.from_ray(ds)
     assert len(source) == 50 and source.read([49, 0, 7]) == [{"x": 147}, {"x": 0}, {"x": 21}]
+    assert [r["x"] for r in source.read(list(range(50)))] == [3 * i for i in range(50)]
     pq.write_table(pa.table({"x": list(range(30))}), tmp_path / "a.parquet", row_group_size=8)
     for src in (source, data.from_files(str(tmp_path / "*.parquet"))):
         pipe = data.Pipeline(source=src, workers=1, prefetch=2)

@@ -48,27 +48,12 @@ def test_a_grid_study_finds_the_optimum_prunes_worse_trials_and_survives_a_faili
     assert (tmp_path / "parameters.png").stat().st_size > 0
 
 
-def test_a_study_in_storage_resumes_keeping_finished_trials_and_rerunning_a_running_one(tmp_path):
-    db = tmp_path / "study.db"
-    space = {"x": tune.uniform(0.0, 0.6)}
-    first = tune.run(BUILD, _config(), space=space, trials=2, scheduler=None, storage=str(db))
-    assert [t.state for t in first.trials] == ["complete", "complete"]
-    with pytest.raises(ValueError, match="already holds a study"):
-        tune.run(BUILD, _config(), space=space, trials=3, storage=str(db))
-    # A controller that died mid-trial leaves it RUNNING in the database.
-    stored = optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}")
-    left_running = stored.ask({"x": optuna.distributions.FloatDistribution(0.0, 0.6)})
-    resumed = tune.run(
-        BUILD, _config(), space=space, trials=3, scheduler=None, storage=str(db), resume=True
-    )
-    assert [t.state for t in resumed.trials] == ["complete"] * 3
-    assert [t.params for t in resumed.trials[:2]] == [t.params for t in first.trials]
-    assert resumed.trials[2].params == left_running.params  # run again, same parameters
-
-
-def test_raymesh_tune_runs_a_job_file_and_prints_its_trials(tmp_path, capsys):
+def test_raymesh_tune_runs_a_job_file_and_a_resumed_study_reruns_only_a_trial_left_running(
+    tmp_path, capsys
+):
     from raymesh.cli.main import main
 
+    db = tmp_path / "runs" / "study.db"
     job = tmp_path / "study.toml"
     job.write_text(
         f"""
@@ -79,15 +64,34 @@ global_batch_size = 4
 
 [tune]
 trials = 2
-sampler = "grid"
+sampler = "random"
 scheduler = "median"
-storage = "{tmp_path / "runs" / "study.db"}"
+storage = "{db}"
 
 [tune.space]
-x = "choice([0.3, 0.6])"
+x = "uniform(0.0, 0.6)"
 """
     )
     assert main(["tune", str(job)]) == 0
     out = capsys.readouterr().out
-    assert "trial  state" in out and "best: trial" in out and "'x': 0.3" in out
+    assert "trial  state" in out and "best: trial" in out
     assert (tmp_path / "runs" / "results.csv").exists()
+    assert main(["tune", str(job), "--trials", "3"]) == 2  # the study exists: say resume
+    assert "already holds a study" in capsys.readouterr().err
+    first = optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}").trials
+    # A controller that died mid-trial leaves it RUNNING in the database.
+    stored = optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}")
+    left_running = stored.ask({"x": optuna.distributions.FloatDistribution(0.0, 0.6)})
+    assert main(["tune", str(job), "--trials", "3", "--resume"]) == 0
+    resumed = tune.run(
+        BUILD,
+        _config(steps=3),
+        space={"x": tune.uniform(0.0, 0.6)},
+        trials=3,
+        scheduler="median",
+        storage=str(db),
+        resume=True,
+    )  # all 3 done: runs nothing more
+    assert [t.state for t in resumed.trials] == ["complete"] * 3
+    assert [t.params for t in resumed.trials[:2]] == [t.params for t in first]
+    assert resumed.trials[2].params == left_running.params  # run again, same parameters

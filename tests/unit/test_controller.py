@@ -113,7 +113,7 @@ class FakeRank:
         self.done = state.done
         return self.done
 
-    def ep_run(self, start: int, stop: int, sizes: Any) -> ChunkResult:
+    def ep_run(self, start: int, stop: int, sizes: Any, feeders: Any = None) -> ChunkResult:
         if not self.grouped:  # a chunk queued behind a failed one
             return ChunkResult((), self.done, error="no process group", cause="peer")
         dying = [r.die_at for r in self.pool.ranks if r.die_at and start < r.die_at <= stop]

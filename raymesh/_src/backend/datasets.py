@@ -19,8 +19,9 @@ def materialize(dataset: Any) -> tuple[list[Any], list[int]]:
             "ray.data.read_parquet(...)"
         )
     # Ray Data may emit blocks in the order its tasks finish; the sample order needs the
-    # dataset's own order, the same in every run.
-    context = ray.data.DataContext.get_current()
+    # dataset's own order, the same in every run. A dataset runs with the context it was made
+    # with (a copy of the one current then), so that is the one to set.
+    context = dataset.context
     preserved = context.execution_options.preserve_order
     context.execution_options.preserve_order = True
     try:

@@ -1,0 +1,238 @@
+"""Tuning benchmark: raymesh.tune vs Ray Tune vs the same iterations back to back, in one run.
+
+    python bench/tune.py                 # 16 trials x 20 iterations (~4 min on 2 cores)
+
+The job of ../shared/anchors/tune_asha.py: 16 trials of an MLP 20-64-64-10 on a fixed 10-class
+set (2048 samples), one torch thread, SGD with learning rates log-spaced 1e-4 .. 1 (a grid);
+an iteration is 40 SGD steps of batch 64, and each trial reports its loss after every one of
+its 20 iterations. ASHA: grace 1 iteration, reduction factor 4, 4 trials at a time.
+- back to back: every trial's 20 iterations, one after another in this process, no search;
+- Ray Tune: Tuner(with_resources(cpu=0.5)) with ASHAScheduler, in a subprocess with its own
+  ray.init(num_cpus=2) (it never joins raymesh's Ray);
+- raymesh.tune: tune.run(sampler="grid", scheduler="asha", concurrent=4), each trial a
+  one-rank train.fit of 800 steps reporting every 40 (cpus_per_worker=0.5), on raymesh's
+  embedded Ray (started before the clock, as Ray Tune's ray.init is).
+Each side's total is from the call that starts the study to its end; "first report" is from
+that call to the first reported iteration. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRIALS, ITERS, STEPS_PER_ITER, BATCH = 16, 20, 40, 64
+TARGET_VS_BACK_TO_BACK, FIRST_REPORT_MAX_S = 2.0, 2.0
+
+
+def log(*a: object) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(10, 20, generator=g)
+    y = torch.randint(0, 10, (2048,), generator=g)
+    return centers[y] + torch.randn(2048, 20, generator=g), y
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 10),
+    )
+
+
+def back_to_back(lrs: list[float]) -> float:
+    x, y = make_data()
+    lossf = torch.nn.CrossEntropyLoss()
+    t0 = time.perf_counter()
+    for lr in lrs:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        for it in range(1, ITERS + 1):
+            g = torch.Generator().manual_seed(it)
+            for _ in range(STEPS_PER_ITER):
+                idx = torch.randint(0, len(x), (BATCH,), generator=g)
+                opt.zero_grad()
+                lossf(m(x[idx]), y[idx]).backward()
+                opt.step()
+    return time.perf_counter() - t0
+
+
+class Blobs(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = make_data()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def build(ctx):
+    from raymesh.train import Task
+
+    m = model()
+    return Task(
+        model=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=ctx.params["lr"]),
+        dataset=Blobs(),
+        loss_fn=lambda mod, b: torch.nn.functional.cross_entropy(mod(b[0]), b[1]),
+    )
+
+
+def raymesh_tune(lrs: list[float]) -> dict:
+    from raymesh import train, tune
+    from raymesh._src import backend
+
+    backend.ensure_ray()
+    folder = tempfile.mkdtemp(prefix="bench_tune_")
+    config = train.TrainConfig(
+        workers=1,
+        steps=ITERS * STEPS_PER_ITER,
+        global_batch_size=BATCH,
+        report_every=STEPS_PER_ITER,
+        cpus_per_worker=0.5,
+    )
+    t0, wall0 = time.perf_counter(), time.time()
+    study = tune.run(
+        build,
+        config,
+        space={"lr": tune.choice(lrs)},
+        trials=TRIALS,
+        concurrent=4,
+        sampler="grid",
+        scheduler="asha",
+        storage=os.path.join(folder, "study.db"),
+    )
+    total = time.perf_counter() - t0
+    ends = []  # each trial's metrics.jsonl: the wall time of its first reported step
+    for path in Path(folder, "trials").glob("*/metrics.jsonl"):
+        with path.open() as f:
+            ends.append(json.loads(f.readline())["end"])
+    states = [t.state for t in study.trials]
+    return {
+        "total_s": round(total, 2),
+        "first_report_s": round(min(ends) - wall0, 2) if ends else None,
+        "trials": len(states),
+        "complete": states.count("complete"),
+        "pruned": states.count("pruned"),
+        "failed": states.count("failed"),
+        "best_lr": study.best.params["lr"],
+        "iterations_run": sum(len(t.curve) for t in study.trials),
+    }
+
+
+RAY_TUNE = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np, torch, ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    ITERS, STEPS_PER_ITER, BATCH = {iters}, {steps}, {batch}
+{shared}
+
+    def trainable(config):
+        torch.set_num_threads(1)
+        x, y = make_data()
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=config["lr"])
+        lossf = torch.nn.CrossEntropyLoss()
+        for it in range(1, ITERS + 1):
+            g = torch.Generator().manual_seed(it)
+            for _ in range(STEPS_PER_ITER):
+                idx = torch.randint(0, len(x), (BATCH,), generator=g)
+                opt.zero_grad()
+                loss = lossf(m(x[idx]), y[idx])
+                loss.backward()
+                opt.step()
+            tune.report({{"loss": float(loss), "t_wall": time.time()}})
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    lrs = {lrs!r}
+    t0 = time.time()
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {{"cpu": 0.5}}),
+        param_space={{"lr": tune.grid_search(lrs)}},
+        tune_config=tune.TuneConfig(
+            scheduler=ASHAScheduler(metric="loss", mode="min", max_t=ITERS, grace_period=1,
+                                    reduction_factor=4),
+            num_samples=1, max_concurrent_trials=4),
+    )
+    results = tuner.fit()
+    total = time.time() - t0
+    df = results.get_dataframe()
+    first = min(r.metrics_dataframe["t_wall"].min() for r in results) - t0
+    iters = sum(len(r.metrics_dataframe) for r in results)
+    print(json.dumps({{"total_s": round(total, 2), "first_report_s": round(first, 2),
+                      "iterations_run": int(iters), "trials": len(df)}}))
+    """
+)
+
+
+def ray_tune(lrs: list[float]) -> dict:
+    shared = inspect.getsource(make_data) + "\n" + inspect.getsource(model)
+    code = RAY_TUNE.format(shared=shared, lrs=lrs, iters=ITERS, steps=STEPS_PER_ITER, batch=BATCH)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env
+    )
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json-out", default=None)
+    ap.parse_args()
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    lrs = [float(v) for v in np.logspace(-4, 0, TRIALS)]
+    b2b = back_to_back(lrs)
+    log(f"back to back: {b2b:.2f} s")
+    rt = ray_tune(lrs)
+    log(f"ray tune: {rt}")
+    rm = raymesh_tune(lrs)
+    log(f"raymesh.tune: {rm}")
+    out = {
+        "bench": "tune",
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "cpus": os.cpu_count(),
+        "job": f"{TRIALS} trials x {ITERS} iterations of {STEPS_PER_ITER} SGD steps, ASHA",
+        "back_to_back_s": round(b2b, 2),
+        "ray_tune": rt,
+        "raymesh_tune": rm,
+        "ratios_vs_back_to_back": {
+            "ray_tune": round(rt.get("total_s", float("nan")) / b2b, 2),
+            "raymesh_tune": round(rm["total_s"] / b2b, 2),
+        },
+        "target_vs_back_to_back_max": TARGET_VS_BACK_TO_BACK,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    text = json.dumps(out)
+    print(text)
+    if out_path := ap.parse_args().json_out:
+        with open(out_path, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
