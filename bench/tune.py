@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -140,51 +139,49 @@ def raymesh_tune(lrs: list[float]) -> dict:
     }
 
 
-RAY_TUNE = textwrap.dedent(
-    """
-    import json, sys, time
-    import numpy as np, torch, ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    ITERS, STEPS_PER_ITER, BATCH = {iters}, {steps}, {batch}
+RAY_TUNE = """
+import json, sys, time
+import numpy as np, torch, ray
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+ITERS, STEPS_PER_ITER, BATCH = {iters}, {steps}, {batch}
 {shared}
 
-    def trainable(config):
-        torch.set_num_threads(1)
-        x, y = make_data()
-        m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=config["lr"])
-        lossf = torch.nn.CrossEntropyLoss()
-        for it in range(1, ITERS + 1):
-            g = torch.Generator().manual_seed(it)
-            for _ in range(STEPS_PER_ITER):
-                idx = torch.randint(0, len(x), (BATCH,), generator=g)
-                opt.zero_grad()
-                loss = lossf(m(x[idx]), y[idx])
-                loss.backward()
-                opt.step()
-            tune.report({{"loss": float(loss), "t_wall": time.time()}})
+def trainable(config):
+    torch.set_num_threads(1)
+    x, y = make_data()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=config["lr"])
+    lossf = torch.nn.CrossEntropyLoss()
+    for it in range(1, ITERS + 1):
+        g = torch.Generator().manual_seed(it)
+        for _ in range(STEPS_PER_ITER):
+            idx = torch.randint(0, len(x), (BATCH,), generator=g)
+            opt.zero_grad()
+            loss = lossf(m(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+        tune.report({{"loss": float(loss), "t_wall": time.time()}})
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    lrs = {lrs!r}
-    t0 = time.time()
-    tuner = tune.Tuner(
-        tune.with_resources(trainable, {{"cpu": 0.5}}),
-        param_space={{"lr": tune.grid_search(lrs)}},
-        tune_config=tune.TuneConfig(
-            scheduler=ASHAScheduler(metric="loss", mode="min", max_t=ITERS, grace_period=1,
-                                    reduction_factor=4),
-            num_samples=1, max_concurrent_trials=4),
-    )
-    results = tuner.fit()
-    total = time.time() - t0
-    df = results.get_dataframe()
-    first = min(r.metrics_dataframe["t_wall"].min() for r in results) - t0
-    iters = sum(len(r.metrics_dataframe) for r in results)
-    print(json.dumps({{"total_s": round(total, 2), "first_report_s": round(first, 2),
-                      "iterations_run": int(iters), "trials": len(df)}}))
-    """
+ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+lrs = {lrs!r}
+t0 = time.time()
+tuner = tune.Tuner(
+    tune.with_resources(trainable, {{"cpu": 0.5}}),
+    param_space={{"lr": tune.grid_search(lrs)}},
+    tune_config=tune.TuneConfig(
+        scheduler=ASHAScheduler(metric="loss", mode="min", max_t=ITERS, grace_period=1,
+                                reduction_factor=4),
+        num_samples=1, max_concurrent_trials=4),
 )
+results = tuner.fit()
+total = time.time() - t0
+df = results.get_dataframe()
+first = min(r.metrics_dataframe["t_wall"].min() for r in results) - t0
+iters = sum(len(r.metrics_dataframe) for r in results)
+print(json.dumps({{"total_s": round(total, 2), "first_report_s": round(first, 2),
+                  "iterations_run": int(iters), "trials": len(df)}}))
+"""
 
 
 def ray_tune(lrs: list[float]) -> dict:
