@@ -245,19 +245,24 @@ def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """Read a TOML job file whose schema is TrainConfig."""
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML job file's tables. Raises ValueError for a missing file or invalid TOML."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover
         import tomli as tomllib
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a TOML job file whose schema is TrainConfig."""
+    data = read_toml(path)
     try:
         return TrainConfig.from_dict(data)
     except TypeError as e:  # a field of the wrong kind that the dataclass itself rejected

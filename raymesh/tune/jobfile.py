@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from raymesh.train import TrainConfig
+from raymesh.train.config import read_toml
 from raymesh.tune import space as spaces
 
 __all__ = ["load_study"]
@@ -59,17 +59,8 @@ def parse_domain(name: str, text: str) -> Any:
 def load_study(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     """The job's TrainConfig and `run`'s keyword arguments (with `space`). Raises ValueError
     naming the file and the field for a missing `[tune]` table, an unknown key or a bad domain."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"job file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"job file {str(path)!r} is not valid TOML: {e}") from None
+    data = read_toml(path)
     table = data.pop("tune", None)
     if not isinstance(table, dict) or not isinstance(table.get("space"), dict):
         raise ValueError(f"{path}: add a [tune] table with a [tune.space] table of parameters")
