@@ -224,9 +224,12 @@ def run(
 
     def left() -> int:
         finished = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
-        ended = [t for t in study.get_trials(deepcopy=False) if t.state in finished]
-        failed = [t for t in study.get_trials(deepcopy=False) if _failed_for_good(t)]
-        return trials - len(ended) - len(failed)
+        ended = [
+            t
+            for t in study.get_trials(deepcopy=False)
+            if t.state in finished or _failed_for_good(t)
+        ]
+        return trials - len(ended)
 
     def one() -> bool:
         with lock:
@@ -282,11 +285,14 @@ def _trial(study, trial, fn, config, constants, metric, folder) -> None:
     params = dict(trial.params) | dict(constants)
     overrides: dict[str, Any] = {"params": dict(config.params) | params}
     if folder is not None:
-        ckpt = config.checkpoint or train.CheckpointConfig(dir="unused")
-        trial_dir = folder / "trials" / _slug(params)
-        overrides["checkpoint"] = dataclasses.replace(ckpt, dir=str(trial_dir))
-        overrides["run_dir"] = str(trial_dir)
-        trial.set_user_attr("dir", str(trial_dir))
+        trial_dir = str(folder / "trials" / _slug(params))
+        overrides["checkpoint"] = (
+            dataclasses.replace(config.checkpoint, dir=trial_dir)
+            if config.checkpoint is not None
+            else train.CheckpointConfig(dir=trial_dir)
+        )
+        overrides["run_dir"] = trial_dir
+        trial.set_user_attr("dir", trial_dir)
     cfg = dataclasses.replace(config, **overrides)
 
     def report(p: dict[str, Any]) -> None:
