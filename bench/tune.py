@@ -74,17 +74,6 @@ def back_to_back(lrs: list[float]) -> float:
     return time.perf_counter() - t0
 
 
-class Blobs(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.x, self.y = make_data()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-
 def build(ctx):
     from raymesh.train import Task
 
@@ -92,7 +81,7 @@ def build(ctx):
     return Task(
         model=m,
         optimizer=torch.optim.SGD(m.parameters(), lr=ctx.params["lr"]),
-        dataset=Blobs(),
+        dataset=torch.utils.data.TensorDataset(*make_data()),
         loss_fn=lambda mod, b: torch.nn.functional.cross_entropy(mod(b[0]), b[1]),
     )
 

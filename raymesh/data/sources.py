@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Source", "from_dataset", "from_files", "from_ray"]
+__all__ = ["Source", "batch_reader", "from_dataset", "from_files", "from_ray"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _CACHE = 8  # decoded row groups (Parquet) or blocks (Ray Data) each process keeps
@@ -113,10 +113,40 @@ class MapSource:
         return len(self.dataset)
 
     def read(self, indices: Sequence[int]) -> list[Any]:
-        return [self.dataset[i] for i in indices]
+        return _items(self.dataset, indices)
 
     def describe(self) -> str:
         return f"dataset {type(self.dataset).__name__} ({len(self)} samples)"
+
+
+def _items(dataset: Any, indices: Sequence[int]) -> list[Any]:
+    """`[dataset[i] for i in indices]`, through the dataset's own `__getitems__` when it has
+    one (torch's batched-fetch protocol, which its DataLoader uses too)."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        return list(getitems(list(indices)))
+    return [dataset[i] for i in indices]
+
+
+def batch_reader(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Callable:
+    """How a trainer reads a batch of a map-style `dataset`: `reader(indices)` is
+    `collate_fn([dataset[i] for i in indices])` (torch's `default_collate` when None), through
+    `__getitems__` when the dataset has it. A `TensorDataset` under the default collate is read
+    with one indexing of each tensor: the same batch (a list of stacked tensors) in one step
+    instead of one `__getitem__` per sample."""
+    import torch
+    from torch.utils.data import TensorDataset, default_collate
+
+    if collate_fn is None and type(dataset) is TensorDataset:
+        tensors = dataset.tensors
+
+        def by_index(indices: Sequence[int]) -> Any:
+            index = torch.as_tensor(indices, dtype=torch.long)
+            return [t[index] for t in tensors]
+
+        return by_index
+    collate = collate_fn or default_collate
+    return lambda indices: collate(_items(dataset, indices))
 
 
 class ParquetSource:

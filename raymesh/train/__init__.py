@@ -15,6 +15,7 @@ from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
 from raymesh.train.failure import FailureRecord, TooManyFailures
 from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
+from raymesh.train.warm import WarmRanks
 
 # A training rank imports these (with DCP and DTensor, ~2 s and ~0.1 GB here): let warm procs
 # pay for that before they are adopted.
@@ -29,6 +30,7 @@ __all__ = [
     "TooManyFailures",
     "TrainConfig",
     "TrainError",
+    "WarmRanks",
     "fit",
     "load_config",
 ]

@@ -11,6 +11,7 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.controller import TrainController
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
+from raymesh.train.warm import WarmRanks
 
 __all__ = ["fit", "resolve_build"]
 
@@ -40,6 +41,7 @@ def fit(
     config: TrainConfig,
     *,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    warm: WarmRanks | None = None,
 ) -> Result:
     """Train `build`'s task as `config` says, on a mesh of trainer procs; return the result.
 
@@ -50,6 +52,9 @@ def fit(
         samples_per_s, eta_s and per-rank losses (the CLI draws its progress bar from it). An
         exception it raises ends the job there (its procs stopped) and propagates out of fit
         (raymesh.tune prunes a trial that way).
+    warm: procs kept up between jobs (`train.WarmRanks`): the job takes its ranks from there
+        first, and gives its live ranks back when it ends cleanly (finished, or stopped by
+        `progress`, after the ranks finish the chunk they were given) instead of stopping them.
     Raises ValueError for a bad config or build, `TrainError` when training fails.
     """
     if not isinstance(config, TrainConfig):
@@ -59,4 +64,4 @@ def fit(
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
     fn = resolve_build(chosen)
     hooks = FaultInjector(config.faults) if config.faults else None
-    return TrainController(fn, config, progress=progress, hooks=hooks).run()
+    return TrainController(fn, config, progress=progress, hooks=hooks, warm=warm).run()

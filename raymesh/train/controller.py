@@ -68,6 +68,7 @@ from raymesh.train.states import (
     State,
 )
 from raymesh.train.strategy import StrategyPolicy, host_shard_size, splits_into_shard_groups
+from raymesh.train.warm import WarmRanks
 from raymesh.train.world import World
 
 logger = logging.getLogger("raymesh")
@@ -90,13 +91,15 @@ class TrainController:
         *,
         progress: Callable[[dict[str, Any]], None] | None = None,
         hooks: TrainHooks | None = None,
+        warm: WarmRanks | None = None,
     ) -> None:
         self.config = config
         self.hooks = hooks
         self.log = RunLog()
         self.sinks: list[ReportSink] = sinks(config, progress)
         self.placer = self.placer_cls(config)
-        self.pool = self.rank_pool_cls(build, config, self.placer)
+        self.pool = self.rank_pool_cls(build, config, self.placer, warm)
+        self.drained = False  # a sink ended the job and the ranks finished their chunks
         self.world = World(
             config,
             self.pool,
@@ -126,7 +129,7 @@ class TrainController:
                 state = self.next_state(state)
                 self.enter(state)
         finally:
-            self.pool.close()
+            self.pool.close(reuse=isinstance(state, Finished) or self.drained)
             if self.data is not None:
                 self.data.stop()
         if isinstance(state, Failed):
@@ -184,22 +187,26 @@ class TrainController:
         cfg = self.config
         if self.data is not None:  # its procs start while the ranks do
             self.data.start()
-        nodes = self.placer.place(cfg.max_workers)
+        warm = self.pool.take_warm(cfg.max_workers)  # procs a previous job left up
+        need = cfg.max_workers - len(warm)
+        nodes = self.placer.place(need) if need else []
         # Resources a previous job just released can take the cluster a moment to report free.
         deadline = time.monotonic() + min(cfg.replace_timeout_s, 10.0)
-        while len(nodes) < cfg.max_workers and time.monotonic() < deadline:
+        while len(nodes) < need and time.monotonic() < deadline:
             time.sleep(0.5)
-            nodes = self.placer.place(cfg.max_workers)
+            nodes = self.placer.place(need)
         world = cfg.max_workers
-        if len(nodes) < world and len(nodes) >= cfg.min_workers:
-            world = len(nodes)  # elastic: start with what fits; the recruiter grows it later
+        if len(warm) + len(nodes) < world and len(warm) + len(nodes) >= cfg.min_workers:
+            world = len(warm) + len(nodes)  # elastic: start with what fits; grow it later
             logger.warning(
                 "raymesh.train: room for %d of max %d workers now: starting with %d",
                 world,
                 cfg.max_workers,
                 world,
             )
-        ranks = self.pool.spawn(world, "trainer", nodes=nodes[:world])
+        ranks = warm + self.pool.spawn(
+            world - len(warm), "trainer", nodes=nodes[: world - len(warm)]
+        )
         self.pool.add_spares(cfg.spares)  # where there is room now; the recruiter the rest
         infos: list[SetupInfo] = self.world.start(ranks)
         assert infos[0].estimate is not None
@@ -238,7 +245,11 @@ class TrainController:
             (start, stop), futs = in_flight.pop(0)
             results = detection.settle(futs, self.chunk_timeout(stop - start))
             if not any(detection.failed(r) for r in results):
-                self.record([r.metrics for r in results])
+                try:
+                    self.record([r.metrics for r in results])
+                except Exception:
+                    self.drain(in_flight)
+                    raise
                 self.rebalance([r.metrics for r in results])
                 self.scale_data([r.metrics for r in results])
                 continue
@@ -338,6 +349,15 @@ class TrainController:
         self.world.reform(ranks, fresh=fresh, source=source)
         self.sizes = None  # a new world starts from the even split
         self.balance_policy.reset()
+
+    def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> None:
+        """A sink (the progress callback) ended the job: let the ranks finish the chunks
+        queued behind this one, so that they stop at a step boundary, out of any collective,
+        and their procs can serve another job (`drained`)."""
+        results = [
+            r for (a, b), fs in in_flight for r in detection.settle(fs, self.chunk_timeout(b - a))
+        ]
+        self.drained = not any(detection.failed(r) for r in results)
 
     def can_grow(self) -> FailureDecision | None:
         """The grow decision, when recruited ranks are ready for an elastic job below max."""

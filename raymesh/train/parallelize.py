@@ -102,19 +102,15 @@ def no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextMan
     accumulate gradients locally with no reduction across ranks; the first backward outside
     it (or with `skip` False) reduces everything accumulated. `model` is what `parallelize`
     returned: DDP uses its `no_sync()`; FSDP and HSDP (FSDP2) turn `set_requires_gradient_sync`
-    off for the context and back on when it exits, also on an exception.
-
-    Raises TypeError for a model that is neither (a plain module has nothing to skip)."""
+    off for the context and back on when it exits, also on an exception. A plain module (a
+    world of one rank, which the trainer does not wrap) reduces nothing: a null context."""
     if not skip:
         return contextlib.nullcontext()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync()
-    if not hasattr(model, "set_requires_gradient_sync"):
-        raise TypeError(
-            f"no_sync: {type(model).__name__} is neither DDP nor sharded by fully_shard; pass "
-            "the module parallelize() returned"
-        )
-    return _without_gradient_sync(model)
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _without_gradient_sync(model)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

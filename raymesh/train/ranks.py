@@ -7,6 +7,9 @@ ranks concurrently, keeps spares warm (built nothing, gloo loaded), hands out re
 the job wants more procs than it has: spawning takes seconds, so it stays off the training
 path. The controller owns the world (`RankPool.ranks`); the recruiter only adds spares.
 
+Given `WarmRanks` (procs kept between jobs), the pool takes its first ranks from there, each
+with a new trainer for this job, and gives its live ranks back when the job ends cleanly.
+
 Tests swap this class for a fake through `TrainController.rank_pool_cls`.
 """
 
@@ -24,6 +27,7 @@ from raymesh.actor import PlacementError, ProcMesh, host_mesh, this_host
 from raymesh.train.config import TrainConfig
 from raymesh.train.monitor import Monitor
 from raymesh.train.placement import Placer
+from raymesh.train.warm import WarmRanks
 from raymesh.train.worker import TrainWorker
 
 logger = logging.getLogger("raymesh")
@@ -58,10 +62,14 @@ class Rank:
 class RankPool:
     """A job's ranks and spares (see the module docstring)."""
 
-    def __init__(self, build: Any, config: TrainConfig, placer: Placer) -> None:
+    def __init__(
+        self, build: Any, config: TrainConfig, placer: Placer, warm: WarmRanks | None = None
+    ) -> None:
         self.build = build
         self.config = config
         self.placer = placer
+        self.warm = warm
+        self.shape = (config.cpus_per_worker, placer.gpus)  # which warm ranks this job takes
         self.ranks: list[Rank] = []  # the world, in rank order (set by the controller)
         self.spares: list[Rank] = []
         self.lock = threading.Lock()  # spares, claimed and procs, shared with the recruiter
@@ -137,6 +145,24 @@ class RankPool:
             procs.stop(timeout=10.0)
             raise
         return Rank(worker, monitor, procs, procs.node_ids[0])
+
+    def take_warm(self, n: int) -> list[Rank]:
+        """Up to `n` ranks from the warm ranks, each with a new trainer for this job (not yet
+        in the process group), in the order of their nodes."""
+        if self.warm is None or n == 0:
+            return []
+        out = []
+        for rank in self.warm.take(n, self.shape):
+            try:
+                worker = rank.procs.spawn("trainer", TrainWorker, self.build, self.config)
+            except Exception as e:  # it died as it was taken: the job starts one instead
+                logger.info("raymesh.train: a warm rank failed to take a trainer: %s", e)
+                rank.stop()
+                continue
+            with self.lock:
+                self.procs.append(rank.procs)
+            out.append(Rank(worker, rank.monitor, rank.procs, rank.node_id))
+        return sorted(out, key=lambda r: r.node_id)
 
     def spawn_spares(
         self, n: int, *, nodes: list[str] | None = None, timeout: float | None = None
@@ -241,14 +267,40 @@ class RankPool:
             else:
                 self.stopping.wait(cfg.grow_interval_s)
 
-    def close(self) -> None:
-        """Stop the recruiter, then every proc the pool spawned."""
+    def close(self, *, reuse: bool = False) -> None:
+        """Stop the recruiter, then every proc the pool spawned. `reuse` (the job ended
+        cleanly, its ranks at a step boundary) with warm ranks: the live ranks and spares
+        leave their process group, drop the job's state and go back to the warm ranks
+        instead; one that does not answer is stopped."""
         self.stopping.set()
         recruiter = self.recruiter
         if recruiter is not None:
             recruiter.join(timeout=30.0)
+        kept: list[Rank] = []
+        if reuse and self.warm is not None:
+            kept = self._release([r for r in self.ranks + self.spares if r.alive()])
+        held = {id(r.procs) for r in kept}
         for procs in self.procs:
+            if id(procs) in held:
+                continue
             try:
                 procs.stop()
             except Exception:
                 logger.exception("raymesh.train: stopping trainer procs failed")
+        if kept:
+            assert self.warm is not None
+            self.warm.give(kept, self.shape)
+
+    def _release(self, ranks: list[Rank]) -> list[Rank]:
+        """The ranks that left their job cleanly (see TrainWorker.release), trainers stopped."""
+        futures = [(r, r.worker.release.call_one()) for r in ranks]
+        out = []
+        for rank, future in futures:
+            try:
+                future.get(timeout=30.0)
+                rank.worker.stop()
+            except Exception as e:
+                logger.info("raymesh.train: %s not kept warm: %s", rank.procs.name, e)
+                continue
+            out.append(rank)
+        return out

@@ -19,7 +19,7 @@ from raymesh.train.hooks import RankHooks
 from raymesh.train.monitor import mark
 from raymesh.train.parallelize import no_sync
 
-__all__ = ["Timing", "mix", "run_step", "to_device"]
+__all__ = ["Timing", "mix", "run_step", "seed_step", "to_device"]
 
 
 def mix(*values: int) -> int:
@@ -28,6 +28,15 @@ def mix(*values: int) -> int:
     for v in values:
         acc = (acc ^ (v + 0x9E3779B97F4A7C15 + (acc << 6) + (acc >> 2))) & (2**64 - 1)
     return acc & (2**63 - 1)
+
+
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed the random generators a step draws from: the CPU's, and `device`'s when it is a
+    GPU. (`torch.manual_seed` seeds every device type torch knows, ~0.14 ms: a third of a small
+    model's step.)"""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device's generator
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -11,6 +11,11 @@ Guarantees:
   build reads `ctx.params`): any world size and strategy, self-healing included. A trial that
   fails for good (`TrainError`, `TooManyFailures`) is recorded as failed, with its error, and
   the study goes on.
+- Trial procs are started once and reused (`train.WarmRanks`): a trial that ends (complete, or
+  pruned once its ranks finish the chunk they were given) hands its procs to the next trial,
+  which builds its model there. A failed trial's procs are stopped, never reused. At most as
+  many trials run at once as the cluster has room for (`concurrent` is lowered to that, with a
+  warning), so no trial waits for another's resources.
 - With `storage`, the study lives in Optuna's SQLite storage next to the trials' folders.
   `resume=True` continues a study whose controller died: finished trials are kept, trials that
   were running are run again with the same parameters, from their last checkpoint when
@@ -220,7 +225,9 @@ def run(
     _requeue_running(study)
     if sampler == "grid":
         trials = min(trials, _grid(study, found))
+    concurrent = _packed(concurrent, config)
     lock = threading.Lock()
+    warm = train.WarmRanks()
 
     def left() -> int:
         finished = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
@@ -238,7 +245,7 @@ def run(
             running[0] += 1
             trial = study.ask(distributions)
         try:
-            _trial(study, trial, fn, config, constants, metric, folder)
+            _trial(study, trial, fn, config, constants, metric, folder, warm)
         finally:
             with lock:
                 running[0] -= 1
@@ -247,12 +254,12 @@ def run(
         return True
 
     running = [0]
-    with ThreadPoolExecutor(concurrent, "raymesh-trial") as pool:
 
-        def loop() -> None:
-            while one():
-                pass
+    def loop() -> None:
+        while one():
+            pass
 
+    with warm, ThreadPoolExecutor(concurrent, "raymesh-trial") as pool:
         for f in [pool.submit(loop) for _ in range(concurrent)]:
             f.result()
     out = _result(study, metric, mode, folder)
@@ -279,7 +286,33 @@ def _requeue_running(study: Any) -> None:
         logger.info("raymesh.tune: trial %d was running when the study stopped: again", t.number)
 
 
-def _trial(study, trial, fn, config, constants, metric, folder) -> None:
+def _packed(concurrent: int, config: train.TrainConfig) -> int:
+    """`concurrent`, or fewer: as many trials as the cluster has room for at once (each
+    `config.max_workers` procs of `config.cpus_per_worker` CPUs, and a GPU each if it uses
+    them)."""
+    from raymesh.actor import host_mesh
+    from raymesh.train.placement import use_gpus
+
+    free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=use_gpus(config))
+    room = sum(free.values()) // config.max_workers
+    if room >= concurrent:
+        return concurrent
+    if room < 1:
+        raise ValueError(
+            f"concurrent={concurrent}: the cluster has room for {sum(free.values())} procs of "
+            f"{config.cpus_per_worker:g} CPUs, fewer than one trial's {config.max_workers}; "
+            "lower workers or cpus_per_worker, or add nodes"
+        )
+    logger.warning(
+        "raymesh.tune: concurrent=%d but the cluster has room for %d trials at once: running %d",
+        concurrent,
+        room,
+        room,
+    )
+    return room
+
+
+def _trial(study, trial, fn, config, constants, metric, folder, warm) -> None:
     import optuna
 
     params = dict(trial.params) | dict(constants)
@@ -302,7 +335,7 @@ def _trial(study, trial, fn, config, constants, metric, folder) -> None:
             raise _Pruned(int(p["step"]))
 
     try:
-        result = train.fit(fn, cfg, progress=report)
+        result = train.fit(fn, cfg, progress=report, warm=warm)
     except _Pruned as stop:
         logger.info("raymesh.tune: trial %d pruned at step %d", trial.number, stop.args[0])
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)

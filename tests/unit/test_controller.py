@@ -158,7 +158,7 @@ class FakePool:
     capacity: int | None = None
     spares_ready = 0
 
-    def __init__(self, build: Any, config: TrainConfig, placer: Any) -> None:
+    def __init__(self, build: Any, config: TrainConfig, placer: Any, warm: Any = None) -> None:
         self.config = config
         self.ranks: list[FakeRank] = []
         self.spawned: list[FakeRank] = []
@@ -194,7 +194,10 @@ class FakePool:
 
     def recruit(self) -> None: ...
 
-    def close(self) -> None:
+    def take_warm(self, n: int) -> list[FakeRank]:
+        return []
+
+    def close(self, *, reuse: bool = False) -> None:
         self.closed = True
 
 

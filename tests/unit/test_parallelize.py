@@ -178,12 +178,14 @@ def test_fsdp_no_sync_holds_gradients_back_and_restores_sync_even_after_an_error
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_no_sync_refuses_a_module_parallelize_did_not_return():
-    model = Blocks()
-    with no_sync(model, False):  # nothing to skip: no check either
-        pass
-    with pytest.raises(TypeError, match=r"pass the module parallelize\(\) returned"):
-        no_sync(model, True)
+def test_no_sync_of_a_plain_module_accumulates_locally():
+    model = Blocks()  # a world of one: the trainer trains the module itself
+    with no_sync(model, True):
+        model(torch.randn(2, 4)).sum().backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    with no_sync(model, False):
+        model(torch.randn(2, 4)).sum().backward()
+    assert all(not torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
 
 
 def test_parallelize_needs_a_process_group_of_the_given_size(group):
