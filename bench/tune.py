@@ -1,6 +1,6 @@
 """Tuning benchmark: raymesh.tune vs Ray Tune vs the same iterations back to back, in one run.
 
-    python bench/tune.py                 # 16 trials x 20 iterations (~4 min on 2 cores)
+    python bench/tune.py                 # ~3 min on 2 cores
 
 The job of ../shared/anchors/tune_asha.py: 16 trials of an MLP 20-64-64-10 on a fixed 10-class
 set (2048 samples), one torch thread, SGD with learning rates log-spaced 1e-4 .. 1 (a grid);
@@ -11,9 +11,17 @@ its 20 iterations. ASHA: grace 1 iteration, reduction factor 4, 4 trials at a ti
   ray.init(num_cpus=2) (it never joins raymesh's Ray);
 - raymesh.tune: tune.run(sampler="grid", scheduler="asha", concurrent=4), each trial a
   one-rank train.fit of 800 steps reporting every 40 (cpus_per_worker=0.5), on raymesh's
-  embedded Ray (started before the clock, as Ray Tune's ray.init is).
-Each side's total is from the call that starts the study to its end; "first report" is from
-that call to the first reported iteration. Prints one JSON object.
+  embedded Ray.
+Both sides start their clock on a settled cluster: Ray Tune SETTLE_S after its ray.init (Ray
+has prestarted its workers by then), raymesh once its warm procs are up (at most SETTLE_S
+more than that). Each side's total is from the call that starts the study to its end; "first
+report" from that call to the first reported iteration; "stopped early" the learning rates
+whose trials ran fewer than 20 iterations (the two ASHA implementations, Ray Tune's and
+Optuna's, see the reports in different orders, so the sets can differ).
+
+Then healing inside a study: 4 trials (lr 0.01 .. 1) of a 2-rank DDP job each, without and with
+rank 1 SIGKILLed at step 30 of every trial; the best trial and every trial's final loss should
+be the same. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 
 TRIALS, ITERS, STEPS_PER_ITER, BATCH = 16, 20, 40, 64
 TARGET_VS_BACK_TO_BACK, FIRST_REPORT_MAX_S = 2.0, 2.0
+SETTLE_S = 10.0
 
 
 def log(*a: object) -> None:
@@ -89,8 +98,10 @@ def build(ctx):
 def raymesh_tune(lrs: list[float]) -> dict:
     from raymesh import train, tune
     from raymesh._src import backend
+    from raymesh._src.backend import pool
 
     backend.ensure_ray()
+    pool.wait_ready(60.0)
     folder = tempfile.mkdtemp(prefix="bench_tune_")
     config = train.TrainConfig(
         workers=1,
@@ -125,6 +136,39 @@ def raymesh_tune(lrs: list[float]) -> dict:
         "failed": states.count("failed"),
         "best_lr": study.best.params["lr"],
         "iterations_run": sum(len(t.curve) for t in study.trials),
+        "stopped_early": sorted(t.params["lr"] for t in study.trials if len(t.curve) < ITERS),
+    }
+
+
+def ddp_study(kill_at: int | None) -> dict:
+    """4 trials of a 2-rank DDP job (loss after 100 steps), with rank 1 of every trial
+    SIGKILLed at step `kill_at` (None: no kill)."""
+    from raymesh import testing, train, tune
+
+    faults = [testing.kill(rank=1, at_step=kill_at)] if kill_at else []
+    config = train.TrainConfig(
+        workers=2,
+        steps=100,
+        global_batch_size=BATCH,
+        report_every=20,
+        cpus_per_worker=0.5,
+        faults=faults,
+    )
+    t0 = time.perf_counter()
+    study = tune.run(
+        build,
+        config,
+        space={"lr": tune.choice([0.01, 0.1, 0.3, 1.0])},
+        trials=4,
+        concurrent=2,
+        sampler="grid",
+        scheduler=None,
+    )
+    return {
+        "total_s": round(time.perf_counter() - t0, 2),
+        "best_lr": study.best.params["lr"],
+        "losses": {str(t.params["lr"]): t.value for t in study.trials},
+        "states": [t.state for t in study.trials],
     }
 
 
@@ -153,6 +197,7 @@ def trainable(config):
         tune.report({{"loss": float(loss), "t_wall": time.time()}})
 
 ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+time.sleep({settle})
 lrs = {lrs!r}
 t0 = time.time()
 tuner = tune.Tuner(
@@ -168,14 +213,17 @@ total = time.time() - t0
 df = results.get_dataframe()
 first = min(r.metrics_dataframe["t_wall"].min() for r in results) - t0
 iters = sum(len(r.metrics_dataframe) for r in results)
+stopped = sorted(r.config["lr"] for r in results if len(r.metrics_dataframe) < ITERS)
 print(json.dumps({{"total_s": round(total, 2), "first_report_s": round(first, 2),
-                  "iterations_run": int(iters), "trials": len(df)}}))
+                  "iterations_run": int(iters), "trials": len(df), "stopped_early": stopped}}))
 """
 
 
 def ray_tune(lrs: list[float]) -> dict:
     shared = inspect.getsource(make_data) + "\n" + inspect.getsource(model)
-    code = RAY_TUNE.format(shared=shared, lrs=lrs, iters=ITERS, steps=STEPS_PER_ITER, batch=BATCH)
+    code = RAY_TUNE.format(
+        shared=shared, lrs=lrs, iters=ITERS, steps=STEPS_PER_ITER, batch=BATCH, settle=SETTLE_S
+    )
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env
@@ -198,6 +246,10 @@ def main() -> None:
     log(f"ray tune: {rt}")
     rm = raymesh_tune(lrs)
     log(f"raymesh.tune: {rm}")
+    clean, healed = ddp_study(None), ddp_study(30)
+    log(f"ddp study: {clean}; with a kill in every trial: {healed}")
+    both = set(rm["stopped_early"]) | set(rt.get("stopped_early", []))
+    same = set(rm["stopped_early"]) & set(rt.get("stopped_early", []))
     out = {
         "bench": "tune",
         "loadavg_start": [round(x, 2) for x in load_start],
@@ -211,6 +263,15 @@ def main() -> None:
             "raymesh_tune": round(rm["total_s"] / b2b, 2),
         },
         "target_vs_back_to_back_max": TARGET_VS_BACK_TO_BACK,
+        "first_report_max_s": FIRST_REPORT_MAX_S,
+        "stopped_early_in_both": sorted(same),
+        "stopped_early_by_one_only": sorted(both - same),
+        "ddp_study": {
+            "clean": clean,
+            "sigkill_in_every_trial": healed,
+            "same_best": clean["best_lr"] == healed["best_lr"],
+            "same_losses": clean["losses"] == healed["losses"],
+        },
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     text = json.dumps(out)

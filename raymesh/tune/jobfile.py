@@ -9,7 +9,7 @@
     [tune]
     trials = 32
     concurrent = 4
-    scheduler = "asha"
+    scheduler = "asha"                # "hyperband", "median", or "none"
     storage = "runs/study.db"
 
     [tune.space]
@@ -69,6 +69,8 @@ def load_study(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     if unknown:
         raise ValueError(f"{path}: [tune] has unknown key(s) {unknown}; the keys are {_RUN_KEYS}")
     kwargs = dict(table)
+    if kwargs.get("scheduler") == "none":  # TOML has no null
+        kwargs["scheduler"] = None
     kwargs["space"] = {
         k: parse_domain(k, v) if isinstance(v, str) else v for k, v in raw_space.items()
     }

@@ -69,6 +69,7 @@ class TrialResult:
     step: int  # the last step it reported
     checkpoint: str | None = None  # its newest committed checkpoint (with storage)
     error: str | None = None  # why it failed
+    resumed_from: int = 0  # the step its job started from (a checkpoint of an earlier run)
     curve: tuple[tuple[int, float], ...] = field(default=(), repr=False)  # (step, metric)
 
 
@@ -347,6 +348,7 @@ def _trial(study, trial, fn, config, constants, metric, folder, warm) -> None:
         return
     if result.checkpoint is not None:
         trial.set_user_attr("checkpoint", result.checkpoint)
+    trial.set_user_attr("resumed_from", result.resumed_from)
     study.tell(trial, float(result.history[-1][metric]))
 
 
@@ -375,6 +377,7 @@ def _result(study: Any, metric: str, mode: str, folder: Path | None) -> Study:
                 step=int(t.user_attrs.get("step", curve[-1][0] if curve else 0)),
                 checkpoint=t.user_attrs.get("checkpoint"),
                 error=t.user_attrs.get("error"),
+                resumed_from=int(t.user_attrs.get("resumed_from", 0)),
                 curve=curve,
             )
         )

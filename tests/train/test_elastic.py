@@ -48,11 +48,14 @@ def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
 @pytest.mark.usefixtures("ray_cluster")
 def test_auto_picks_hsdp_when_a_shard_group_fits_and_a_killed_hsdp_rank_is_healed(tmp_path):
     four = dict(workers=4, shard_size=2)
-    ddp = train.fit(MLP, _config(tmp_path / "ddp", strategy="ddp", workers=4))
+    # The three jobs run in turn in the same procs (train.WarmRanks): the later ones build in
+    # procs an earlier job trained in, and must see none of its state.
+    warm = train.WarmRanks()
+    ddp = train.fit(MLP, _config(tmp_path / "ddp", strategy="ddp", workers=4), warm=warm)
     est = ddp.decision.estimate
     between = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8  # fits groups of 2, not DDP
     auto = _config(tmp_path / "auto", strategy="auto", memory_budget_gb=between / 2**30, **four)
-    clean = train.fit(MLP, auto)
+    clean = train.fit(MLP, auto, warm=warm)
     assert clean.decision.strategy == "hsdp", clean.decision.reason
     assert clean.decision.shard_size == 2 and clean.decision.mesh(4) == (2, 2)
     assert "hsdp 2x2" in clean.decision.reason
@@ -60,7 +63,9 @@ def test_auto_picks_hsdp_when_a_shard_group_fits_and_a_killed_hsdp_rank_is_heale
     assert close(ddp.state_dict(), clean.state_dict(), rtol=1e-4, atol=1e-6)
 
     forced = _config(tmp_path / "healed", strategy="hsdp", faults=[kill(rank=2, at_step=6)], **four)
-    healed = train.fit(MLP, forced)
+    with warm:
+        healed = train.fit(MLP, forced, warm=warm)
+    assert warm.served == 8  # the second and third jobs started in the first one's procs
     # Rank 2's peers in its shard and replicate groups fail at once. Rank 1, blocked on them in
     # its own groups, cannot be freed (gloo closes a group only with its process) and is
     # replaced as a consequence, not counted as a failure.
@@ -108,6 +113,7 @@ ELASTIC = textwrap.dedent(
 
     placing = []  # what the controller said about placement, to explain a failure
     shrunk = []  # the controller's shrink decisions
+    recruited = []  # the recruiter's reports of ranks ready to join
 
     class Keep(logging.Handler):
         def emit(self, record):
@@ -116,6 +122,8 @@ ELASTIC = textwrap.dedent(
                 placing.append(message[:300])
             if "-> shrink" in message:
                 shrunk.append(message[:300])
+            if "recruited" in message:
+                recruited.append(message[:300])
 
     logging.getLogger("raymesh").addHandler(Keep())
     # On stderr with the time, to show where a slow run spent it.
@@ -154,12 +162,14 @@ ELASTIC = textwrap.dedent(
         # a loaded machine reported 2 ranks and healed to 4 without shrinking).
         elif events == ["removed"] and shrunk and p["world_size"] == 2:
             events.append("added")
+            recruited.clear()
             cluster.add_node(num_cpus=2)
-            # Hold the controller (the ranks train on) until the recruiter has placed ranks on
-            # the new node, so the test does not race the end of the run on a slow machine.
+            # Hold the controller until the recruiter has ranks ready on the new node (the
+            # ranks finish their queued chunks and wait), so the job grows within a few steps
+            # however slow the machine, and the run can stay short.
             deadline = time.time() + 120
-            while ray.available_resources().get("CPU", 0) > 0 and time.time() < deadline:
-                time.sleep(0.5)
+            while not recruited and time.time() < deadline:
+                time.sleep(0.2)
 
     result = train.fit(slow, config, progress=progress)
     same = all(
@@ -184,7 +194,7 @@ ELASTIC = textwrap.dedent(
 
 
 def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
-    steps = 500
+    steps = 120
     script = ELASTIC.replace("STEPS", str(steps))
     got = run_cluster_script(tmp_path / "elastic.py", script, timeout=280)
     assert got["events"] == ["removed", "added"], got

@@ -24,8 +24,8 @@ def _config(**kw) -> train.TrainConfig:
     return train.TrainConfig(**base)
 
 
-def test_loss_falls_on_the_mlp_and_history_has_every_step():
-    result = train.fit(MLP, _config(steps=40, report_every=10))
+def test_loss_falls_on_the_mlp_and_history_has_every_step(fit):
+    result = fit(MLP, _config(steps=40, report_every=10))
     losses = [h["loss"] for h in result.history]
     assert [h["step"] for h in result.history] == list(range(1, 41))
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
@@ -34,20 +34,20 @@ def test_loss_falls_on_the_mlp_and_history_has_every_step():
     assert weights and all(not k.startswith("module.") for k in weights)
 
 
-def test_two_runs_with_the_same_seed_give_bitwise_identical_weights():
-    a = train.fit(MLP, _config()).state_dict()
-    b = train.fit(MLP, _config()).state_dict()
+def test_two_runs_with_the_same_seed_give_bitwise_identical_weights(fit):
+    a = fit(MLP, _config()).state_dict()
+    b = fit(MLP, _config()).state_dict()
     assert equal(a, b)
-    c = train.fit(MLP, _config(seed=1)).state_dict()
+    c = fit(MLP, _config(seed=1)).state_dict()
     assert not equal(a, c)
 
 
-def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
-    whole = train.fit(MLP, _config(steps=12)).state_dict()
+def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(fit, tmp_path):
+    whole = fit(MLP, _config(steps=12)).state_dict()
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=6)
-    first = train.fit(MLP, _config(steps=6, checkpoint=ckpt))
+    first = fit(MLP, _config(steps=6, checkpoint=ckpt))
     assert first.checkpoint is not None and first.checkpoint.endswith("step-00000006")
-    second = train.fit(MLP, _config(steps=12, checkpoint=ckpt))
+    second = fit(MLP, _config(steps=12, checkpoint=ckpt))
     assert second.resumed_from == 6
     assert [h["step"] for h in second.history] == list(range(7, 13))
     assert equal(whole, second.state_dict())
@@ -57,45 +57,45 @@ def test_resuming_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
         assert any((tmp_path / "ckpt" / "tensorboard").iterdir())
 
 
-def test_a_checkpoint_saved_at_four_workers_resumes_at_two(tmp_path):
+def test_a_checkpoint_saved_at_four_workers_resumes_at_two(fit, tmp_path):
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=6)
     four = dict(workers=4, global_batch_size=32)
-    reference = train.fit(MLP, _config(steps=12, **four)).state_dict()
-    train.fit(MLP, _config(steps=6, checkpoint=ckpt, **four))
-    resumed = train.fit(MLP, _config(steps=12, checkpoint=ckpt, workers=2))
+    reference = fit(MLP, _config(steps=12, **four)).state_dict()
+    fit(MLP, _config(steps=6, checkpoint=ckpt, **four))
+    resumed = fit(MLP, _config(steps=12, checkpoint=ckpt, workers=2))
     assert resumed.resumed_from == 6
     assert close(reference, resumed.state_dict(), rtol=1e-4, atol=1e-6)
 
 
-def test_fsdp_and_ddp_agree_on_the_same_seed():
-    ddp = train.fit(MLP, _config(strategy="ddp"))
-    fsdp = train.fit(MLP, _config(strategy="fsdp"))
+def test_fsdp_and_ddp_agree_on_the_same_seed(fit):
+    ddp = fit(MLP, _config(strategy="ddp"))
+    fsdp = fit(MLP, _config(strategy="fsdp"))
     assert fsdp.decision.strategy == "fsdp"
     assert close(ddp.state_dict(), fsdp.state_dict(), rtol=1e-4, atol=1e-6)
 
 
-def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate():
-    probe = train.fit(MLP, _config(steps=1))
+def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate(fit):
+    probe = fit(MLP, _config(steps=1))
     est = probe.decision.estimate
     between = (est.ddp_bytes() + est.fsdp_bytes(2)) / 2 / 0.8  # fits sharded, not replicated
-    result = train.fit(MLP, _config(steps=2, memory_budget_gb=between / 2**30))
+    result = fit(MLP, _config(steps=2, memory_budget_gb=between / 2**30))
     assert result.decision.strategy == "fsdp", result.decision.reason
     assert "fsdp" in result.decision.reason
 
 
-def test_a_corrupted_newest_checkpoint_is_skipped(tmp_path):
+def test_a_corrupted_newest_checkpoint_is_skipped(fit, tmp_path):
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4, keep=3)
-    train.fit(MLP, _config(steps=8, checkpoint=ckpt))
+    fit(MLP, _config(steps=8, checkpoint=ckpt))
     newest = tmp_path / "ckpt" / "step-00000008"
     victim = next(p for p in newest.iterdir() if p.name != "manifest.json" and p.is_file())
     victim.write_bytes(b"\0" * 16 + victim.read_bytes()[16:])
-    resumed = train.fit(MLP, _config(steps=10, checkpoint=ckpt))
+    resumed = fit(MLP, _config(steps=10, checkpoint=ckpt))
     assert resumed.resumed_from == 4
 
 
-def test_the_tiny_gpt_learns_from_the_standard_library():
+def test_the_tiny_gpt_learns_from_the_standard_library(fit):
     cfg = train.TrainConfig(workers=2, steps=30, global_batch_size=16, report_every=10)
-    losses = [h["loss"] for h in train.fit("raymesh.examples.tinygpt:build", cfg).history]
+    losses = [h["loss"] for h in fit("raymesh.examples.tinygpt:build", cfg).history]
     assert losses[-1] < losses[0] - 0.5, losses
 
 
@@ -116,13 +116,27 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_configs_give_one_clear_error_and_no_traceback(case, tmp_path):
+def _job(tmp_path, case: str):
     text, expected = BAD[case]
     if "build" not in text:
         text += f'build = "{MLP}"\n'
     job = tmp_path / "job.toml"
     job.write_text(text)
+    return job, expected
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configs_give_one_clear_error_and_no_traceback(case, tmp_path, capsys):
+    from raymesh.cli.main import main
+
+    job, expected = _job(tmp_path, case)
+    assert main(["train", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+
+
+def test_the_train_command_exits_2_on_a_bad_config(tmp_path):
+    job, expected = _job(tmp_path, "unknown field")  # the whole process, as a user runs it
     out = subprocess.run(
         [sys.executable, "-m", "raymesh.cli.main", "train", str(job)],
         capture_output=True,
@@ -152,7 +166,7 @@ def test_config_is_validated_in_python_too():
         train.TrainConfig(workers=4, global_batch_size=8, strategy="hsdp", shard_size=3)
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch():
-    whole = train.fit(MLP, _config(steps=6)).state_dict()
-    accumulated = train.fit(MLP, _config(steps=6, micro_batch_size=4)).state_dict()
+def test_gradient_accumulation_matches_one_big_micro_batch(fit):
+    whole = fit(MLP, _config(steps=6)).state_dict()
+    accumulated = fit(MLP, _config(steps=6, micro_batch_size=4)).state_dict()
     assert close(whole, accumulated, rtol=1e-5, atol=1e-6)

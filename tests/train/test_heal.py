@@ -20,16 +20,16 @@ def _config(**kw) -> train.TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(fit) -> dict:
     """The failure-free run's weights, per world size."""
-    return {w: train.fit(MLP, _config(workers=w)).state_dict() for w in (2, 3)}
+    return {w: fit(MLP, _config(workers=w)).state_dict() for w in (2, 3)}
 
 
 @pytest.mark.parametrize(("workers", "rank", "step"), [(2, 1, 5), (2, 0, 8), (3, 2, 3)])
 def test_a_sigkilled_rank_is_replaced_and_the_weights_match_a_clean_run(
-    reference, workers, rank, step
+    fit, reference, workers, rank, step
 ):
-    result = train.fit(MLP, _config(workers=workers, faults=[kill(rank=rank, at_step=step)]))
+    result = fit(MLP, _config(workers=workers, faults=[kill(rank=rank, at_step=step)]))
     [failure] = result.failures
     assert (failure.rank, failure.step, failure.kind) == (rank, step, "died")
     assert "SIGKILL" in failure.cause
@@ -43,12 +43,12 @@ def test_a_sigkilled_rank_is_replaced_and_the_weights_match_a_clean_run(
         assert close(reference[workers], result.state_dict(), rtol=1e-5, atol=1e-7)
 
 
-def test_a_replacement_that_dies_as_it_joins_is_replaced_in_turn(reference):
+def test_a_replacement_that_dies_as_it_joins_is_replaced_in_turn(fit, reference):
     # Rank 1 is killed at step 6; its replacement is killed as it joins the re-forming world.
     # Rank 0, waiting for it in the rendezvous, is stuck and replaced too; the state it sent
     # before is kept by the controller, so nothing is lost but the step in flight.
     faults = [kill(rank=1, at_step=6), kill(rank=1, at_step=6, when="join")]
-    result = train.fit(MLP, _config(faults=faults))
+    result = fit(MLP, _config(faults=faults))
     counted = [(f.rank, f.step, f.kind) for f in result.failures if f.kind != "stuck"]
     assert counted == [(1, 6, "died"), (1, 6, "died")], result.failures
     assert all(f.recovery_s is not None for f in result.failures)
@@ -56,32 +56,32 @@ def test_a_replacement_that_dies_as_it_joins_is_replaced_in_turn(reference):
     assert equal(reference[2], result.state_dict())
 
 
-def test_a_rank_that_raises_is_replaced(reference):
-    result = train.fit(MLP, _config(faults=[fail(rank=1, at_step=4)]))
+def test_a_rank_that_raises_is_replaced(fit, reference):
+    result = fit(MLP, _config(faults=[fail(rank=1, at_step=4)]))
     [failure] = result.failures
     assert failure.kind == "error" and "InjectedFault" in failure.cause
     assert equal(reference[2], result.state_dict())
 
 
-def test_a_hung_rank_is_detected_killed_and_replaced(reference):
-    result = train.fit(MLP, _config(step_timeout_s=4.0, faults=[hang(rank=0, at_step=6)]))
+def test_a_hung_rank_is_detected_killed_and_replaced(fit, reference):
+    result = fit(MLP, _config(step_timeout_s=4.0, faults=[hang(rank=0, at_step=6)]))
     [failure] = result.failures
     assert (failure.rank, failure.kind) == (0, "hung")
     assert equal(reference[2], result.state_dict())
 
 
-def test_three_kills_in_one_run_with_a_warm_spare(reference):
+def test_three_kills_in_one_run_with_a_warm_spare(fit, reference):
     faults = [kill(rank=1, at_step=3), kill(rank=0, at_step=6), kill(rank=1, at_step=9)]
-    result = train.fit(MLP, _config(spares=1, faults=faults))
+    result = fit(MLP, _config(spares=1, faults=faults))
     assert [(f.rank, f.step) for f in result.failures] == [(1, 3), (0, 6), (1, 9)]
     assert equal(reference[2], result.state_dict())
 
 
-def test_more_failures_than_allowed_stop_with_every_failure_and_a_valid_checkpoint(tmp_path):
+def test_more_failures_than_allowed_stop_with_every_failure_and_a_valid_checkpoint(fit, tmp_path):
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
     faults = [kill(rank=1, at_step=3), kill(rank=1, at_step=6)]
     with pytest.raises(train.TooManyFailures) as info:
-        train.fit(MLP, _config(max_failures=1, checkpoint=ckpt, faults=faults))
+        fit(MLP, _config(max_failures=1, checkpoint=ckpt, faults=faults))
     err = info.value
     assert [(f.rank, f.step) for f in err.failures] == [(1, 3), (1, 6)]
     assert err.checkpoint is not None and err.checkpoint.endswith("step-00000004")

@@ -2,35 +2,59 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import torch
 
 from raymesh.train import Context, Task
 
 
 class _Point(torch.nn.Module):
-    """One parameter, starting at the trial's x: the loss is (x - 0.3)^2 while lr is 0."""
+    """Parameters starting at the trial's point: the loss is the squared distance to a known
+    optimum, constant while lr is 0."""
 
-    def __init__(self, x: float) -> None:
+    def __init__(self, *coords: float) -> None:
         super().__init__()
-        self.x = torch.nn.Parameter(torch.tensor([float(x)]))
+        self.p = torch.nn.Parameter(torch.tensor([float(c) for c in coords]))
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.x + 0.0 * batch.sum()
+        return self.p + 0.0 * batch.sum()
 
 
-def _loss(model, batch) -> torch.Tensor:
-    return ((model(batch) - 0.3) ** 2).sum()
+def _distance(optimum: list[float], sleep: float):
+    target = torch.tensor(optimum)
+
+    def loss(model, batch) -> torch.Tensor:
+        if sleep:
+            time.sleep(sleep)  # a step long enough to stop a study in the middle of a trial
+        return ((model(batch) - target) ** 2).sum()
+
+    return loss
 
 
-def quadratic(ctx: Context) -> Task:
-    """A problem whose optimum is known: x = 0.3. x = 0.9 fails in the build, on purpose."""
-    x = ctx.params["x"]
-    if x == 0.9:
-        raise ValueError("x = 0.9 is a broken configuration")
-    model = _Point(x)
+def _task(model: _Point, ctx: Context, optimum: list[float]) -> Task:
     return Task(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=ctx.params.get("lr", 0.0)),
         dataset=torch.zeros(16, 1),
-        loss_fn=_loss,
+        loss_fn=_distance(optimum, ctx.params.get("sleep", 0.0)),
     )
+
+
+def quadratic(ctx: Context) -> Task:
+    """Optimum x = 0.3; x = 0.9 fails in the build, on purpose. With params["pids"] (a folder),
+    each build notes the pid of the process it runs in there."""
+    if "pids" in ctx.params:
+        with (Path(ctx.params["pids"]) / f"{os.getpid()}-{ctx.params['x']}").open("w"):
+            pass
+    x = ctx.params["x"]
+    if x == 0.9:
+        raise ValueError("x = 0.9 is a broken configuration")
+    return _task(_Point(x), ctx, [0.3])
+
+
+def bowl(ctx: Context) -> Task:
+    """Two parameters, optimum (x, y) = (0.3, -0.2)."""
+    return _task(_Point(ctx.params["x"], ctx.params["y"]), ctx, [0.3, -0.2])

@@ -1,18 +1,29 @@
 """raymesh.tune on real training jobs: Optuna chooses, ASHA prunes, a failing trial is recorded,
-a study in storage resumes, and the results are written."""
+trial procs serve trial after trial, a killed worker heals inside its trial, a study whose
+controller is SIGKILLed resumes, and the results are written."""
 
 from __future__ import annotations
 
 import csv
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import optuna
 import pytest
 
 from raymesh import train, tune
+from raymesh._src import backend
+from raymesh.testing import kill
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 BUILD = "tests.tune.helpers:quadratic"
+BOWL = "tests.tune.helpers:bowl"
 
 
 def _config(**kw) -> train.TrainConfig:
@@ -20,11 +31,22 @@ def _config(**kw) -> train.TrainConfig:
     return train.TrainConfig(**(base | kw))
 
 
+def _builds(folder: Path) -> dict[float, set[int]]:
+    """x -> the pids that built a trial of that x (helpers.quadratic notes them)."""
+    out: dict[float, set[int]] = {}
+    for f in folder.iterdir():
+        pid, x = f.name.split("-", 1)
+        out.setdefault(float(x), set()).add(int(pid))
+    return out
+
+
 def test_a_grid_study_finds_the_optimum_prunes_worse_trials_and_survives_a_failing_one(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
     study = tune.run(
         BUILD,
         _config(),
-        space={"x": tune.choice([0.0, 0.3, 0.6, 0.9])},
+        space={"x": tune.choice([0.0, 0.3, 0.6, 0.9]), "pids": str(pids)},
         trials=4,
         sampler="grid",
         scheduler="asha",
@@ -46,52 +68,127 @@ def test_a_grid_study_finds_the_optimum_prunes_worse_trials_and_survives_a_faili
     assert len(rows) == 4 and {r["state"] for r in rows} >= {"complete", "failed"}
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "parameters.png").stat().st_size > 0
+    # One proc served every trial in turn: complete, pruned (after its chunk) and failing ones.
+    builds = _builds(pids)
+    assert sorted(builds) == [0.0, 0.3, 0.6, 0.9]
+    assert len(set().union(*builds.values())) == 1, builds
 
 
-def test_raymesh_tune_runs_a_job_file_and_a_resumed_study_reruns_only_a_trial_left_running(
-    tmp_path, capsys
-):
-    from raymesh.cli.main import main
+def test_tpe_chooses_better_points_than_random_search_in_as_many_trials():
+    # Sequential trials (concurrent=1) with fixed seeds: each sampler's choices are a function
+    # of the values told to it, so TPE does better only if the jobs' losses reach it.
+    late = {}
+    for sampler in ("tpe", "random"):
+        study = tune.run(
+            BOWL,
+            _config(steps=1),
+            space={"x": tune.uniform(-1.0, 1.0), "y": tune.uniform(-1.0, 1.0)},
+            trials=16,
+            sampler=sampler,
+            scheduler=None,
+        )
+        values = [t.value for t in sorted(study.trials, key=lambda t: t.number)]
+        assert len(values) == 16 and None not in values
+        late[sampler] = statistics.mean(values[10:])  # after TPE's 10 random startup trials
+    assert late["tpe"] < 0.6 * late["random"], late
 
-    db = tmp_path / "runs" / "study.db"
+
+def test_a_ddp_trial_heals_a_killed_worker_in_place_and_hands_its_live_procs_on(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    lr = 0.1
+    study = tune.run(
+        BUILD,
+        _config(workers=2, max_failures=1, faults=[kill(rank=1, at_step=2)]),
+        space={"x": tune.choice([0.0, 0.6]), "lr": lr, "pids": str(pids)},
+        trials=2,
+        sampler="grid",
+        scheduler=None,
+    )
+    assert [t.state for t in study.trials] == ["complete", "complete"]
+    for t in study.trials:  # SGD on (x - 0.3)^2 from x0: the loss at step 4 is exact
+        expected = ((t.params["x"] - 0.3) * (1 - 2 * lr) ** 3) ** 2
+        assert t.value == pytest.approx(expected, rel=1e-5)
+    first, second = (_builds(pids)[x] for x in (0.0, 0.6))
+    assert len(first) == len(second) == 3  # two ranks, and the replacement of the killed one
+    assert len(first & second) == 2  # the survivor and the replacement served the next trial
+
+
+def _job(tmp_path: Path, db: Path) -> Path:
     job = tmp_path / "study.toml"
     job.write_text(
         f"""
 build = "{BUILD}"
 workers = 1
-steps = 3
+steps = 6
 global_batch_size = 4
 
+[checkpoint]
+dir = "{tmp_path / "unused"}"
+every = 2
+
 [tune]
-trials = 2
-sampler = "random"
-scheduler = "median"
+trials = 3
+sampler = "grid"
+scheduler = "none"
 storage = "{db}"
 
 [tune.space]
-x = "uniform(0.0, 0.6)"
+x = "choice([0.0, 0.3, 0.6])"
+sleep = 0.25
 """
     )
-    assert main(["tune", str(job)]) == 0
-    out = capsys.readouterr().out
-    assert "trial  state" in out and "best: trial" in out
-    assert (tmp_path / "runs" / "results.csv").exists()
+    return job
+
+
+def _trials(db: Path) -> list:
+    return optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}").get_trials()
+
+
+def test_a_study_whose_controller_is_sigkilled_resumes_without_rerunning_finished_trials(
+    tmp_path, capsys
+):
+    from raymesh.cli.main import main
+
+    db = tmp_path / "runs" / "study.db"
+    job = _job(tmp_path, db)
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    log = (tmp_path / "controller.log").open("w")  # a file: a full pipe would block it
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "raymesh.cli.main", "tune", str(job)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    # SIGKILL it once a trial is complete and the running one has a committed checkpoint (by
+    # their folders: reading the database this often would slow the controller down).
+    deadline = time.monotonic() + 120
+    trials = tmp_path / "runs" / "trials"
+    try:
+        while True:
+            assert time.monotonic() < deadline and controller.poll() is None
+            saved = [sorted(d.glob("step-*/manifest.json")) for d in trials.glob("trial-*")]
+            ends = [s[-1].parent.name for s in saved if s]
+            if "step-00000006" in ends and len(ends) >= 2 and len(set(ends)) > 1:
+                break
+            time.sleep(0.1)
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(timeout=30)
+        log.close()
+    left = [t for t in _trials(db) if t.state == optuna.trial.TrialState.RUNNING]
+    assert len(left) == 1, (tmp_path / "controller.log").read_text()[-3000:]
+    running = left[0]
+    before = {t.number: t.value for t in _trials(db) if t.state.name == "COMPLETE"}
+
     assert main(["tune", str(job), "--trials", "3"]) == 2  # the study exists: say resume
     assert "already holds a study" in capsys.readouterr().err
-    first = optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}").trials
-    # A controller that died mid-trial leaves it RUNNING in the database.
-    stored = optuna.load_study(study_name="raymesh", storage=f"sqlite:///{db}")
-    left_running = stored.ask({"x": optuna.distributions.FloatDistribution(0.0, 0.6)})
-    assert main(["tune", str(job), "--trials", "3", "--resume"]) == 0
-    resumed = tune.run(
-        BUILD,
-        _config(steps=3),
-        space={"x": tune.uniform(0.0, 0.6)},
-        trials=3,
-        scheduler="median",
-        storage=str(db),
-        resume=True,
-    )  # all 3 done: runs nothing more
-    assert [t.state for t in resumed.trials] == ["complete"] * 3
-    assert [t.params for t in resumed.trials[:2]] == [t.params for t in first]
-    assert resumed.trials[2].params == left_running.params  # run again, same parameters
+    assert main(["tune", str(job), "--resume"]) == 0
+    assert "best: trial" in capsys.readouterr().out
+    after = _trials(db)
+    complete = [t for t in after if t.state.name == "COMPLETE"]
+    assert sorted(t.params["x"] for t in complete) == [0.0, 0.3, 0.6]  # each point once
+    assert {t.number: t.value for t in complete if t.number in before} == before  # kept
+    [again] = [t for t in complete if t.params == running.params]
+    assert again.user_attrs["resumed_from"] >= 2  # from the killed trial's checkpoint
+    assert (db.parent / "results.csv").exists() and (db.parent / "curves.png").exists()
