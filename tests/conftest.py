@@ -3,6 +3,8 @@ session ends it. Every test has a timeout (pytest-timeout, see pyproject)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 
@@ -13,3 +15,15 @@ def ray_cluster():
     backend.ensure_ray()
     yield
     backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fit(ray_cluster):
+    """`train.fit`, with each job of the module in procs that earlier jobs of it trained in
+    (`train.WarmRanks`): the guarantees hold in reused procs as in new ones (two runs with one
+    seed are bitwise equal though the second runs where the first one did, a healed job ends
+    with the weights of a clean run that ran elsewhere), and the module starts few procs."""
+    from raymesh import train
+
+    with train.WarmRanks() as warm:
+        yield functools.partial(train.fit, warm=warm)
