@@ -202,6 +202,7 @@ def run(
     if not isinstance(config, train.TrainConfig):
         raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
     fn = resolve_build(build)  # a bad name fails here, before any trial
+    chosen = _sampler(sampler, found, seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     folder, url = None, None
     if storage is not None:
@@ -213,20 +214,21 @@ def run(
             )
         if resume and not db.exists():
             raise ValueError(f"resume=True: no study at storage={storage!r} to continue")
-        db.parent.mkdir(parents=True, exist_ok=True)
         folder, url = db.parent, f"sqlite:///{db.resolve()}"
+    concurrent = _packed(concurrent, config)  # the last check, before the storage is made
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
     study = optuna.create_study(
         study_name="raymesh",
         storage=url,
         load_if_exists=resume,
         direction="minimize" if mode == "min" else "maximize",
-        sampler=_sampler(sampler, found, seed),
+        sampler=chosen,
         pruner=_pruner(scheduler, config.report_every),
     )
     _requeue_running(study)
     if sampler == "grid":
         trials = min(trials, _grid(study, found))
-    concurrent = _packed(concurrent, config)
     lock = threading.Lock()
     warm = train.WarmRanks()
 
