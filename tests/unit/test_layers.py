@@ -48,6 +48,7 @@ ORDER = (
     "data",
     "train",
     "tune",
+    "serve",
     "examples",
     "cli",
 )
@@ -69,6 +70,7 @@ LAYERS = {
     "raymesh.data": "data",
     "raymesh.train": "train",
     "raymesh.tune": "tune",
+    "raymesh.serve": "serve",
     "raymesh.examples": "examples",
     "raymesh.cli": "cli",
 }
