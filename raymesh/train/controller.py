@@ -187,26 +187,25 @@ class TrainController:
         cfg = self.config
         if self.data is not None:  # its procs start while the ranks do
             self.data.start()
-        warm = self.pool.take_warm(cfg.max_workers)  # procs a previous job left up
-        need = cfg.max_workers - len(warm)
+        reused = self.pool.take_warm(cfg.max_workers)  # procs a previous job left up
+        need = cfg.max_workers - len(reused)
         nodes = self.placer.place(need) if need else []
         # Resources a previous job just released can take the cluster a moment to report free.
         deadline = time.monotonic() + min(cfg.replace_timeout_s, 10.0)
         while len(nodes) < need and time.monotonic() < deadline:
             time.sleep(0.5)
             nodes = self.placer.place(need)
-        world = cfg.max_workers
-        if len(warm) + len(nodes) < world and len(warm) + len(nodes) >= cfg.min_workers:
-            world = len(warm) + len(nodes)  # elastic: start with what fits; grow it later
+        world, room = cfg.max_workers, len(reused) + len(nodes)
+        if cfg.min_workers <= room < world:
+            world = room  # elastic: start with what fits; the recruiter grows it later
             logger.warning(
                 "raymesh.train: room for %d of max %d workers now: starting with %d",
                 world,
                 cfg.max_workers,
                 world,
             )
-        ranks = warm + self.pool.spawn(
-            world - len(warm), "trainer", nodes=nodes[: world - len(warm)]
-        )
+        new = world - len(reused)
+        ranks = reused + self.pool.spawn(new, "trainer", nodes=nodes[:new])
         self.pool.add_spares(cfg.spares)  # where there is room now; the recruiter the rest
         infos: list[SetupInfo] = self.world.start(ranks)
         assert infos[0].estimate is not None

@@ -297,12 +297,13 @@ def _packed(concurrent: int, config: train.TrainConfig) -> int:
     from raymesh.train.placement import use_gpus
 
     free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=use_gpus(config))
-    room = sum(free.values()) // config.max_workers
+    procs = sum(free.values())
+    room = procs // config.max_workers
     if room >= concurrent:
         return concurrent
     if room < 1:
         raise ValueError(
-            f"concurrent={concurrent}: the cluster has room for {sum(free.values())} procs of "
+            f"concurrent={concurrent}: the cluster has room for {procs} procs of "
             f"{config.cpus_per_worker:g} CPUs, fewer than one trial's {config.max_workers}; "
             "lower workers or cpus_per_worker, or add nodes"
         )
