@@ -35,8 +35,9 @@ class Future(Generic[R]):
       runs on, and `get()` may be called again.
     - Settled once: after `get()` has returned or raised ActorError/SupervisionError, every
       later `get()` returns the same value or raises the same exception object, at once.
-    - `await future` is `get()` without a timeout, run on the event loop's default executor so
-      the loop keeps running; it returns or raises exactly what `get()` would.
+    - `await future` is `get()` without a timeout that never blocks the event loop: the loop is
+      woken when the result (or a proc's death) is in, holding no thread while it waits; it
+      returns or raises exactly what `get()` would.
     - `done()` never blocks: True once every reply (or a proc's death) is in, or once the future
       has settled; a result it reports done is returned by `get()` without waiting.
     - A call refused before it was sent (its mesh already failed) gives a future that is
@@ -99,10 +100,28 @@ class Future(Generic[R]):
 
     def __await__(self) -> Generator[Any, None, R]:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(None, self.get).__await__()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # on whichever thread saw the result arrive
+            try:
+                loop.call_soon_threadsafe(_set_done, waiter)
+            except RuntimeError:  # the loop closed while this waited: nobody is waiting
+                pass
+
+        if self._error is not None or self._value is not _UNSET:
+            wake()
+        else:
+            backend.when_done(self._items, wake)
+        yield from waiter.__await__()
+        return self.get(timeout=None)  # every item is in: this does not wait
 
     def __repr__(self) -> str:
         return f"<Future {self._what}{' done' if self.done() else ''}>"
+
+
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # a cancelled await leaves a cancelled waiter
+        waiter.set_result(None)
 
 
 def _identity(x: Any) -> Any:

@@ -6,6 +6,10 @@
                                hosts, GPUs, the GPU link matrix, measured network figures
     raymesh train JOB.toml [--inject kill:rank=1:step=100] [--resume] [--steps N]
                                run a training job (TrainConfig as TOML) with a progress bar
+    raymesh tune JOB.toml      a hyperparameter study over training jobs
+    raymesh serve JOB.toml [--checkpoint DIR] [--replicas 1:4] [--port 8000]
+                               serve the trained model over HTTP; `serve reload --checkpoint
+                               NEW` rolls a running server to a new checkpoint
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
 starts the embedded local Ray (and stops it again on exit).
@@ -19,6 +23,7 @@ import sys
 from typing import Any
 
 from raymesh._version import __version__
+from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
 from raymesh.cli import tune as tune_cli
 
@@ -140,11 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "topology":
         return topology_cli.run(args)
     if args.command == "tune":
         return tune_cli.run(args)
+    if args.command == "serve":
+        return serve_cli.run(args)
     if args.command == "train":
         return _train(args)
     if args.command == "info":

@@ -21,11 +21,13 @@ embedding. `TinyGPT.blocks` is an nn.ModuleList, so FSDP shards it block by bloc
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import hashlib
 import math
 import os
 import sysconfig
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,7 +36,16 @@ from torch import nn
 
 from raymesh.train.task import Context, Task
 
-__all__ = ["CharDataset", "TinyGPT", "build", "generate", "lm_loss", "stdlib_corpus"]
+__all__ = [
+    "CharDataset",
+    "TinyGPT",
+    "build",
+    "generate",
+    "generate_bytes",
+    "lm_loss",
+    "serve_text",
+    "stdlib_corpus",
+]
 
 # The default config: ~0.12M parameters, trains visibly on a 2-core CPU in minutes.
 BLOCK_SIZE = 64  # context length in bytes
@@ -239,7 +250,6 @@ def build(ctx: Context) -> Task:
     )
 
 
-@torch.no_grad()
 def generate(
     model: nn.Module,
     prompt: bytes,
@@ -254,6 +264,18 @@ def generate(
     (a DDP-wrapped one is unwrapped); an empty prompt starts from a newline. The model's
     training mode is restored afterwards.
     """
+    return (prompt or b"\n") + b"".join(generate_bytes(model, prompt, n, temperature, generator))
+
+
+@torch.no_grad()
+def generate_bytes(
+    model: nn.Module,
+    prompt: bytes,
+    n: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Iterator[bytes]:
+    """The `n` bytes `generate` appends to `prompt`, one at a time, as each is made."""
     if n < 0:
         raise ValueError(f"n={n}: must be >= 0")
     if temperature < 0:
@@ -275,9 +297,22 @@ def generate(
                 probs = F.softmax(logits.float() / temperature, dim=-1).cpu()
                 nxt = torch.multinomial(probs, 1, generator=generator).to(device)
             idx = torch.cat([idx, nxt], dim=1)
+            yield bytes([int(nxt)])
     finally:
         inner.train(was_training)
-    return bytes(idx[0].tolist())
+
+
+def serve_text(
+    model: nn.Module, prompt: str, max_tokens: int, temperature: float, seed: int
+) -> Iterator[str]:
+    """raymesh.serve's generate function for TinyGPT (`generate = "raymesh.examples.tinygpt:
+    serve_text"` in a job file's [serve] table): up to `max_tokens` bytes after `prompt`, as
+    text. A byte that ends no UTF-8 character yields "" (still one token), so the tokens
+    counted are the bytes made; sampling is seeded with `seed`."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    generator = torch.Generator().manual_seed(seed)
+    for byte in generate_bytes(model, prompt.encode(), max_tokens, temperature, generator):
+        yield decoder.decode(byte)
 
 
 def main(argv: list[str] | None = None) -> None:

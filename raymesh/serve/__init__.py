@@ -1,13 +1,41 @@
-"""raymesh.serve: serving a trained checkpoint from a mesh of replicas (issue 15, in progress).
+"""raymesh.serve: serve a trained model over HTTP from a mesh of replicas, with dynamic batching.
 
-Built so far, the two decisions a server makes, as plain data with no Ray and no HTTP:
-- `BatchQueue` (`raymesh.serve.batching`): dynamic batching over a bounded queue;
-- `AutoscalePolicy` (`raymesh.serve.scaling`): how many replicas, from queue depth, latency
-  and how busy the replicas were.
-The replicas, the HTTP front (Starlette under uvicorn) and `serve.deploy` are to come.
+    from raymesh import serve
+    app = serve.deploy(build="raymesh.examples.mlp:build", checkpoint="runs/mlp",
+                       replicas=(1, 4), max_batch_size=32, batch_wait_ms=5)
+    app.url, app.predict.call_one(x).get(), app.reload("runs/mlp2"), app.stop()
+
+or `raymesh serve job.toml`. Replicas are actors on procs of their own, loading the model with the
+build function that trained it. The front is a Starlette app under uvicorn, in the controller's
+process; requests are coalesced into batches (`BatchQueue`), the queue is bounded (503 with
+Retry-After), replicas scale between min and max (`AutoscalePolicy`), and a replica that dies
+has its requests resent to another. See docs/serve.md.
 """
 
+try:
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as e:  # pragma: no cover (the dev install has them)
+    raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
+
+from raymesh.serve.app import App, Reply, deploy
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
+from raymesh.serve.config import ServeConfig
+from raymesh.serve.model import ModelSpec
+from raymesh.serve.router import ModelError, Unavailable
 from raymesh.serve.scaling import AutoscalePolicy, ReplicaScale
 
-__all__ = ["AutoscalePolicy", "BatchConfig", "BatchQueue", "Overloaded", "ReplicaScale"]
+__all__ = [
+    "App",
+    "AutoscalePolicy",
+    "BatchConfig",
+    "BatchQueue",
+    "ModelError",
+    "ModelSpec",
+    "Overloaded",
+    "ReplicaScale",
+    "Reply",
+    "ServeConfig",
+    "Unavailable",
+    "deploy",
+]

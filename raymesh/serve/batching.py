@@ -80,11 +80,14 @@ class BatchQueue(Generic[T]):
             raise Overloaded(len(self._waiting), self._retry_after(now))
         self._waiting.append((now, request))
 
-    def ready(self, now: float) -> bool:
+    def ready(self, now: float, *, idle: bool = False) -> bool:
         """Whether a batch may leave at `now`: a full one is waiting, or the oldest request has
-        waited `batch_wait_ms`."""
+        waited `batch_wait_ms`, or (`idle`: nothing is being computed) anything waits, since
+        an idle server gains nothing by holding a request back."""
         if not self._waiting:
             return False
+        if idle:
+            return True
         deadline = self.deadline()
         return len(self._waiting) >= self.config.max_batch_size or (
             deadline is not None and now >= deadline
@@ -105,6 +108,18 @@ class BatchQueue(Generic[T]):
             self._since = now if self._since is None else self._since
             self._taken += len(batch)
         return batch
+
+    def requeue(self, requests: list[tuple[float, T]]) -> None:
+        """Put taken requests, given as (arrival time, request) oldest first, back at the
+        front (requests resent after their replica died): they leave first, and at once if
+        they have waited `batch_wait_ms`. Not bounded by `max_queue`: they were admitted once."""
+        self._waiting.extendleft(reversed(requests))
+
+    def take_all(self) -> list[T]:
+        """Every waiting request (to fail them when the server stops)."""
+        out = [r for _, r in self._waiting]
+        self._waiting.clear()
+        return out
 
     def _retry_after(self, now: float) -> int:
         """Seconds until the queue has drained to half, at the rate batches have left so far."""

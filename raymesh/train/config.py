@@ -260,9 +260,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
 
+# Tables of a job file that other commands read (`raymesh tune`, `raymesh serve`): training
+# ignores them, so one file describes the job, its study and how it is served.
+OTHER_TABLES = ("tune", "serve")
+
+
 def load_config(path: str | Path) -> TrainConfig:
-    """Read a TOML job file whose schema is TrainConfig."""
+    """Read a TOML job file whose schema is TrainConfig (its [tune] and [serve] tables, which
+    other commands read, are skipped)."""
     data = read_toml(path)
+    for table in OTHER_TABLES:
+        data.pop(table, None)
     try:
         return TrainConfig.from_dict(data)
     except TypeError as e:  # a field of the wrong kind that the dataclass itself rejected

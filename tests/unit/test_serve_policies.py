@@ -108,3 +108,125 @@ def test_the_autoscaler_adds_on_queue_depth_or_latency_removes_when_idle_one_ste
 def test_bad_autoscale_policy_names_the_field(kw, message):
     with pytest.raises(ValueError, match=message):
         AutoscalePolicy(**kw)
+
+
+def test_an_idle_server_sends_at_once_and_a_resent_request_goes_first():
+    q = _queue(batch_wait_ms=50.0)
+    q.put("a", now=1.0)
+    assert not q.ready(1.001)  # a replica is computing: wait for others to join
+    assert q.ready(1.001, idle=True)  # nothing is computing: waiting gains nothing
+    assert q.take(1.001) == ["a"]
+    q.put("b", now=2.0)
+    q.requeue([(0.5, "a")])  # its replica died: it goes back first, its wait already over
+    assert q.ready(2.0) and q.take(2.0) == ["a", "b"]
+    for i in range(q.config.max_queue):
+        q.put(i, now=3.0)
+    q.requeue([(2.9, "resent")])  # not refused: it was admitted once already
+    assert len(q) == q.config.max_queue + 1
+    assert q.take_all()[0] == "resent" and len(q) == 0
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"replicas": 0}, "replicas=0"),
+        ({"replicas": (3, 2)}, "min must be <= max"),
+        ({"replicas": (1, 2, 3)}, "replicas=(1, 2, 3)"),
+        ({"port": 70000}, "port=70000"),
+        ({"host": ""}, "host=''"),
+        ({"token": ""}, "token="),
+        ({"max_batch_size": 64, "max_queue": 8}, "max_queue=8"),
+        ({"batch_wait_ms": -1}, "batch_wait_ms=-1"),
+        ({"request_timeout_s": 0}, "request_timeout_s=0"),
+        ({"cpus_per_replica": 0}, "cpus_per_replica=0"),
+        ({"backend": "triton"}, "backend='triton'"),
+        ({"busy_down": 2}, "busy_down=2"),
+    ],
+)
+def test_a_bad_serve_config_names_the_field_and_the_fix(fields, named):
+    from raymesh.serve import ServeConfig
+
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        ServeConfig(**fields)
+
+
+def test_a_serve_config_from_a_job_file_takes_lists_and_refuses_unknown_keys():
+    from raymesh.serve import ServeConfig
+
+    config = ServeConfig.from_dict({"replicas": [1, 4], "port": 0})
+    assert config.replicas == (1, 4) and config.min_replicas == 1 and config.max_replicas == 4
+    assert config.autoscale().max == 4 and config.batch().max_batch_size == 32
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['replica'\]"):
+        ServeConfig.from_dict({"replica": 2})
+
+
+def test_the_token_comes_from_the_environment_when_not_given(monkeypatch):
+    from raymesh.serve import ServeConfig
+
+    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env")
+    assert ServeConfig().bearer() == "from-env"
+    assert ServeConfig(token="given").bearer() == "given"
+    monkeypatch.delenv("RAYMESH_SERVE_TOKEN")
+    assert ServeConfig().bearer() is None
+
+
+@pytest.mark.parametrize(
+    "x, shape, integer, why",
+    [
+        ([1.0, 2.0], (2,), False, None),
+        ([[1, 2], [3, 4]], (2, 2), True, None),
+        ([1.0], (2,), False, "x: expected 2 items (input shape [2]), got 1"),
+        ([1.0, "a"], (2,), False, "x[1]: expected a number, got 'a'"),
+        ([1.0, True], (2,), False, "x[1]: expected a number, got True"),
+        ([[1, 2], [3]], (2, 2), True, "x[1]: expected 2 items (input shape [2, 2]), got 1"),
+        ([[1, 2], [3, 4.5]], (2, 2), True, "x[1][1]: expected an integer, got 4.5"),
+        ({"a": 1}, (2,), False, "x: expected a list of 2, got dict"),
+        ("text", None, False, "x: give a number or a list"),
+    ],
+)
+def test_an_input_of_the_wrong_shape_is_named_by_its_place(x, shape, integer, why):
+    from raymesh.serve.model import check_input
+
+    assert check_input(x, shape, integer) == why
+
+
+def test_a_model_spec_refuses_what_it_cannot_serve(tmp_path):
+    import torch
+
+    from raymesh.serve import ModelSpec
+
+    with pytest.raises(ValueError, match="not both or neither"):
+        ModelSpec()
+    with pytest.raises(ValueError, match="cannot import it"):
+        ModelSpec(build="no_such_module:build")
+    with pytest.raises(ValueError, match="needs a module to load into"):
+        ModelSpec(model=lambda x: x, checkpoint=str(tmp_path))
+    with pytest.raises(ValueError, match="input_shape"):
+        ModelSpec(model=lambda x: x, input_shape=(0,))
+    spec = ModelSpec(model=torch.nn.Linear(2, 2), checkpoint=str(tmp_path))
+    with pytest.raises(ValueError, match="no committed checkpoint there"):
+        spec.resolved()
+
+
+def test_the_serve_table_of_a_job_file_and_training_ignoring_it(tmp_path):
+    from raymesh import train
+    from raymesh.serve.jobfile import load_serving
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'build = "raymesh.examples.tinygpt:build"\nseed = 3\n'
+        '[checkpoint]\ndir = "runs/x"\n'
+        '[serve]\ngenerate = "raymesh.examples.tinygpt:serve_text"\nreplicas = [1, 3]\n'
+    )
+    model, config = load_serving(job, port=0, checkpoint=None)
+    assert model == {
+        "generate": "raymesh.examples.tinygpt:serve_text",
+        "build": "raymesh.examples.tinygpt:build",
+        "checkpoint": "runs/x",
+        "seed": 3,
+    }
+    assert config.replicas == (1, 3) and config.port == 0
+    assert train.load_config(job).seed == 3  # `raymesh train` reads the same file
+    job.write_text('build = "raymesh.examples.tinygpt:build"\n[serve]\nreplica = 2\n')
+    with pytest.raises(ValueError, match=r"job.toml: \[serve\] has unknown key"):
+        load_serving(job)

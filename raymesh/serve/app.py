@@ -1,0 +1,273 @@
+"""`deploy`: serve a model from a mesh of replicas, over HTTP and from Python; `App` is the
+running server.
+
+The HTTP front (uvicorn, Starlette) and the router run on one event loop, on a thread of the
+calling process (the controller): a request reaches a replica in one actor call, with no proxy
+between. `App` methods may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from raymesh.actor import host_mesh
+from raymesh.serve.config import ServeConfig
+from raymesh.serve.front import make_app
+from raymesh.serve.metrics import Metrics
+from raymesh.serve.model import ModelSpec
+from raymesh.serve.router import Router
+
+__all__ = ["App", "Reply", "deploy"]
+
+logger = logging.getLogger("raymesh.serve")
+
+
+def deploy(
+    model: Any = None,
+    *,
+    build: Any = None,
+    checkpoint: str | None = None,
+    generate: Any = None,
+    input_shape: tuple[int, ...] | None = None,
+    input_dtype: str | None = None,
+    seed: int = 0,
+    config: ServeConfig | None = None,
+    **fields: Any,
+) -> App:
+    """Serve `model` and return once `min` replicas are ready (or raise what stopped them).
+
+    model: an nn.Module or a `predict(batch) -> outputs` function; or give `build=` (a
+        raymesh.train build function, "pkg.module:build" or the function) to build the model
+        as training did. checkpoint: a raymesh.train checkpoint folder (its newest committed
+        step) or one step's folder, loaded into the module. generate: a function serving
+        POST /v1/generate (see `raymesh.serve.model`). input_shape / input_dtype: one
+        request's input, checked by the front (422 when wrong; from the task's first sample
+        when a build function is given).
+    config, or its fields as keywords (replicas=(1, 4), max_batch_size=32, batch_wait_ms=5,
+        port=0, host, token, ...): see `ServeConfig`. backend="ray-serve" deploys the same
+        model as a Ray Serve deployment instead.
+    Raises ValueError for a bad argument (naming it) before starting anything.
+    """
+    if config is not None and fields:
+        raise ValueError(f"give config= or its fields {sorted(fields)} as keywords, not both")
+    config = config or ServeConfig(**fields)
+    spec = ModelSpec(
+        model=model,
+        build=build,
+        checkpoint=checkpoint,
+        generate=generate,
+        input_shape=input_shape,
+        input_dtype=input_dtype,
+        seed=seed,
+    ).resolved()
+    # Start (or join) Ray here, on the caller's thread: Ray ties the life of the processes it
+    # starts to the thread that started them, and the server's thread ends with `stop()`.
+    host_mesh()
+    if config.backend == "ray-serve":
+        from raymesh._src.backend import serving  # Ray Serve is Ray: the backend speaks it
+        from raymesh.serve.model import LoadedModel, check_input
+
+        handle = serving.deploy(
+            functools.partial(LoadedModel, spec),
+            check_input,
+            host=config.host,
+            port=config.port,
+            max_batch_size=config.max_batch_size,
+            batch_wait_s=config.batch_wait_ms / 1000.0,
+            replicas=config.min_replicas,
+            cpus=config.cpus_per_replica,
+            gpus=config.gpus,
+            timeout=config.start_timeout_s,
+        )
+        return RayServeApp(handle, config)  # type: ignore[return-value]
+    app = App(spec, config)
+    app._start()
+    return app
+
+
+class Reply:
+    """The pending answer to a Python call: `get(timeout)` blocks for it (TimeoutError after
+    `timeout` seconds; the call goes on), `done()` never blocks."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def get(self, timeout: float | None = None) -> Any:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no reply within {timeout}s") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class _Endpoint:
+    def __init__(self, app: App, name: str) -> None:
+        self._app, self._name = app, name
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Reply:
+        """Send through the same queue and batching as HTTP requests."""
+        return self._app._call(self._name, args, kwargs)
+
+
+class App:
+    """A running server: `url`, `predict.call_one(x)`, `generate.call_one(prompt,
+    max_tokens, temperature, seed)` (the whole text),
+    `reload(checkpoint)`, `stats()`, `stop()`; a context manager that stops it."""
+
+    def __init__(self, spec: ModelSpec, config: ServeConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.metrics = Metrics(config.max_batch_size)
+        self.router = Router(spec, config, self.metrics)
+        self.predict = _Endpoint(self, "predict")
+        self.generate = _Endpoint(self, "generate")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = config.port
+
+    @property
+    def url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.config.host, self.config.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def _start(self) -> None:
+        started: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="raymesh-serve", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.port = started.result(timeout=self.config.start_timeout_s + 30)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))
+
+    def _run(self, started: concurrent.futures.Future[int]) -> None:
+        loop: asyncio.AbstractEventLoop
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(started))
+        except BaseException as e:
+            if not started.done():
+                started.set_exception(e)
+        finally:
+            loop.close()
+
+    async def _main(self, started: concurrent.futures.Future[int]) -> None:
+        await self.router.start()
+        config = uvicorn.Config(
+            make_app(self.router, self.config, self.metrics),
+            host=self.config.host,
+            port=self.config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,  # open streams get this long, then the loop ends
+        )
+        self._server = server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if serving.done():  # it could not bind (the port is taken)
+                await serving
+                raise OSError(f"cannot serve on {self.config.host}:{self.config.port}")
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        started.set_result(port)
+        try:
+            await serving
+        finally:
+            await self.router.stop()
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        if self._loop is None or self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the server has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Reply:
+        if name == "predict":
+            return Reply(self._submit(self.router.predict(*args, **kwargs)))
+        return Reply(self._submit(_collect(self.router.stream(*args, **kwargs))))
+
+    def reload(self, checkpoint: str) -> str:
+        """Move every replica to `checkpoint` with no failed request (see Router.reload);
+        returns the step folder now served."""
+        future = self._submit(self.router.reload(checkpoint))
+        return str(future.result(self.config.start_timeout_s * max(1, len(self.router.slots))))
+
+    def replica_pids(self) -> list[int]:
+        return [s.replica.pid for s in self.router.slots]
+
+    def stats(self) -> dict[str, Any]:
+        """Replicas, batch sizes, resends, scaling decisions (read on the server's loop)."""
+        return dict(self._submit(_value(self.router.stats)).result(10))
+
+    def stop(self) -> None:
+        """Stop serving: waiting requests fail with 503, replicas stop. Idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def __enter__(self) -> App:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<raymesh.serve.App {self.url}>"
+
+
+async def _collect(pieces: Any) -> str:
+    return "".join([p async for p in pieces])
+
+
+async def _value(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+class RayServeApp:
+    """The same model as a Ray Serve deployment (backend="ray-serve"): `url`,
+    `predict.call_one(x)` and `stop()`; Ray Serve does the batching, routing and replicas."""
+
+    def __init__(self, handle: Any, config: ServeConfig) -> None:
+        self._handle = handle
+        self.config = config
+        self.predict = self
+        self.port = handle.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def call_one(self, x: Any) -> Reply:
+        return Reply(self._handle.call(x))
+
+    def stop(self) -> None:
+        self._handle.stop()
+
+    def __enter__(self) -> RayServeApp:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

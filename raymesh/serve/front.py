@@ -1,0 +1,304 @@
+"""The HTTP front: a Starlette app (run by uvicorn) over a `Router`.
+
+    POST /v1/predict    {"x": <one input>}                 -> {"y": <its output>}
+    POST /v1/generate   {"prompt": "def ", "max_tokens": 64, "temperature": 0.0, "seed": 0,
+                         "stream": false}                  -> {"text": ..., "tokens": n}
+                        with "stream": true (or Accept: text/event-stream): server-sent events,
+                        `data: {"text": piece}` per token, then `data: [DONE]`
+    GET  /healthz       200 while the server runs
+    GET  /readyz        200 once a replica is ready, else 503
+    GET  /metrics       Prometheus text format
+    POST /admin/reload  {"checkpoint": "runs/job"}         -> {"checkpoint": <step folder>}
+
+Errors are JSON, `{"error": {"type": ..., "message": ..., "field": ...}}`: 400 malformed JSON,
+401 missing or wrong bearer token (when one is set; /healthz and /readyz need none), 413 body
+over `max_body_bytes`, 422 a field of the wrong kind or shape (named), 500 the model raised
+(its exception's type; the replica keeps serving), 503 queue full or no replica (with
+Retry-After), 504 not answered within `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from raymesh.serve.batching import Overloaded
+from raymesh.serve.config import ServeConfig
+from raymesh.serve.metrics import Metrics
+from raymesh.serve.model import check_input
+from raymesh.serve.router import ModelError, Router, Unavailable
+
+__all__ = ["make_app"]
+
+logger = logging.getLogger("raymesh.serve")
+
+
+class HTTPError(Exception):
+    def __init__(
+        self,
+        status: int,
+        type_name: str,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body: dict[str, Any] = {"type": type_name, "message": message}
+        if field is not None:
+            self.body["field"] = field
+        self.headers = headers
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _field_error(message: str) -> HTTPError:
+    field = message.split(":", 1)[0]
+    return HTTPError(422, "ValidationError", message, field=field)
+
+
+def _as_http(e: Exception) -> HTTPError:
+    if isinstance(e, HTTPError):
+        return e
+    if isinstance(e, Overloaded):
+        return HTTPError(503, "Overloaded", str(e), headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, Unavailable):
+        return HTTPError(503, "Unavailable", str(e), headers={"Retry-After": "1"})
+    if isinstance(e, TimeoutError):
+        return HTTPError(504, "Timeout", str(e))
+    if isinstance(e, ModelError):
+        return HTTPError(500, e.type_name, e.message)
+    logger.exception("raymesh.serve: a request failed in the server itself")
+    return HTTPError(500, type(e).__name__, str(e)[:500])
+
+
+def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
+    token = config.bearer()
+    expected = f"Bearer {token}".encode() if token else None
+    limit = config.max_body_bytes
+    counters: dict[tuple[str, int], Any] = {}
+    latencies = {
+        route: metrics.latency.labels(route) for route in ("predict", "generate", "reload")
+    }
+
+    def count(route: str, code: int) -> None:
+        child = counters.get((route, code))
+        if child is None:
+            child = counters[(route, code)] = metrics.requests.labels(route, str(code))
+        child.inc()
+
+    def authorize(scope: Scope) -> None:
+        if expected is None:
+            return
+        if not hmac.compare_digest(_header(scope, b"authorization"), expected):
+            raise HTTPError(
+                401, "Unauthorized", "give the server's token: Authorization: Bearer <token>"
+            )
+
+    async def read_json(scope: Scope, receive: Receive) -> dict[str, Any]:
+        length = _header(scope, b"content-length")
+        if length.isdigit() and int(length) > limit:
+            raise HTTPError(
+                413, "TooLarge", f"the body has {int(length)} bytes; the limit is {limit}"
+            )
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HTTPError(400, "Disconnected", "the client left before sending its body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, "TooLarge", f"the body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        try:
+            body = json.loads(b"".join(chunks), parse_constant=_no_constants)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise HTTPError(400, "MalformedJSON", f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(
+                422, "ValidationError", f"the body must be a JSON object, not {type(body).__name__}"
+            )
+        return body
+
+    def failed(route: str, e: Exception) -> Response:
+        error = _as_http(e)
+        count(route, error.status)
+        return JSONResponse({"error": error.body}, error.status, headers=error.headers)
+
+    async def predict(scope: Scope, receive: Receive, send: Send) -> None:
+        # The hot route, as a plain ASGI handler: Starlette's Request, Response and middleware
+        # cost more CPU per request here than the request's own work.
+        started = time.perf_counter()
+        extra: dict[str, str] | None = None
+        try:
+            authorize(scope)
+            body = await read_json(scope, receive)
+            if "x" not in body:
+                raise _field_error('x: missing; send {"x": <one input>}')
+            info = router.info
+            if info is not None:
+                why = check_input(body["x"], info.input_shape, info.input_dtype == "int64")
+                if why is not None:
+                    raise _field_error(why)
+            status, payload = 200, {"y": await router.predict(body["x"])}
+            data = _json(payload)
+        except Exception as e:
+            error = _as_http(e)
+            status, extra, data = error.status, error.headers, _json({"error": error.body})
+        count("predict", status)
+        if status == 200:
+            latencies["predict"].observe(time.perf_counter() - started)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        if extra:
+            headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    def generate_args(body: dict[str, Any]) -> tuple[str, int, float, int, bool]:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise _field_error(f'prompt: give a string, e.g. "def " (got {prompt!r:.40})')
+        n = body.get("max_tokens", 64)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= config.max_tokens:
+            raise _field_error(f"max_tokens: give an integer 1..{config.max_tokens} (got {n!r})")
+        t = body.get("temperature", 0.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+            raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r})")
+        seed = body.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise _field_error(f"seed: give an integer (got {seed!r})")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _field_error(f"stream: give true or false (got {stream!r})")
+        return prompt, n, float(t), seed, stream
+
+    async def generate(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            authorize(request.scope)
+            body = await read_json(request.scope, request.receive)
+            prompt, n, temperature, seed, stream = generate_args(body)
+            if router.info is not None and not router.info.generates:
+                raise HTTPError(
+                    404,
+                    "NotFound",
+                    "this model serves POST /v1/predict only (deploy it with generate=... "
+                    "to serve /v1/generate)",
+                )
+            stream = stream or "text/event-stream" in request.headers.get("accept", "")
+            pieces = router.stream(prompt, n, temperature, seed)
+            if stream:
+                return StreamingResponse(
+                    _events(pieces, lambda code: count("generate", code)),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            text = [piece async for piece in pieces]
+        except Exception as e:
+            return failed("generate", e)
+        count("generate", 200)
+        latencies["generate"].observe(time.perf_counter() - started)
+        return JSONResponse({"text": "".join(text), "tokens": len(text)})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ready = len(router.slots)
+        return JSONResponse({"ready": ready > 0, "replicas": ready}, 200 if ready else 503)
+
+    async def metrics_page(request: Request) -> Response:
+        try:
+            authorize(request.scope)
+        except HTTPError as e:
+            return JSONResponse({"error": e.body}, e.status)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def reload(request: Request) -> Response:
+        try:
+            authorize(request.scope)
+            body = await read_json(request.scope, request.receive)
+            checkpoint = body.get("checkpoint")
+            if not isinstance(checkpoint, str) or not checkpoint:
+                raise _field_error('checkpoint: give a checkpoint folder, e.g. "runs/job"')
+            try:
+                loaded = await router.reload(checkpoint)
+            except (ValueError, RuntimeError) as e:
+                raise HTTPError(422, "ReloadFailed", str(e), field="checkpoint") from None
+        except Exception as e:
+            return failed("reload", e)
+        count("reload", 200)
+        return JSONResponse({"checkpoint": loaded, "replicas": len(router.slots)})
+
+    app = Starlette(
+        routes=[
+            Route("/v1/predict", _ASGI(predict), methods=["POST"]),
+            Route("/v1/generate", generate, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics_page, methods=["GET"]),
+            Route("/admin/reload", reload, methods=["POST"]),
+        ]
+    )
+
+    async def front(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/predict" and scope["method"] == "POST":
+            await predict(scope, receive, send)  # straight to it, past Starlette's routing
+        else:
+            await app(scope, receive, send)
+
+    return front
+
+
+class _ASGI:
+    """A plain ASGI handler as a Starlette route's endpoint (Starlette calls an endpoint that
+    is not a function as an ASGI app)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return b""
+
+
+def _json(payload: Any) -> bytes:
+    """As Starlette's JSONResponse renders it; a NaN or infinity in it is a ValueError."""
+    return json.dumps(
+        payload, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode()
+
+
+async def _events(pieces: AsyncIterator[str], count: Any) -> AsyncIterator[bytes]:
+    """Server-sent events: one per token, then [DONE]; an error mid-stream is an `error`
+    event (the status line has already gone out as 200)."""
+    try:
+        async for piece in pieces:
+            yield f"data: {json.dumps({'text': piece})}\n\n".encode()
+    except Exception as e:
+        error = _as_http(e)
+        count(error.status)
+        yield f"event: error\ndata: {json.dumps({'error': error.body})}\n\n".encode()
+        return
+    count(200)
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,57 @@
+"""A served model from a TOML job file (`raymesh serve job.toml`): the training job's own file,
+with an optional `[serve]` table of deploy's arguments and ServeConfig's fields:
+
+    build = "raymesh.examples.tinygpt:build"     # the model, built as training built it
+    [checkpoint]
+    dir = "runs/tinygpt"                         # the weights served: its newest checkpoint
+
+    [serve]
+    generate = "raymesh.examples.tinygpt:serve_text"   # serves POST /v1/generate
+    replicas = [1, 4]                                  # autoscale between 1 and 4
+    max_batch_size = 32
+    batch_wait_ms = 5
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from raymesh.serve.config import ServeConfig
+from raymesh.train import TrainConfig
+from raymesh.train.config import read_toml
+
+__all__ = ["MODEL_KEYS", "load_serving"]
+
+MODEL_KEYS = ("generate", "input_shape", "input_dtype")  # deploy's model arguments
+
+
+def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], ServeConfig]:
+    """deploy's model arguments (build, checkpoint, seed, and MODEL_KEYS from [serve]) and the
+    ServeConfig, with `overrides` (None values skipped) on top of the file's. Raises
+    ValueError naming the file and the field."""
+    path = Path(path)
+    data = read_toml(path)
+    table = data.pop("serve", {})
+    data.pop("tune", None)
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: serve must be a table ([serve])")
+    try:
+        job = TrainConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if job.build is None:
+        raise ValueError(f'{path}: set build = "module:function" (the model to serve)')
+    model: dict[str, Any] = {k: table.pop(k) for k in MODEL_KEYS if k in table}
+    if "input_shape" in model:
+        model["input_shape"] = tuple(model["input_shape"])
+    checkpoint = overrides.pop("checkpoint", None)
+    if checkpoint is None and job.checkpoint is not None:
+        checkpoint = job.checkpoint.dir
+    model.update(build=job.build, checkpoint=checkpoint, seed=job.seed)
+    table.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        config = ServeConfig.from_dict(table)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return model, config

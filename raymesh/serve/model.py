@@ -1,0 +1,279 @@
+"""What a replica serves (`ModelSpec`, plain data the controller checks and sends) and the model
+it loads from it (`LoadedModel`, built in the replica's process).
+
+A model is one of:
+- a raymesh.train build function (`build="pkg.module:build"` or the function): the replica calls
+  it as a one-rank job would, takes `Task.model`, and loads the checkpoint's weights; the
+  input's shape and dtype are read from the task's first sample when not given;
+- an `nn.Module`: sent to the replica as is, its weights replaced by the checkpoint's if given;
+- a plain callable `predict(batch) -> outputs`, called on the stacked batch.
+The checkpoint is a raymesh.train checkpoint folder (its newest committed step that verifies)
+or one step's folder; its weights are read with `export_state_dict` (checksums verified,
+tensors only).
+
+`generate`, when given, serves POST /v1/generate: `generate(model, prompt, max_tokens,
+temperature, seed)` yields text pieces (one token each), which the front streams.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raymesh.train import Context, Task
+from raymesh.train.api import resolve_build
+from raymesh.train.checkpoint import Checkpointer, export_state_dict
+
+__all__ = ["LoadedModel", "ModelInfo", "ModelSpec", "check_input", "resolve_checkpoint"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
+
+
+def resolve_ref(ref: str, what: str) -> Callable[..., Any]:
+    """`"package.module:function"` -> the function."""
+    module, sep, name = ref.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f'{what}={ref!r}: give "package.module:function"')
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}={ref!r}: cannot import it ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"{what}={ref!r}: not a function")
+    return fn  # type: ignore[no-any-return,unused-ignore]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder's newest committed step that verifies, or a step folder itself.
+    Raises ValueError naming the path when there is none."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    latest = Checkpointer(path).latest()
+    if latest is None:
+        raise ValueError(
+            f"checkpoint={str(path)!r}: no committed checkpoint there (train one with "
+            "`raymesh train job.toml`, or give a step-XXXXXXXX folder)"
+        )
+    return latest
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What every replica loads. Checked on construction (ValueError naming the field)."""
+
+    model: Any = None  # an nn.Module, or a predict(batch) callable
+    build: str | Callable[[Context], Task] | None = None  # a raymesh.train build function
+    checkpoint: str | None = None  # resolved to a step folder by `resolved()`
+    generate: str | Callable[..., Iterator[str]] | None = None
+    input_shape: tuple[int, ...] | None = None  # one request's input; None: from the task
+    input_dtype: str | None = None  # "float32" (default), "float64" or "int64"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.build is None):
+            raise ValueError(
+                "give the model (an nn.Module or a predict function) or build= (a "
+                "raymesh.train build function, e.g. 'pkg.module:build'), not both or neither"
+            )
+        if self.model is not None and not callable(self.model):
+            raise ValueError(f"model={type(self.model).__name__}: give an nn.Module or a function")
+        if isinstance(self.build, str):
+            resolve_ref(self.build, "build")  # fail here, not in every replica
+        if isinstance(self.generate, str):
+            resolve_ref(self.generate, "generate")
+        plain_fn = self.model is not None and not isinstance(self.model, torch.nn.Module)
+        if self.checkpoint is not None and plain_fn:
+            raise ValueError(
+                "checkpoint= needs a module to load into: give an nn.Module or build=, not a "
+                "plain function"
+            )
+        if self.input_shape is not None:
+            shape = tuple(self.input_shape)
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+                raise ValueError(f"input_shape={self.input_shape!r}: give sizes >= 1, e.g. (16,)")
+            object.__setattr__(self, "input_shape", shape)
+        if self.input_dtype is not None and self.input_dtype not in _DTYPES:
+            raise ValueError(f"input_dtype={self.input_dtype!r}: give one of {sorted(_DTYPES)}")
+
+    def resolved(self) -> ModelSpec:
+        """This spec with `checkpoint` pinned to one step folder (so every replica, and a
+        replacement started later, loads the same weights)."""
+        if self.checkpoint is None:
+            return self
+        return _replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
+
+
+def _replace(spec: ModelSpec, **changes: Any) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, **changes)
+
+
+@dataclass
+class ModelInfo:
+    """What the front needs to know about the loaded model (sent back by each replica)."""
+
+    input_shape: tuple[int, ...] | None
+    input_dtype: str
+    generates: bool
+    checkpoint: str | None
+    device: str
+    load_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LoadedModel:
+    """A model ready to answer, in a replica's process."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        started = time.perf_counter()
+        self.device = device
+        shape, dtype = spec.input_shape, spec.input_dtype
+        module: torch.nn.Module | None = None
+        if spec.build is not None:
+            build = resolve_build(spec.build)
+            torch.manual_seed(spec.seed)  # as training seeds before build: the same init
+            ctx = Context(
+                rank=0,
+                world_size=1,
+                local_rank=0,
+                local_world_size=1,
+                device=device,
+                seed=spec.seed,
+            )
+            task = build(ctx)
+            module = task.model
+            if shape is None or dtype is None:
+                first = _first_input(task)
+                if first is not None:
+                    shape = shape or tuple(first.shape)
+                    dtype = dtype or _dtype_name(first.dtype)
+        elif isinstance(spec.model, torch.nn.Module):
+            module = spec.model
+        if module is not None:
+            if spec.checkpoint is not None:
+                module.load_state_dict(export_state_dict(spec.checkpoint))
+            module = module.to(device).eval()
+            self.fn: Callable[[Any], Any] = module
+        else:
+            self.fn = spec.model
+        self.module = module
+        self.generate_fn = (
+            resolve_ref(spec.generate, "generate")
+            if isinstance(spec.generate, str)
+            else spec.generate
+        )
+        self.dtype = _DTYPES[dtype or "float32"]
+        self.info = ModelInfo(
+            input_shape=shape,
+            input_dtype=dtype or "float32",
+            generates=self.generate_fn is not None,
+            checkpoint=spec.checkpoint,
+            device=str(device),
+            load_s=time.perf_counter() - started,
+        )
+
+    def predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, tuple[str, str]]]:
+        """One output per input, in order, and {index: (exception type, message)} for the
+        inputs the model failed on (their output is None). The batch runs as one call of the
+        model; if that raises, each input runs alone, so only the inputs the model fails on
+        get an error."""
+        try:
+            return self._call(inputs), {}
+        except Exception:
+            pass
+        values: list[Any] = []
+        errors: dict[int, tuple[str, str]] = {}
+        for i, x in enumerate(inputs):
+            try:
+                values.append(self._call([x])[0])
+            except Exception as e:
+                values.append(None)
+                errors[i] = (type(e).__name__, str(e)[:500])
+        return values, errors
+
+    def _call(self, inputs: list[Any]) -> list[Any]:
+        x = torch.tensor(inputs, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            y = self.fn(x)
+        if isinstance(y, torch.Tensor):
+            if y.dim() == 0 or y.shape[0] != len(inputs):
+                raise ValueError(
+                    f"the model returned shape {tuple(y.shape)} for a batch of {len(inputs)}; "
+                    "it must return one row per input"
+                )
+            out: list[Any] = y.detach().cpu().tolist()
+            return out
+        rows = list(y)
+        if len(rows) != len(inputs):
+            raise ValueError(f"the model returned {len(rows)} outputs for {len(inputs)} inputs")
+        return [r.detach().cpu().tolist() if isinstance(r, torch.Tensor) else r for r in rows]
+
+    def generate(
+        self, prompt: str, max_tokens: int, temperature: float, seed: int
+    ) -> Iterator[str]:
+        if self.generate_fn is None:
+            raise ValueError("this model has no generate function")
+        with torch.inference_mode():
+            yield from self.generate_fn(self.module, prompt, max_tokens, temperature, seed)
+
+
+def _first_input(task: Task) -> torch.Tensor | None:
+    """The input of the task's first sample: the sample itself, or the first item of an
+    (input, target) pair; None when there is no dataset or it is not a tensor."""
+    if task.dataset is None:
+        return None
+    try:
+        sample = task.dataset[0]
+    except Exception:
+        return None
+    if isinstance(sample, (tuple, list)) and sample:
+        sample = sample[0]
+    return sample if isinstance(sample, torch.Tensor) else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "float64" if dtype == torch.float64 else "float32"
+    return "int64"
+
+
+def check_input(x: Any, shape: tuple[int, ...] | None, integer: bool) -> str | None:
+    """Why `x` (parsed JSON) is not one input of `shape`, naming the place (None: it is).
+    Pure Python over the parsed lists: no tensor is made for a request the model would reject."""
+    if shape is None:
+        return None if isinstance(x, (list, int, float)) else "x: give a number or a list"
+    return _check(x, shape, "x", integer, shape)
+
+
+def _check(
+    x: Any, shape: tuple[int, ...], where: str, integer: bool, full: tuple[int, ...]
+) -> str | None:
+    if not shape:
+        ok = isinstance(x, int) if integer else isinstance(x, (int, float))
+        if not ok or isinstance(x, bool):
+            return f"{where}: expected {'an integer' if integer else 'a number'}, got {x!r:.40}"
+        return None
+    if not isinstance(x, list):
+        return f"{where}: expected a list of {shape[0]}, got {type(x).__name__}"
+    if len(x) != shape[0]:
+        return f"{where}: expected {shape[0]} items (input shape {list(full)}), got {len(x)}"
+    rest = shape[1:]
+    if not rest:  # the innermost list: checked in one pass
+        kinds = (int,) if integer else (int, float)
+        for i, v in enumerate(x):
+            if type(v) not in kinds:
+                return _check(v, (), f"{where}[{i}]", integer, full)
+        return None
+    for i, item in enumerate(x):
+        why = _check(item, rest, f"{where}[{i}]", integer, full)
+        if why is not None:
+            return why
+    return None

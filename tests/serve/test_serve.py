@@ -1,0 +1,317 @@
+"""raymesh.serve end to end: real HTTP requests to a real uvicorn server, replicas on real procs
+of the session's Ray, real SIGKILLs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raymesh import serve
+from tests.serve.helpers import (
+    Client,
+    alphabet,
+    load,
+    mlp_checkpoint,
+    mlp_outputs,
+    slow_or_failing,
+)
+
+TOKEN = "test-token"
+XS = [[0.01 * (i + j) for j in range(32)] for i in range(64)]  # inputs of examples.mlp (32 wide)
+
+
+def wait_for(what: str, cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    return mlp_checkpoint(root / "a", seed=1), mlp_checkpoint(root / "b", seed=2)
+
+
+@pytest.fixture(scope="module")
+def mlp_app(ray_cluster, checkpoints):
+    """examples.mlp built as training builds it, with checkpoint a, behind a token."""
+    app = serve.deploy(
+        build="raymesh.examples.mlp:build",
+        checkpoint=str(checkpoints[0]),
+        replicas=2,
+        max_batch_size=16,
+        batch_wait_ms=20,
+        port=0,
+        token=TOKEN,
+        max_body_bytes=4096,
+    )
+    yield app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_app(ray_cluster):
+    """A model that sleeps or raises on demand (see helpers.slow_or_failing), two replicas
+    and a short queue."""
+    app = serve.deploy(
+        slow_or_failing,
+        input_shape=(2,),
+        replicas=2,
+        max_batch_size=4,
+        batch_wait_ms=1,
+        max_queue=8,
+        port=0,
+    )
+    yield app
+    app.stop()
+
+
+def test_predictions_over_http_match_the_checkpoint_and_are_batched(mlp_app, checkpoints):
+    replies = load(mlp_app.url, TOKEN, [{"x": x} for x in XS], clients=16)
+    assert {status for status, _ in replies} == {200}
+    expected = mlp_outputs(checkpoints[0], XS)
+    got = torch.tensor([payload["y"] for _, payload in replies])
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    sizes = mlp_app.stats()["batch_sizes"]
+    assert max(sizes) > 1, f"16 clients at once were never batched: {sizes}"
+    assert max(sizes) <= 16
+    # And from Python, through the same queue.
+    y = mlp_app.predict.call_one(XS[3]).get(timeout=30)
+    torch.testing.assert_close(torch.tensor(y), torch.tensor(expected[3]), atol=1e-5, rtol=1e-5)
+    client = Client(mlp_app.url, TOKEN)
+    status, _, page = client.request("GET", "/metrics")
+    assert status == 200 and 'raymesh_serve_requests_total{code="200",route="predict"}' in page
+    assert "raymesh_serve_batch_size_bucket" in page
+
+
+def test_bad_requests_are_answered_with_the_field_and_the_fix(mlp_app):
+    client = Client(mlp_app.url, TOKEN)
+    status, _, body = client.post("/v1/predict", raw=b'{"x": [1, 2,')
+    assert status == 400 and body["error"]["type"] == "MalformedJSON"
+    status, _, body = client.post("/v1/predict", {"x": XS[0][:5]})
+    assert status == 422 and body["error"]["field"] == "x"
+    assert "expected 32 items" in body["error"]["message"]
+    status, _, body = client.post("/v1/predict", {"x": [*XS[0][:31], "a"]})
+    assert status == 422 and body["error"]["field"] == "x[31]"
+    status, _, body = client.post("/v1/predict", {"inputs": XS[0]})
+    assert status == 422 and body["error"]["field"] == "x"
+    status, _, body = client.post("/v1/predict", raw=b'{"x": NaN}')
+    assert status == 400
+    status, _, body = client.post("/v1/predict", {"x": [0.5] * 2000})  # over 4096 bytes
+    assert status == 413
+    status, _, body = client.post("/v1/generate", {"prompt": "def "})
+    assert status == 404 and "/v1/predict only" in body["error"]["message"]
+    anonymous = Client(mlp_app.url)
+    assert anonymous.post("/v1/predict", {"x": XS[0]})[0] == 401
+    assert anonymous.request("GET", "/metrics")[0] == 401
+    assert Client(mlp_app.url, "wrong").post("/v1/predict", {"x": XS[0]})[0] == 401
+    assert anonymous.request("GET", "/healthz")[0] == 200
+    status, _, body = anonymous.request("GET", "/readyz")
+    assert status == 200 and body["replicas"] == 2
+    assert client.post("/v1/predict", {"x": XS[0]})[0] == 200  # and it serves on
+
+
+def test_the_server_binds_loopback_by_default():
+    config = serve.ServeConfig()
+    assert config.host == "127.0.0.1"
+
+
+def test_a_model_error_is_a_500_naming_it_and_only_the_inputs_it_fails_on_fail(slow_app):
+    pids = slow_app.replica_pids()
+    bodies = [{"x": [5000.0 if i % 4 == 0 else 1.0, 0.0]} for i in range(16)]
+    replies = load(slow_app.url, None, bodies, clients=8)
+    for body, (status, payload) in zip(bodies, replies):
+        if body["x"][0] > 1000:
+            assert status == 500, payload
+            assert payload["error"]["type"] == "ValueError"
+            assert "too large" in payload["error"]["message"]
+        else:
+            assert status == 200 and payload["y"] == [2.0, 0.0]
+    assert slow_app.replica_pids() == pids  # no replica was lost or restarted
+
+
+def test_a_full_queue_is_503_with_retry_after(slow_app):
+    # 2 replicas x 4 in a batch + 8 waiting: of 40 requests at once, the rest are refused.
+    bodies = [{"x": [1.0, 0.3]} for _ in range(40)]
+    got: dict[int, int] = {}
+    retry_after = []
+    lock = threading.Lock()
+
+    def one(body) -> None:
+        client = Client(slow_app.url)
+        status, headers, _ = client.post("/v1/predict", body)
+        with lock:
+            got[status] = got.get(status, 0) + 1
+            if status == 503:
+                retry_after.append(int(headers["retry-after"]))
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(got) == {200, 503}, got
+    assert got[503] >= 40 - (2 * 4 + 8 + 8), got  # at most two rounds of batches got in
+    assert retry_after and min(retry_after) >= 1
+
+
+def test_a_replica_sigkilled_under_load_fails_no_request(slow_app):
+    pids = slow_app.replica_pids()
+    assert len(pids) == 2
+    bodies = [{"x": [float(i), 0.1]} for i in range(96)]
+    result: list = []
+    loader = threading.Thread(target=lambda: result.extend(load(slow_app.url, None, bodies, 8)))
+    loader.start()
+    time.sleep(0.3)  # batches of 100 ms are in flight on both replicas
+    os.kill(pids[0], signal.SIGKILL)
+    loader.join(timeout=120)
+    assert [status for status, _ in result] == [200] * len(bodies), result
+    assert [payload["y"][0] for _, payload in result] == [2.0 * i for i in range(96)]
+    stats = slow_app.stats()
+    assert stats["retried"] >= 1 and stats["replaced"] >= 1, stats
+    wait_for("a replacement replica", lambda: len(slow_app.replica_pids()) == 2)
+    assert pids[0] not in slow_app.replica_pids()
+
+
+def test_reload_under_load_fails_no_request_and_serves_the_new_weights(mlp_app, checkpoints):
+    from raymesh.cli.main import main
+
+    a, b = checkpoints
+    bodies = [{"x": XS[i % len(XS)]} for i in range(400)]
+    result: list = []
+    loader = threading.Thread(target=lambda: result.extend(load(mlp_app.url, TOKEN, bodies, 4)))
+    loader.start()
+    time.sleep(0.2)
+    served = mlp_app.reload(str(b))
+    loader.join(timeout=120)
+    assert Path(served).parent == b
+    assert {status for status, _ in result} == {200}
+    replies = load(mlp_app.url, TOKEN, [{"x": x} for x in XS[:8]], clients=2)
+    got = torch.tensor([payload["y"] for _, payload in replies])
+    torch.testing.assert_close(got, torch.tensor(mlp_outputs(b, XS[:8])), atol=1e-5, rtol=1e-5)
+    # `raymesh serve reload` rolls it back, through POST /admin/reload.
+    argv = ["serve", "reload", "--checkpoint", str(a), "--url", mlp_app.url, "--token", TOKEN]
+    assert main(argv) == 0
+    replies = load(mlp_app.url, TOKEN, [{"x": x} for x in XS[:8]], clients=2)
+    got = torch.tensor([payload["y"] for _, payload in replies])
+    torch.testing.assert_close(got, torch.tensor(mlp_outputs(a, XS[:8])), atol=1e-5, rtol=1e-5)
+    # A folder with no checkpoint changes nothing.
+    client = Client(mlp_app.url, TOKEN)
+    status, _, body = client.post("/admin/reload", {"checkpoint": str(a.parent / "nothing")})
+    assert status == 422 and body["error"]["field"] == "checkpoint"
+    assert mlp_app.stats()["checkpoint"].startswith(str(a))
+
+
+def test_replicas_scale_up_under_load_and_down_when_idle(ray_cluster):
+    app = serve.deploy(
+        slow_or_failing,
+        input_shape=(2,),
+        replicas=(1, 2),
+        max_batch_size=1,
+        batch_wait_ms=0,
+        queue_up=1,
+        cooldown_s=0.5,
+        busy_down=0.4,
+        port=0,
+    )
+    try:
+        bodies = [{"x": [1.0, 0.05]} for _ in range(120)]
+        replies = load(app.url, None, bodies, clients=6)
+        assert {status for status, _ in replies} == {200}
+        wait_for("scaling down when idle", lambda: len(app.replica_pids()) == 1, timeout=20)
+        reasons = [d["reason"] for d in app.stats()["decisions"]]
+        ups = [r for r in reasons if r.endswith("add a replica")]
+        downs = [r for r in reasons if r.endswith("remove a replica")]
+        assert ups and downs, reasons
+        assert reasons.index(ups[0]) < reasons.index(downs[-1])
+    finally:
+        app.stop()
+
+
+def test_generate_streams_the_same_text_as_the_model_over_sse(ray_cluster):
+    from raymesh.examples.tinygpt import TinyGPT, generate
+
+    app = serve.deploy(
+        build="raymesh.examples.tinygpt:build",
+        generate="raymesh.examples.tinygpt:serve_text",
+        seed=0,
+        port=0,
+    )
+    try:
+        torch.manual_seed(0)  # as the replica builds it: the same untrained weights
+        expected = generate(TinyGPT(), b"def ", 12)[4:].decode("utf-8", errors="replace")
+        client = Client(app.url)
+        status, _, body = client.post("/v1/generate", {"prompt": "def ", "max_tokens": 12})
+        assert status == 200 and body == {"text": expected, "tokens": 12}
+        status, headers, events = client.post(
+            "/v1/generate", {"prompt": "def ", "max_tokens": 12, "stream": True}
+        )
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in events.split("\n") if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 13
+        import json
+
+        assert "".join(json.loads(line[6:])["text"] for line in lines[:-1]) == expected
+        assert app.generate.call_one("def ", 12).get(timeout=30) == expected  # from Python
+        status, _, body = client.post("/v1/generate", {"prompt": "def ", "max_tokens": 0})
+        assert status == 422 and body["error"]["field"] == "max_tokens"
+    finally:
+        app.stop()
+
+
+def test_a_stream_whose_replica_is_sigkilled_goes_on_from_where_it_was(ray_cluster):
+    import json
+
+    app = serve.deploy(slow_or_failing, generate=alphabet, input_shape=(2,), replicas=2, port=0)
+    try:
+        expected = "".join(alphabet(None, "ab", 100, 0.0, 0))
+        client = Client(app.url)
+        client.conn.request(
+            "POST",
+            "/v1/generate",
+            body=json.dumps({"prompt": "ab", "max_tokens": 100, "stream": True}).encode(),
+            headers=client.headers,
+        )
+        response = client.conn.getresponse()
+        assert response.status == 200
+        first = response.readline()  # the first token is out: the stream is running
+        assert first.startswith(b"data: ")
+        busy = [r["pid"] for r in app.stats()["replicas"] if r["busy"]]
+        assert len(busy) == 1
+        os.kill(busy[0], signal.SIGKILL)
+        rest = (first + response.read()).decode()
+        lines = [line for line in rest.split("\n") if line.startswith(("data: ", "event: "))]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        text = "".join(json.loads(line[6:])["text"] for line in lines[:-1])
+        assert text == expected  # one unbroken stream: nothing repeated, nothing lost
+        assert app.stats()["retried"] >= 1
+        wait_for("a replacement replica", lambda: len(app.replica_pids()) == 2)
+    finally:
+        app.stop()
+
+
+@pytest.mark.timeout(240)
+def test_the_ray_serve_backend_answers_the_same_request(mlp_app, checkpoints):
+    app = serve.deploy(
+        build="raymesh.examples.mlp:build",
+        checkpoint=str(checkpoints[0]),
+        backend="ray-serve",
+        port=0,
+    )
+    try:
+        status, _, body = Client(app.url).post("/v1/predict", {"x": XS[5]})
+        assert status == 200
+        _, _, ours = Client(mlp_app.url, TOKEN).post("/v1/predict", {"x": XS[5]})
+        torch.testing.assert_close(torch.tensor(body["y"]), torch.tensor(ours["y"]))
+        status, _, body = Client(app.url).post("/v1/predict", {"x": XS[5][:3]})
+        assert status == 422 and body["error"]["field"] == "x"
+    finally:
+        app.stop()
