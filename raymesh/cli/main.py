@@ -26,6 +26,7 @@ from raymesh._version import __version__
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
 from raymesh.cli import tune as tune_cli
+from raymesh.cli.args import count_or_range
 
 
 def _info() -> dict[str, Any]:
@@ -64,18 +65,6 @@ def _print_info(info: dict[str, Any]) -> None:
             f"{h['hostname'][:20]:<20} {h['ip']:<16} {h['cpus']:>6g} {h['gpus']:>5g} "
             f"{h['memory_gib']:>7.1f} GiB  {h['node_id'][:12]}"
         )
-
-
-def _workers(text: str) -> int | tuple[int, int]:
-    try:
-        if ":" in text:
-            low, high = text.split(":")
-            return (int(low), int(high))
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a count such as 4, or min:max such as 2:4"
-        ) from None
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -128,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("job", help="TOML file whose keys are TrainConfig's fields")
     tr.add_argument("--steps", type=int, help="override steps (e.g. to train further)")
     tr.add_argument(
-        "--workers", type=_workers, help="override workers: N, or MIN:MAX for elastic training"
+        "--workers",
+        type=count_or_range,
+        help="override workers: N, or MIN:MAX for elastic training",
     )
     tr.add_argument("--spares", type=int, help="override spares (warm procs for healing)")
     tr.add_argument(

@@ -13,19 +13,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from raymesh.cli.args import count_or_range
+
 __all__ = ["add_parser", "run"]
-
-
-def _replicas(text: str) -> int | tuple[int, int]:
-    try:
-        if ":" in text:
-            low, high = text.split(":")
-            return (int(low), int(high))
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a count such as 2, or min:max such as 1:4"
-        ) from None
 
 
 def add_parser(sub: Any) -> None:
@@ -37,7 +27,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("job", help="the TOML job file that trained the model, or `reload`")
     p.add_argument("--checkpoint", help="checkpoint folder (default: the job's [checkpoint] dir)")
-    p.add_argument("--replicas", type=_replicas, help="N, or MIN:MAX to autoscale")
+    p.add_argument("--replicas", type=count_or_range, help="N, or MIN:MAX to autoscale")
     p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
     p.add_argument(

@@ -1,7 +1,8 @@
 """Dynamic batching as a plain queue: which requests leave together, and when.
 
 Requests wait in arrival order. A batch is the oldest `max_batch_size` of them, and it may leave
-as soon as it is full or its oldest request has waited `batch_wait_ms`, whichever comes first.
+as soon as it is full or its oldest request has waited `batch_wait_ms`, whichever comes first;
+or at once when the caller says nothing is being computed (`ready(now, idle=True)`).
 The queue is bounded: a request beyond `max_queue` waiting is refused (`Overloaded`, which the
 HTTP front answers with 503 and Retry-After), so memory never grows with the load.
 
