@@ -17,10 +17,9 @@ temperature, seed)` yields text pieces (one token each), which the front streams
 
 from __future__ import annotations
 
-import importlib
-import time
+import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,32 +27,18 @@ import torch
 
 from raymesh.train import Context, Task
 from raymesh.train.api import resolve_build
-from raymesh.train.checkpoint import Checkpointer, export_state_dict
+from raymesh.train.checkpoint import MANIFEST, Checkpointer, export_state_dict
 
 __all__ = ["LoadedModel", "ModelInfo", "ModelSpec", "check_input", "resolve_checkpoint"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
-def resolve_ref(ref: str, what: str) -> Callable[..., Any]:
-    """`"package.module:function"` -> the function."""
-    module, sep, name = ref.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f'{what}={ref!r}: give "package.module:function"')
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}={ref!r}: cannot import it ({e})") from None
-    if not callable(fn):
-        raise ValueError(f"{what}={ref!r}: not a function")
-    return fn  # type: ignore[no-any-return,unused-ignore]
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder's newest committed step that verifies, or a step folder itself.
     Raises ValueError naming the path when there is none."""
     path = Path(path)
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST).is_file():
         return path
     latest = Checkpointer(path).latest()
     if latest is None:
@@ -85,9 +70,9 @@ class ModelSpec:
         if self.model is not None and not callable(self.model):
             raise ValueError(f"model={type(self.model).__name__}: give an nn.Module or a function")
         if isinstance(self.build, str):
-            resolve_ref(self.build, "build")  # fail here, not in every replica
+            resolve_build(self.build)  # fail here, not in every replica
         if isinstance(self.generate, str):
-            resolve_ref(self.generate, "generate")
+            resolve_build(self.generate, "generate")
         plain_fn = self.model is not None and not isinstance(self.model, torch.nn.Module)
         if self.checkpoint is not None and plain_fn:
             raise ValueError(
@@ -107,13 +92,7 @@ class ModelSpec:
         replacement started later, loads the same weights)."""
         if self.checkpoint is None:
             return self
-        return _replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
-
-
-def _replace(spec: ModelSpec, **changes: Any) -> ModelSpec:
-    import dataclasses
-
-    return dataclasses.replace(spec, **changes)
+        return dataclasses.replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
 
 
 @dataclass
@@ -125,15 +104,12 @@ class ModelInfo:
     generates: bool
     checkpoint: str | None
     device: str
-    load_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LoadedModel:
     """A model ready to answer, in a replica's process."""
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
-        started = time.perf_counter()
         self.device = device
         shape, dtype = spec.input_shape, spec.input_dtype
         module: torch.nn.Module | None = None
@@ -166,9 +142,7 @@ class LoadedModel:
             self.fn = spec.model
         self.module = module
         self.generate_fn = (
-            resolve_ref(spec.generate, "generate")
-            if isinstance(spec.generate, str)
-            else spec.generate
+            None if spec.generate is None else resolve_build(spec.generate, "generate")
         )
         self.dtype = _DTYPES[dtype or "float32"]
         self.info = ModelInfo(
@@ -177,7 +151,6 @@ class LoadedModel:
             generates=self.generate_fn is not None,
             checkpoint=spec.checkpoint,
             device=str(device),
-            load_s=time.perf_counter() - started,
         )
 
     def predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, tuple[str, str]]]:

@@ -16,23 +16,25 @@ from raymesh.train.warm import WarmRanks
 __all__ = ["fit", "resolve_build"]
 
 
-def resolve_build(build: Callable[[Context], Task] | str) -> Callable[[Context], Task]:
-    """The build function itself, from a callable or a "module:function" name."""
+def resolve_build(build: Callable[..., Any] | str, what: str = "build") -> Callable[..., Any]:
+    """The build function itself, from a callable or a "module:function" name (`what`: the
+    argument's name in the error, for other functions named the same way, e.g. raymesh.serve's
+    `generate`)."""
     if callable(build):
         return build
     if not isinstance(build, str) or ":" not in build:
-        raise ValueError(f"build={build!r}: pass a function, or name it as 'module:function'")
+        raise ValueError(f"{what}={build!r}: pass a function, or name it as 'module:function'")
     module_name, _, attr = build.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(
-            f"build={build!r}: cannot import module {module_name!r} ({e}); check the name and "
+            f"{what}={build!r}: cannot import module {module_name!r} ({e}); check the name and "
             "that it is on PYTHONPATH"
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"build={build!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{what}={build!r}: module {module_name!r} has no function {attr!r}")
     return fn
 
 
