@@ -49,6 +49,7 @@ ORDER = (
     "train",
     "tune",
     "serve",
+    "federated",
     "examples",
     "cli",
 )
@@ -71,6 +72,7 @@ LAYERS = {
     "raymesh.train": "train",
     "raymesh.tune": "tune",
     "raymesh.serve": "serve",
+    "raymesh.federated": "federated",
     "raymesh.examples": "examples",
     "raymesh.cli": "cli",
 }
@@ -94,6 +96,7 @@ PUBLIC = (
     "raymesh.data",
     "raymesh.train",
     "raymesh.tune",
+    "raymesh.federated",
     "raymesh.cli",
     "raymesh.cli.main",
 )
