@@ -15,8 +15,9 @@ __all__ = ["DP", "PrivacyAccountant", "clip_update"]
 @dataclass(frozen=True, kw_only=True)
 class DP:
     """`clip`: the L2 bound on one client's update; `noise_multiplier`: noise std over `clip`;
-    `delta`: the delta epsilon is reported at. With DP on, every update counts equally (its
-    sample count would leak), and the noisy sum is divided by the expected number of clients."""
+    `delta`: the delta epsilon is reported at. DP-FedAvg counts every clipped update equally
+    (a sample count would leak) and divides the noisy sum by the expected number of clients;
+    the round driver that will do so is not built yet (issue 16)."""
 
     clip: float = 1.0
     noise_multiplier: float = 1.0

@@ -79,7 +79,7 @@ class FixedPoint:
         if not np.all(np.abs(x) < limit):
             raise SecAggError(
                 f"an update has a value beyond +-{limit:g}, which fixed point cannot hold: "
-                "clip updates (dp=DP(clip=...)) or lower frac_bits"
+                "clip the update (clip_update) or lower frac_bits"
             )
         scaled = np.rint(x * (1 << self.frac_bits))
         return scaled.astype(np.int64).view(np.uint64)
@@ -121,8 +121,8 @@ class KeyAdvert:
     s_public: bytes
 
 
-def _kdf(secret: bytes, info: bytes, length: int = 32) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
+def _kdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
 def _s_key(seed: bytes) -> X25519PrivateKey:
@@ -157,6 +157,7 @@ class SecAggClient:
         self._s_seed, self._b_seed = os.urandom(_SEED), os.urandom(_SEED)
         self._s = _s_key(self._s_seed)
         self._adverts: dict[int, KeyAdvert] = {}
+        self._boxes: dict[int, AESGCM] = {}  # peer -> its share key (share and unmask use it)
         self._held: dict[int, bytes] = {}  # sender -> the encrypted share it sent us
         self._revealed: dict[int, str] = {}  # peer -> which of its seeds we gave the server
 
@@ -164,8 +165,10 @@ class SecAggClient:
         return KeyAdvert(self.client, _raw(self._c.public_key()), _raw(self._s.public_key()))
 
     def _box(self, peer: int) -> AESGCM:
-        shared = self._c.exchange(X25519PublicKey.from_public_bytes(self._adverts[peer].c_public))
-        return AESGCM(_kdf(shared, b"raymesh secagg share-key"))
+        if peer not in self._boxes:
+            public = X25519PublicKey.from_public_bytes(self._adverts[peer].c_public)
+            self._boxes[peer] = AESGCM(_kdf(self._c.exchange(public), b"raymesh secagg share-key"))
+        return self._boxes[peer]
 
     def share(self, adverts: Mapping[int, KeyAdvert], threshold: int) -> dict[int, bytes]:
         """Step 2: `adverts` are this client's neighbours'. Returns recipient -> ciphertext."""
@@ -294,9 +297,7 @@ class SecAggServer:
                         total += m
         return total
 
-    def _seed(
-        self, parts: Mapping[tuple[str, int], list[tuple[int, bytes]]], which: str, owner: int
-    ) -> bytes:
+    def _seed(self, parts: Mapping[tuple[str, int], list[Share]], which: str, owner: int) -> bytes:
         got = parts.get((which, owner), [])
         if len(got) < self.threshold:
             raise SecAggError(

@@ -1,6 +1,7 @@
 """Strategies: how clients are sampled each round and how their updates become the next
 global model. A strategy is a small object over plain arrays; write a new one by subclassing
-`Strategy` and overriding `aggregate` (and `client_config` to send clients settings)."""
+`Strategy` and overriding `apply` (the server's step), `aggregate` (to weigh updates
+differently) or `client_config` (to send clients settings)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ class FedAdam(Strategy):
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise _bad(name, getattr(self, name), "give a decay in [0, 1)")
-        if not self.server_lr > 0 or not self.tau > 0:
-            raise _bad("server_lr/tau", (self.server_lr, self.tau), "give values > 0")
+        for name in ("server_lr", "tau"):
+            if not getattr(self, name) > 0:
+                raise _bad(name, getattr(self, name), "give a value > 0")
 
     def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
         return self.beta2 * v + (1 - self.beta2) * d2
