@@ -10,6 +10,9 @@
     raymesh serve JOB.toml [--checkpoint DIR] [--replicas 1:4] [--port 8000]
                                serve the trained model over HTTP; `serve reload --checkpoint
                                NEW` rolls a running server to a new checkpoint
+    raymesh federated JOB.toml federated learning, a line per round
+    raymesh federated client --server URL --token T --client module:fn
+                               an edge client taking part in a federated run
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
 starts the embedded local Ray (and stops it again on exit).
@@ -23,6 +26,7 @@ import sys
 from typing import Any
 
 from raymesh._version import __version__
+from raymesh.cli import federated as federated_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
 from raymesh.cli import tune as tune_cli
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    federated_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "topology":
         return topology_cli.run(args)
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return tune_cli.run(args)
     if args.command == "serve":
         return serve_cli.run(args)
+    if args.command == "federated":
+        return federated_cli.run(args)
     if args.command == "train":
         return _train(args)
     if args.command == "info":

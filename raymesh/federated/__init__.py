@@ -1,23 +1,33 @@
-"""raymesh.federated: federated learning's parts. Non-IID partitions, strategies (FedAvg,
-FedProx, FedAdam, FedYogi), secure aggregation (pairwise masking over X25519 with Shamir-shared
-seeds) and client-level differential privacy with Opacus's accountant.
+"""raymesh.federated: federated learning over procs of simulated clients and edge devices.
 
-The round driver over meshes of client procs, the edge client over HTTP and `raymesh
-federated` are not built yet (issue 16)."""
+`run(client_fn, strategy, clients=..., rounds=...)` samples clients each round, trains them
+where they live (thousands multiplexed onto a few procs, or edge devices over HTTP), and
+applies the strategy to their mean update; with `secure_aggregation=True` the controller sees
+only masked updates and their exact sum, and with `dp=DP(...)` updates are clipped, noised and
+accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) are usable alone.
+"""
 
+from raymesh.federated.client import Client
+from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
 from raymesh.federated.partition import dirichlet_partition
 from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
 from raymesh.federated.secagg import FixedPoint, SecAggClient, SecAggError, SecAggServer
+from raymesh.federated.server import EdgeConfig
 from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy, Update
 
 __all__ = [
     "DP",
+    "Client",
+    "EdgeConfig",
     "FedAdam",
     "FedAvg",
     "FedProx",
     "FedYogi",
     "FixedPoint",
     "PrivacyAccountant",
+    "Result",
+    "RoundRecord",
+    "RunConfig",
     "SecAggClient",
     "SecAggError",
     "SecAggServer",
@@ -25,4 +35,5 @@ __all__ = [
     "Update",
     "clip_update",
     "dirichlet_partition",
+    "run",
 ]

@@ -16,8 +16,8 @@ __all__ = ["DP", "PrivacyAccountant", "clip_update"]
 class DP:
     """`clip`: the L2 bound on one client's update; `noise_multiplier`: noise std over `clip`;
     `delta`: the delta epsilon is reported at. DP-FedAvg counts every clipped update equally
-    (a sample count would leak) and divides the noisy sum by the expected number of clients;
-    the round driver that will do so is not built yet (issue 16)."""
+    (a sample count would leak) and divides the noisy sum by the number of clients sampled
+    (raymesh.federated.run does both)."""
 
     clip: float = 1.0
     noise_multiplier: float = 1.0

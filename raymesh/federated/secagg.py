@@ -52,6 +52,8 @@ __all__ = [
     "SecAggClient",
     "SecAggError",
     "SecAggServer",
+    "Share",
+    "combine",
     "neighbours",
 ]
 
@@ -236,7 +238,8 @@ class SecAggServer:
         self.round, self.size, self.threshold = round_, size, threshold
         self._adverts: dict[int, KeyAdvert] = {}
         self._graph: dict[int, list[int]] = {}
-        self._masked: dict[int, np.ndarray] = {}
+        self._masked: dict[tuple[int, ...], np.ndarray] = {}
+        self._contributors: set[int] = set()
         self._sharers: set[int] = set()
 
     def advertised(
@@ -256,40 +259,69 @@ class SecAggServer:
                 inbox.setdefault(recipient, {})[sender] = blob
         return inbox
 
-    def add(self, client: int, masked: np.ndarray) -> None:
-        """Step 3: one client's masked update."""
-        if client not in self._sharers:
-            raise SecAggError(f"client {client} sent a masked update but shared no seeds")
+    def add(self, clients: Iterable[int], masked: np.ndarray) -> None:
+        """Step 3: the sum of some clients' masked updates (one client's, or a proc's partial
+        sum over the clients it hosts: masks cancel in any sum)."""
+        group = tuple(sorted(clients))
+        for client in group:
+            if client not in self._sharers:
+                raise SecAggError(f"client {client} sent a masked update but shared no seeds")
+            if client in self._contributors:
+                raise SecAggError(f"client {client} sent a second masked update")
         if masked.dtype != np.uint64 or masked.shape != (self.size,):
-            raise SecAggError(f"client {client}: masked update must be uint64[{self.size}]")
-        self._masked[client] = masked
+            raise SecAggError(f"clients {list(group)}: masked update must be uint64[{self.size}]")
+        self._masked[group] = masked
+        self._contributors.update(group)
 
     @property
     def survivors(self) -> list[int]:
-        return sorted(self._masked)
+        return sorted(self._contributors)
 
     @property
     def dropped(self) -> list[int]:
-        return sorted(self._sharers - set(self._masked))
+        return sorted(self._sharers - self._contributors)
 
-    def finish(self, answers: Mapping[int, Mapping[int, tuple[str, int, bytes]]]) -> np.ndarray:
-        """Step 4: `answers` are the survivors' `unmask` results. Returns the exact sum of the
-        survivors' fixed-point updates."""
+    def needed(
+        self, answers: Mapping[int, Mapping[int, tuple[str, int, bytes]]]
+    ) -> dict[tuple[str, int], list[Share]]:
+        """Step 4's Shamir jobs: for each survivor ('b', u) and each dropped client ('s', v),
+        `threshold` of the shares the survivors' `unmask` answers returned. Raises
+        SecAggError when a secret has too few."""
         parts: dict[tuple[str, int], list[Share]] = {}
         for holder, revealed in answers.items():
-            if holder not in self._masked:
+            if holder not in self._contributors:
                 continue
             for owner, (which, idx, share) in revealed.items():
                 parts.setdefault((which, owner), []).append((idx, share))
+        wanted = [("b", u) for u in self.survivors] + [("s", v) for v in self.dropped]
+        for which, owner in wanted:
+            got = len(parts.get((which, owner), []))
+            if got < self.threshold:
+                raise SecAggError(
+                    f"round {self.round}: {got} of client {owner}'s shares came back, "
+                    f"{self.threshold} are needed to remove its mask; too many clients dropped"
+                )
+        return {key: parts[key][: self.threshold] for key in wanted}
+
+    def finish(
+        self,
+        answers: Mapping[int, Mapping[int, tuple[str, int, bytes]]],
+        seeds: Mapping[tuple[str, int], bytes] | None = None,
+    ) -> np.ndarray:
+        """Step 4: `answers` are the survivors' `unmask` results; `seeds` the secrets of
+        `needed(answers)` when they were rebuilt elsewhere (with `combine`). Returns the exact
+        sum of the survivors' fixed-point updates."""
+        if seeds is None:
+            seeds = {key: combine(shares) for key, shares in self.needed(answers).items()}
         total = np.zeros(self.size, dtype=np.uint64)
         for y in self._masked.values():
             total += y
         for u in self.survivors:
-            total -= _prg(self._seed(parts, "b", u), self.round, self.size)
+            total -= _prg(seeds[("b", u)], self.round, self.size)
         for v in self.dropped:
-            s_key = _s_key(self._seed(parts, "s", v))
+            s_key = _s_key(seeds[("s", v)])
             for u in self._graph[v]:
-                if u in self._masked:  # y_u holds +-PRG(s_uv); remove it (u's sign is -v's)
+                if u in self._contributors:  # y_u holds +-PRG(s_uv); remove it (u's sign is -v's)
                     m = _pair_mask(s_key, self._adverts[u].s_public, self.round, self.size)
                     if u < v:
                         total -= m
@@ -297,11 +329,7 @@ class SecAggServer:
                         total += m
         return total
 
-    def _seed(self, parts: Mapping[tuple[str, int], list[Share]], which: str, owner: int) -> bytes:
-        got = parts.get((which, owner), [])
-        if len(got) < self.threshold:
-            raise SecAggError(
-                f"round {self.round}: {len(got)} of client {owner}'s shares came back, "
-                f"{self.threshold} are needed to remove its mask; too many clients dropped"
-            )
-        return Shamir.combine(got[: self.threshold])
+
+def combine(shares: Iterable[Share]) -> bytes:
+    """A secret from `threshold` of its Shamir shares."""
+    return Shamir.combine(list(shares))

@@ -117,3 +117,31 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
     nodes = [n for n, *_ in local]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and set(nodes) == set(hosts), local
     assert [x[1:] for x in local] == [[0, 2, "0", "2"], [1, 2, "1", "2"]] * 2, local
+
+
+FROM_A_THREAD = """
+import json, threading, time
+from raymesh.actor import Actor, endpoint, host_mesh, this_host
+
+
+class Echo(Actor):
+    @endpoint
+    def echo(self, x):
+        return x
+
+
+# The embedded Ray starts on a pool thread that then ends, as when a thread pool spawns the
+# first meshes: Ray's node processes die with the thread that started them unless raymesh
+# starts them from one that lives on.
+starter = threading.Thread(target=host_mesh)
+starter.start()
+starter.join()
+time.sleep(3)
+procs = this_host().spawn_procs({"procs": 1}, timeout=60)
+got = procs.spawn("echo", Echo).echo.call_one(7).get(timeout=60)
+print("RESULT " + json.dumps({"echo": got}))
+"""
+
+
+def test_the_embedded_ray_outlives_the_thread_that_started_it(tmp_path):
+    assert run_cluster_script(tmp_path / "thread.py", FROM_A_THREAD, timeout=120) == {"echo": 7}

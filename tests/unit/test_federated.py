@@ -42,7 +42,7 @@ def secure_sum(updates: dict[int, np.ndarray], *, drop=(), degree=8, threshold=5
     for u, c in clients.items():
         if u not in drop:
             masked[u] = c.mask(fp.encode(updates[u]))
-            server.add(u, masked[u])
+            server.add([u], masked[u])
     answers = {u: clients[u].unmask(server.dropped) for u in server.survivors}
     return server.finish(answers), server, masked
 
@@ -158,7 +158,7 @@ def test_too_many_dropouts_and_tampered_shares_raise():
         b.unmask(dropped=[0])
     server = SecAggServer(1, SIZE, threshold=1)
     with pytest.raises(SecAggError, match="shared no seeds"):
-        server.add(5, np.zeros(SIZE, np.uint64))
+        server.add([5], np.zeros(SIZE, np.uint64))
     with pytest.raises(SecAggError, match="fixed point"):
         FixedPoint().encode(np.array([1e20]))
 
@@ -188,3 +188,102 @@ def test_dp_clipping_and_epsilon_match_opacus():
     assert noise.std() == pytest.approx(0.8, rel=0.03)
     with pytest.raises(ValueError, match="delta=2"):
         DP(delta=2)
+
+
+def test_messages_round_trip_through_json_and_strangers_are_refused():
+    import json
+
+    from raymesh.federated.client import Layout
+    from raymesh.federated.protocol import Fit, Fitted, decode, encode
+
+    layout = Layout(("w", "b"), ((2, 3), (3,)))
+    fit = Fit(
+        round=4,
+        clients=(7,),
+        weights=np.arange(9, dtype=np.float32),
+        layout=layout,
+        config={"local_epochs": 2},
+        secure=True,
+        clip=None,
+        budget_s=5.0,
+        inbox={7: {3: b"\x00\xffcipher"}},
+    )
+    back = decode(json.loads(json.dumps(encode(fit))))
+    assert back.layout == layout and back.inbox == fit.inbox and back.config == fit.config
+    np.testing.assert_array_equal(back.weights, fit.weights)
+    masked = np.array([1, 2**64 - 1], np.uint64)
+    reply = decode(json.loads(json.dumps(encode(Fitted(4, {7: 10}, {7: {}}, {}, masked)))))
+    assert reply.masked.dtype == np.uint64 and reply.masked.tolist() == masked.tolist()
+    with pytest.raises(ValueError, match=r"unknown message type 'os\.system'"):
+        decode({"$": "os.system"})
+    with pytest.raises(ValueError, match="array dtype 'object'"):
+        decode({"$a": "AAAA", "dtype": "object", "shape": [1]})
+    with pytest.raises(ValueError, match="cannot reshape"):
+        decode({"$a": "AAAAAAAAAAA=", "dtype": "float32", "shape": [5]})
+
+
+def test_run_config_and_job_file_errors_name_the_field_and_the_fix(tmp_path):
+    from raymesh.federated import RunConfig
+    from raymesh.federated.jobfile import load_job
+
+    with pytest.raises(ValueError, match="rounds=0: give an integer >= 1"):
+        RunConfig(clients=10, rounds=0)
+    with pytest.raises(ValueError, match="clients=0: give simulated clients, or edge clients"):
+        RunConfig(clients=0, rounds=1)
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'client_fn = "raymesh.examples.fedmlp:client_fn"\nclients = 4\nrounds = 2\n'
+        "[strategy]\nfraction = 0.5\nmu = 0.1\n"
+    )
+    with pytest.raises(ValueError, match=r"\[strategy\] has unknown key\(s\) \['mu'\]"):
+        load_job(job)
+    job.write_text(
+        'client_fn = "raymesh.examples.fedmlp:client_fn"\nclients = 4\nrounds = 2\n'
+        '[strategy]\nname = "fedprox"\nmu = 0.1\n[dp]\nclip = -1.0\n'
+    )
+    with pytest.raises(ValueError, match=r"\[dp\] clip=-1.0: give the L2 bound"):
+        load_job(job)
+    job.write_text(
+        'client_fn = "raymesh.examples.fedmlp:client_fn"\nclients = 4\nrounds = 2\nsecure = true\n'
+    )
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['secure'\]"):
+        load_job(job)
+    job.write_text(
+        'client_fn = "raymesh.examples.fedmlp:client_fn"\nclients = 4\nrounds = 2\n'
+        '[strategy]\nname = "fedprox"\nmu = 0.1\n[edge]\nwait_for = 2\n'
+    )
+    loaded = load_job(job, rounds=5)
+    assert loaded.strategy.mu == 0.1 and loaded.config.rounds == 5
+    assert loaded.config.edge.wait_for == 2 and loaded.config.edge.host == "127.0.0.1"
+
+
+def test_a_participant_drops_a_failing_client_and_masks_the_others():
+    """The client side alone: one client's train_fn raises, the proc's sum is the others'."""
+    import torch
+
+    from raymesh.federated import Client
+    from raymesh.federated.client import Layout
+    from raymesh.federated.protocol import Advertise, Fit, Participant, ShareSeeds, Unmask
+
+    def train(model, data, config):
+        if config["client"] == 2:
+            raise OSError("disk gone")
+        with torch.no_grad():
+            model.weight.add_(float(config["client"]))
+        return 10
+
+    clients = {c: Client(torch.nn.Linear(2, 1, bias=False), None, train) for c in range(4)}
+    p = Participant(clients.__getitem__)
+    layout = Layout.of(clients[0].model.state_dict())
+    start = np.zeros(layout.size, np.float32)
+    server = SecAggServer(1, layout.size + 1, threshold=2)
+    peers = server.advertised(
+        p.handle(Advertise(1, (0, 1, 2, 3))).adverts, neighbours(range(4), 8, 1)
+    )
+    inbox = server.route(p.handle(ShareSeeds(1, 2, peers)).outgoing)
+    fitted = p.handle(Fit(1, (0, 1, 2, 3), start, layout, {}, True, None, 10.0, inbox))
+    assert list(fitted.examples) == [0, 1, 3] and "OSError: disk gone" in fitted.failed[2]
+    server.add(fitted.examples, fitted.masked)
+    total = FixedPoint().decode(server.finish(p.handle(Unmask(1, tuple(server.dropped))).answers))
+    # Each client moved every weight by its cid, weighted by its 10 examples.
+    np.testing.assert_allclose(total, [10 * (0 + 1 + 3)] * layout.size + [30])

@@ -97,6 +97,37 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+_INIT_TIMEOUT_S = 300.0
+
+
+def _init_local(**kwargs: object) -> None:
+    """`ray.init(**kwargs)` starting a local node, from a thread that lives as long as the
+    process. Ray starts the node's processes with PR_SET_PDEATHSIG, which fires when the
+    *thread* that started them ends: started from a worker thread (a thread pool spawning
+    meshes), the whole local cluster would die with that thread."""
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**kwargs)  # type: ignore[arg-type]
+        return
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def keep() -> None:
+        try:
+            ray.init(**kwargs)  # type: ignore[arg-type]
+        except BaseException as e:
+            failed.append(e)
+            started.set()
+            return
+        started.set()
+        threading.Event().wait()  # never returns: this thread is the node's parent
+
+    threading.Thread(target=keep, name="raymesh-local-ray", daemon=True).start()
+    if not started.wait(timeout=_INIT_TIMEOUT_S):
+        raise TimeoutError(f"the local Ray did not start within {_INIT_TIMEOUT_S:g} s")
+    if failed:
+        raise failed[0]
+
+
 def ensure_ray() -> None:
     """Make sure this process is connected to Ray (see the module docstring for which Ray)."""
     global _started_local, _connected
@@ -120,7 +151,7 @@ def ensure_ray() -> None:
         else:
             cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
             _loopback_only()
-            ray.init(
+            _init_local(
                 address="local",  # always a new instance, even if another Ray runs here
                 num_cpus=cpus,
                 include_dashboard=_env_flag("RAYMESH_DASHBOARD", False),

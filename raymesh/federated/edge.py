@@ -1,0 +1,180 @@
+"""The edge client: one real device taking part in a federated run over HTTP.
+
+    raymesh federated client --server http://HOST:PORT --token T --client mymodule:client_fn
+
+or, on a device with only torch, NumPy, cryptography and PyCryptodome installed (no Ray, no
+raymesh), with this file and its siblings client.py, protocol.py, privacy.py and secagg.py
+copied into one folder:
+
+    python edge.py --server http://HOST:PORT --token T --client mymodule:client_fn
+
+`client_fn(cid)` builds this device's client (any object with `model`, `data` and
+`train_fn`, e.g. raymesh.federated.Client); its data never leaves the device. The client
+joins, then long-polls for the round's messages and answers each (with secure aggregation on,
+only its masked update leaves the device), until the server says the run is over. It speaks
+only HTTP(S) with the standard library (urllib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+import types
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+if __package__:
+    from .protocol import Done, Participant, decode, encode
+else:  # run as a file: load the sibling modules as a package of their own, without raymesh
+    _here = os.path.dirname(os.path.abspath(__file__))
+    _pkg = types.ModuleType("_raymesh_edge")
+    _pkg.__path__ = [_here]
+    sys.modules["_raymesh_edge"] = _pkg
+    _protocol = importlib.import_module("_raymesh_edge.protocol")
+    Done, Participant = _protocol.Done, _protocol.Participant  # type: ignore[misc]
+    decode, encode = _protocol.decode, _protocol.encode
+
+__all__ = ["EdgeClient", "load", "main"]
+
+logger = logging.getLogger("raymesh.federated.edge")
+
+
+class ServerGone(RuntimeError):
+    """The server did not answer for `give_up_s` seconds."""
+
+
+def load(spec: str) -> Callable[[int], Any]:
+    """`module:function` or `path/to/file.py:function`."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--client {spec!r}: give module:function or path/file.py:function")
+    if where.endswith(".py"):
+        mod_spec = importlib.util.spec_from_file_location("_raymesh_edge_client", where)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ValueError(f"--client {spec!r}: cannot load {where}")
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--client {spec!r}: {where} has no function {name!r}")
+    return fn
+
+
+class EdgeClient:
+    """Joins `server` with `token` and answers its messages until Done."""
+
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        client_fn: Callable[[int], Any],
+        *,
+        timeout_s: float = 60.0,
+        give_up_s: float = 120.0,
+    ) -> None:
+        self.server, self.token = server.rstrip("/"), token
+        self.client_fn, self.timeout_s, self.give_up_s = client_fn, timeout_s, give_up_s
+        self.cid: int | None = None
+        self._key = ""
+        self.rounds = 0
+
+    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One HTTP request, retried while the server cannot be reached (up to give_up_s)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "X-Client-Key": self._key}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        deadline = time.monotonic() + self.give_up_s
+        while True:
+            req = urllib.request.Request(self.server + path, data, headers, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    raw = resp.read()
+                    return resp.status, json.loads(raw) if raw else None
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:500]
+                if e.code in (401, 403, 404):
+                    raise PermissionError(f"{method} {path}: HTTP {e.code}: {detail}") from None
+                return e.code, {"error": detail}
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    msg = f"{self.server} unreachable for {self.give_up_s:g} s: {e}"
+                    raise ServerGone(msg) from None
+                time.sleep(1.0)
+
+    def run(self) -> int:
+        """Returns the number of messages answered."""
+        status, joined = self._request("POST", "/v1/join", {})
+        if status != 200:
+            raise RuntimeError(f"join refused: HTTP {status}: {joined}")
+        self.cid, self._key = int(joined["client"]), joined["key"]
+        client = self.client_fn(self.cid)
+        participant = Participant(lambda cid: client)
+        logger.info("raymesh edge client %d joined %s", self.cid, self.server)
+        answered = 0
+        while True:
+            status, body = self._request("GET", f"/v1/next?client={self.cid}")
+            if status == 204 or body is None:
+                continue
+            if status != 200:
+                raise RuntimeError(f"polling failed: HTTP {status}: {body}")
+            msg = decode(body)
+            if isinstance(msg, Done):
+                logger.info("raymesh edge client %d: %s", self.cid, msg.reason)
+                return answered
+            reply = participant.handle(msg)
+            status, body = self._request(
+                "POST", f"/v1/reply?client={self.cid}", {"reply": encode(reply)}
+            )
+            if status != 200:  # refused or too late: this round goes on without us
+                logger.warning("raymesh edge client %d: answer refused: %s", self.cid, body)
+            answered += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="raymesh federated client", description=__doc__)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--server", required=True, help="the federated server's URL")
+    ap.add_argument("--token", default=os.environ.get("RAYMESH_FL_TOKEN"), help="bearer token")
+    ap.add_argument("--client", required=True, help="module:function building this client")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
+    ap.add_argument(
+        "--threads", type=int, help="torch threads (default torch's; 1 when devices share cores)"
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.token:
+        print("raymesh federated client: give --token (or RAYMESH_FL_TOKEN)", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    edge = EdgeClient(args.server, args.token, load(args.client), timeout_s=args.timeout)
+    try:
+        answered = edge.run()
+    except (PermissionError, ServerGone, RuntimeError) as e:
+        print(f"raymesh federated client: {e}", file=sys.stderr)
+        return 1
+    print(f"edge client {edge.cid}: answered {answered} messages")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

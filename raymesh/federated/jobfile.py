@@ -1,0 +1,92 @@
+"""A federated run as a TOML job file (`raymesh federated job.toml`):
+
+client_fn = "raymesh.examples.fedmlp:client_fn"   # cid -> Client
+evaluate_fn = "raymesh.examples.fedmlp:evaluate"  # model -> accuracy (optional)
+clients = 100
+rounds = 5
+secure_aggregation = true
+hosts = 2                          # RunConfig's other fields, all optional
+
+[strategy]
+name = "fedavg"                    # "fedprox", "fedadam" or "fedyogi"
+fraction = 0.1                     # the strategy's fields
+min_clients = 8
+
+[dp]                               # optional: client-level differential privacy
+clip = 1.0
+noise_multiplier = 0.8
+delta = 1e-5
+
+[edge]                             # optional: accept edge clients (EdgeConfig's fields)
+port = 8765
+wait_for = 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from raymesh.federated.federation import RunConfig
+from raymesh.federated.privacy import DP
+from raymesh.federated.server import EdgeConfig
+from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy
+from raymesh.train.api import resolve_build
+from raymesh.train.config import read_toml
+
+__all__ = ["STRATEGIES", "FederatedJob", "load_job"]
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "fedavg": FedAvg,
+    "fedprox": FedProx,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedJob:
+    client_fn: Any
+    evaluate_fn: Any
+    strategy: Strategy
+    config: RunConfig
+
+
+def _build(path: Path, table: str, cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {table} must be a table ([{table}])")
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"{path}: [{table}] has unknown key(s) {unknown}; the keys are {sorted(names)}"
+        )
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: [{table}] {e}") from None
+
+
+def load_job(path: str | Path, **overrides: Any) -> FederatedJob:
+    """The job's functions, strategy and RunConfig, with `overrides` (None skipped) on top of
+    the file's top-level keys. Raises ValueError naming the file and the field."""
+    path = Path(path)
+    data = read_toml(path)
+    if "client_fn" not in data:
+        raise ValueError(f'{path}: set client_fn = "module:function" (cid -> Client)')
+    client_fn = resolve_build(data.pop("client_fn"), "client_fn")
+    evaluate = data.pop("evaluate_fn", None)
+    evaluate_fn = resolve_build(evaluate, "evaluate_fn") if evaluate is not None else None
+    table = dict(data.pop("strategy", {"name": "fedavg"}))
+    name = str(table.pop("name", "fedavg")).lower()
+    if name not in STRATEGIES:
+        raise ValueError(f"{path}: strategy.name={name!r}: choose one of {sorted(STRATEGIES)}")
+    strategy = _build(path, "strategy", STRATEGIES[name], table)
+    if "dp" in data:
+        data["dp"] = _build(path, "dp", DP, data["dp"])
+    if "edge" in data:
+        data["edge"] = _build(path, "edge", EdgeConfig, data["edge"])
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    config = _build(path, "the top level", RunConfig, data)
+    return FederatedJob(client_fn, evaluate_fn, strategy, config)
