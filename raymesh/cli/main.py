@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from raymesh._version import __version__
@@ -108,6 +109,14 @@ def _train(args: argparse.Namespace) -> int:
         f"done: step {last['step']}, loss {last['loss']:.4f}, "
         f"strategy {result.decision.strategy}, checkpoint {result.checkpoint}"
     )
+    run_dir = config.run_dir or (config.checkpoint.dir if config.checkpoint else None)
+    if run_dir and result.history:
+        from raymesh.train.plot import save_picture
+
+        try:
+            print(f"picture: {save_picture(result, Path(run_dir) / 'run.png', title=args.job)}")
+        except ImportError as e:  # matplotlib is optional
+            print(f"no picture: {e}")
     return 0
 
 

@@ -144,6 +144,7 @@ class TrainController:
             failures=self.log.failures,
             rebalances=self.log.rebalances,
             placement=self.placer.reason,
+            rank_step_s=self.log.rank_step_s,
             data=self.data.report() if self.data is not None else None,
             _weights=self.weights,
         )

@@ -46,6 +46,8 @@ class Result:
     # Each rebalance (rebalance=True): {"step", "sizes", "flagged", "reason"}
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     placement: str | None = None  # why the ranks run where they do (multi-host: the plan)
+    # Each history entry's step seconds on each rank, in rank order (the world may resize).
+    rank_step_s: list[tuple[float, ...]] = field(default_factory=list)
     data: PipelineReport | None = None  # what the pipeline did (TrainConfig.data), else None
     _weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -63,6 +65,7 @@ class RunLog:
         self.failures: list[FailureRecord] = []
         self.rebalances: list[dict[str, Any]] = []
         self.step_times: list[float] = []  # seconds per step, as the ranks measured them
+        self.rank_step_s: list[tuple[float, ...]] = []  # per history entry, each rank's
         # Failures being healed, with the wall time each was detected and the steps it makes
         # the job train again: completed by the next chunk recorded.
         self.healing: list[tuple[FailureRecord, float, int]] = []
@@ -80,6 +83,7 @@ class RunLog:
     def trim(self, step: int) -> None:
         """Forget the steps after `step`: they are trained again (healing from a checkpoint)."""
         self.history = [h for h in self.history if h["step"] <= step]
+        self.rank_step_s = self.rank_step_s[: len(self.history)]
 
     def median_step_s(self) -> float:
         times = sorted(self.step_times)
@@ -115,6 +119,7 @@ class RunLog:
                 ) / len(per_rank)
                 row.update(data)
             rows.append(row)
+            self.rank_step_s.append(tuple(r[i].step_s for r in per_rank))
         self.history.extend(rows)
         if self.healing:  # the first step completed after healing: how long recovery took
             first_end = per_rank[0][0].end

@@ -148,6 +148,28 @@ def test_the_train_command_exits_2_on_a_bad_config(tmp_path):
     assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_the_train_command_heals_a_kill_and_saves_a_picture_of_the_run(
+    ray_cluster, tmp_path, capsys
+):
+    from PIL import Image
+
+    from raymesh.cli.main import main
+
+    run = tmp_path / "run"
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'build = "{MLP}"\nworkers = 2\nsteps = 24\nglobal_batch_size = 16\n'
+        f'report_every = 4\nrun_dir = "{run}"\n'
+    )
+    assert main(["train", str(job), "--inject", "kill:rank=1:step=10"]) == 0
+    out = capsys.readouterr().out
+    assert "healed: rank 1 at step 10: died" in out, out
+    assert f"picture: {run / 'run.png'}" in out
+    with Image.open(run / "run.png") as image:
+        assert image.format == "PNG" and image.size == (990, 660)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 24
+
+
 def test_config_is_validated_in_python_too():
     with pytest.raises(ValueError, match=r"global_batch_size=3: gives some of the 4 workers"):
         train.TrainConfig(workers=(2, 4), global_batch_size=3)
