@@ -112,6 +112,11 @@ class HostMesh(MeshTrait):
         return [self._nodes[r].ip for r in self._shape.ranks]
 
     @property
+    def hostnames(self) -> list[str]:
+        """Each host's name, for people (tools, logs, the dashboard)."""
+        return [self._nodes[r].hostname for r in self._shape.ranks]
+
+    @property
     def gpus(self) -> float:
         """The GPUs of these hosts, in all (free or not)."""
         return sum(self._nodes[r].gpus for r in self._shape.ranks)

@@ -4,8 +4,10 @@
     raymesh info [--json]      Ray address, hosts with their CPUs/GPUs, versions
     raymesh topology [--json] [--probe-timeout S]
                                hosts, GPUs, the GPU link matrix, measured network figures
-    raymesh train JOB.toml [--inject kill:rank=1:step=100] [--resume] [--steps N]
-                               run a training job (TrainConfig as TOML) with a progress bar
+    raymesh train JOB.toml [--inject kill:rank=1:step=100] [--resume] [--steps N] [--dashboard]
+                               run a training job (TrainConfig as TOML) with a progress bar,
+                               and with --dashboard its web page, live (the URL is printed)
+    raymesh dashboard RUNS/    a web page of the run folders under RUNS/, live and afterwards
     raymesh tune JOB.toml      a hyperparameter study over training jobs
     raymesh serve JOB.toml [--checkpoint DIR] [--replicas 1:4] [--port 8000]
                                serve the trained model over HTTP; `serve reload --checkpoint
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from raymesh._version import __version__
+from raymesh.cli import dashboard as dashboard_cli
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
@@ -92,7 +95,16 @@ def _train(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, **overrides)
         if config.build is None:
             raise ValueError(f'{args.job}: set build = "module:function" in the job file')
-        result = train.fit(None, config, progress=ProgressBar())
+        if args.dashboard and config.run_folder() is None:  # the page reads the run folder
+            config = dataclasses.replace(config, run_dir=f"runs/{Path(args.job).stem}")
+        board = None
+        if args.dashboard:
+            board = dashboard_cli.serve_for(Path(str(config.run_folder())), args.dashboard_port)
+        try:
+            result = train.fit(None, config, progress=ProgressBar())
+        finally:
+            if board is not None:
+                _linger(board)
     except ValueError as e:  # a user mistake: one clear line, no traceback
         print(f"raymesh train: {e}", file=sys.stderr)
         return 2
@@ -109,7 +121,7 @@ def _train(args: argparse.Namespace) -> int:
         f"done: step {last['step']}, loss {last['loss']:.4f}, "
         f"strategy {result.decision.strategy}, checkpoint {result.checkpoint}"
     )
-    run_dir = config.run_dir or (config.checkpoint.dir if config.checkpoint else None)
+    run_dir = config.run_folder()
     if run_dir and result.history:
         from raymesh.train.plot import save_picture
 
@@ -118,6 +130,16 @@ def _train(args: argparse.Namespace) -> int:
         except ImportError as e:  # matplotlib is optional
             print(f"no picture: {e}")
     return 0
+
+
+def _linger(board: Any) -> None:
+    """The job ended: keep its page up until Enter where someone is at the terminal."""
+    if sys.stdin.isatty():
+        try:
+            input(f"dashboard: still at {board.url}; press Enter to stop it ")
+        except (EOFError, KeyboardInterrupt):
+            pass
+    board.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KIND:rank=R:step=S",
         help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
     )
+    tr.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the job's web page while it runs (prints the URL; needs raymesh[dashboard])",
+    )
+    tr.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=dashboard_cli.DEFAULT_PORT,
+        metavar="PORT",
+        help=f"the dashboard's port (default {dashboard_cli.DEFAULT_PORT}; taken: any free one)",
+    )
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     federated_cli.add_parser(sub)
+    dashboard_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "topology":
         return topology_cli.run(args)
@@ -160,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_cli.run(args)
     if args.command == "federated":
         return federated_cli.run(args)
+    if args.command == "dashboard":
+        return dashboard_cli.run(args)
     if args.command == "train":
         return _train(args)
     if args.command == "info":

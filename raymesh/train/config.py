@@ -219,6 +219,11 @@ class TrainConfig:
         """The world size the job starts with and grows back to."""
         return self.workers[1] if isinstance(self.workers, tuple) else self.workers
 
+    def run_folder(self) -> str | None:
+        """Where metrics.jsonl and events.jsonl go: `run_dir`, else the checkpoint folder, else
+        nowhere (None)."""
+        return self.run_dir or (self.checkpoint.dir if self.checkpoint else None)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (faults as their CLI strings), e.g. for a checkpoint's manifest."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -35,10 +35,14 @@ back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from raymesh.actor import ActorError, SupervisionError
@@ -69,7 +73,7 @@ from raymesh.train.states import (
 )
 from raymesh.train.strategy import StrategyPolicy, host_shard_size, splits_into_shard_groups
 from raymesh.train.warm import WarmRanks
-from raymesh.train.world import World
+from raymesh.train.world import World, replaced_by
 
 logger = logging.getLogger("raymesh")
 
@@ -95,8 +99,8 @@ class TrainController:
     ) -> None:
         self.config = config
         self.hooks = hooks
-        self.log = RunLog()
         self.sinks: list[ReportSink] = sinks(config, progress)
+        self.log = RunLog(self.sinks)
         self.placer = self.placer_cls(config)
         self.pool = self.rank_pool_cls(build, config, self.placer, warm)
         self.drained = False  # a sink ended the job and the ranks finished their chunks
@@ -122,7 +126,20 @@ class TrainController:
     def run(self) -> Result:
         """Run the job to a terminal state; return its result, or raise what it failed with
         (`TooManyFailures`, `TrainError`; `ValueError` for a config the cluster refutes)."""
-        state: State = Starting(f"workers={self.config.workers}, {self.config.steps} steps")
+        cfg = self.config
+        run_dir = cfg.run_folder()
+        self.log.emit(
+            "job",
+            name=Path(run_dir).name if run_dir else "train",
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            steps=cfg.steps,
+            workers=[cfg.min_workers, cfg.max_workers],
+            global_batch_size=cfg.global_batch_size,
+            spares=cfg.spares,
+            report_every=cfg.report_every,
+        )
+        state: State = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
         self.enter(state)
         try:
             while not isinstance(state, TERMINAL):
@@ -178,8 +195,10 @@ class TrainController:
 
     def enter(self, state: State) -> None:
         name = type(state).__name__
-        self.log.transitions.append((name, state.reason))
+        self.log.transition(name, state.reason, self.world.step)
         logger.info("raymesh.train: -> %s (%s)", name, state.reason)
+        if isinstance(state, TERMINAL):
+            self.log.emit("end", state=name, reason=state.reason, step=self.world.step)
 
     # ---- one handler per state ---------------------------------------------------------------
     def start(self) -> State:
@@ -221,6 +240,13 @@ class TrainController:
         if decision.strategy in self.placer.plans:
             self.placer.reason = self.placer.plans[decision.strategy].reason
         logger.info("raymesh.train: %s", decision.reason)
+        self.log.emit(
+            "strategy",
+            **dataclasses.asdict(decision),
+            params=infos[0].params,
+            device=infos[0].device,
+        )
+        self.emit_placement()
         self.resumed_from = self.world.prepare(decision, find_resume(cfg))
         self.pool.recruit()
         return Running(f"{world} ranks, {infos[0].params:,} parameters, {decision.reason}")
@@ -313,7 +339,10 @@ class TrainController:
             t_replaced - t_stopped,
             time.monotonic() - t_replaced,
         )
-        self.log.healed(records, detected, started - self.world.step)
+        by = replaced_by(world, lost_ranks, decision)
+        self.log.healed(
+            records, detected, started - self.world.step, action=decision.action, replaced_by=by
+        )
         self.pool.recruit()
         return Running(
             f"healed ({decision.action}): generation {self.world.generation}, "
@@ -349,6 +378,25 @@ class TrainController:
         self.world.reform(ranks, fresh=fresh, source=source)
         self.sizes = None  # a new world starts from the even split
         self.balance_policy.reset()
+        self.log.emit("mesh", **self.pool.snapshot())
+
+    def emit_placement(self) -> None:
+        """The "placement" event: each host's ranks, why (the topology plan, on several
+        hosts), and the topology it was planned on (links and measured latencies); then the
+        procs ("mesh")."""
+        hosts: dict[str, list[int]] = {}
+        for i, r in enumerate(self.world.ranks):
+            hosts.setdefault(r.node_id, []).append(i)
+        snapshot = self.pool.snapshot()
+        names = {p["node_id"]: p["host"] for p in snapshot["ranks"]}
+        topo = self.placer.topology
+        self.log.emit(
+            "placement",
+            reason=self.placer.reason,
+            hosts=[{"node_id": n, "host": names[n], "ranks": rs} for n, rs in hosts.items()],
+            topology=topo.to_dict() if topo is not None else None,
+        )
+        self.log.emit("mesh", **snapshot)
 
     def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> None:
         """A sink (the progress callback) ended the job: let the ranks finish the chunks
@@ -398,6 +446,7 @@ class TrainController:
             global_batch_size=self.config.global_batch_size,
             steps=self.config.steps,
             data=self.data.figures() if self.data is not None else None,
+            spares=self.pool.ready(),
         )
         if report is None:
             return
@@ -427,11 +476,11 @@ class TrainController:
                 "raymesh.train: rank(s) %s flagged for replacement (far slower than the rest)",
                 list(balance.flagged),
             )
-        self.log.rebalances.append(
-            {
-                "step": step,
-                "sizes": self.sizes,
-                "flagged": list(balance.flagged),
-                "reason": balance.reason,
-            }
-        )
+        record = {
+            "step": step,
+            "sizes": self.sizes,
+            "flagged": list(balance.flagged),
+            "reason": balance.reason,
+        }
+        self.log.rebalances.append(record)
+        self.log.emit("rebalance", **record)

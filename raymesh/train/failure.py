@@ -31,6 +31,8 @@ class FailureRecord:
     time: float = field(default_factory=time.time)
     recovery_s: float | None = None  # from detection to the first step completed after healing
     steps_recomputed: int | None = None  # steps trained again because of this failure
+    action: str | None = None  # how it was healed: "replace" or "shrink" (None: not yet)
+    replaced_by: str | None = None  # the proc that took its place ("spare-3 (pid 4242)")
 
     def __str__(self) -> str:
         return f"rank {self.rank} at step {self.step}: {self.kind}: {self.cause}"

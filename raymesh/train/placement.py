@@ -44,6 +44,7 @@ class Placer:
         # (several only where HSDP may be chosen), and why the ranks run where they do.
         self.plans: dict[str, Placement] = {}
         self.reason: str | None = None
+        self.topology: topology.Topology | None = None  # what the last plan was made on
 
     def free(self) -> dict[str, int]:
         """How many more ranks fit on each node now, this host first."""
@@ -98,6 +99,7 @@ class Placer:
                 shape = topology.JobShape(world_size=n, strategy=strategy, device=device, **dims)
                 self.plans[strategy] = topology.plan(there, shape, method="naive")
         self.reason = placement.reason
+        self.topology = topo
         logger.info("raymesh.train: placement: %s", placement.reason)
         return nodes
 

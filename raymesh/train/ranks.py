@@ -48,6 +48,25 @@ class Rank:
     def alive(self) -> bool:
         return self.procs.failure is None
 
+    def label(self) -> str:
+        """Its proc, for people: "spare-3 (pid 4242)"."""
+        return f"{self.procs.name} (pid {self.procs.pids[0]})"
+
+    def describe(self, rank: int | None, hosts: dict[str, str]) -> dict[str, Any]:
+        """Its proc as plain data (the "mesh" event): `rank` in the world (None: a spare),
+        its mesh, pid, host (`hosts`: node id -> name), state, and the actors on it."""
+        failure = self.procs.failure
+        state = "alive" if failure is None else "stopped" if failure.kind == "stopped" else "dead"
+        return {
+            "rank": rank,
+            "mesh": self.procs.name,
+            "pid": self.procs.pids[0],
+            "node_id": self.node_id,
+            "host": hosts.get(self.node_id, self.node_id[:12]),
+            "state": state,
+            "actors": [TrainWorker.__name__, Monitor.__name__],
+        }
+
     def stop(self, *, kill: bool = False) -> None:
         """End the proc and release its resources (it may already be dead). `kill`: SIGKILL
         it first, for a rank that raised or hung (its trainer may never return)."""
@@ -78,6 +97,7 @@ class RankPool:
         self.names = itertools.count()
         self.recruiter: threading.Thread | None = None
         self.stopping = threading.Event()
+        self.hosts: dict[str, str] = {}  # node id -> "hostname (ip)", for `snapshot`
 
     # ---- the world -----------------------------------------------------------------------
     def set_world(self, ranks: list[Rank]) -> None:
@@ -90,6 +110,20 @@ class RankPool:
         """Spares ready to join."""
         with self.lock:
             return len(self.spares)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The world's procs and the spares' as plain data (`Rank.describe`), with each host's
+        name and address (asked of the cluster once per host the job has not seen before)."""
+        with self.lock:
+            ranks, spares = list(self.ranks), list(self.spares)
+        if any(r.node_id not in self.hosts for r in ranks + spares):
+            hosts = host_mesh()
+            for node, name, ip in zip(hosts.node_ids, hosts.hostnames, hosts.addresses):
+                self.hosts[node] = f"{name} ({ip})" if name else ip
+        return {
+            "ranks": [r.describe(i, self.hosts) for i, r in enumerate(ranks)],
+            "spares": [r.describe(None, self.hosts) for r in spares],
+        }
 
     # ---- spawning ------------------------------------------------------------------------
     def spawn(

@@ -1,23 +1,30 @@
-"""Reporting: what each chunk of training reports, and the sinks that receive it.
+"""Reporting: what each chunk of training reports, what happens to the job, and the sinks that
+receive both.
 
-The controller folds each chunk's per-rank `StepMetrics` into one `Report` and hands it to every
-`ReportSink` (shaped like Ray Train's `ReportCallback`): the metrics file, TensorBoard, the
-`progress` callable that the CLI draws its bar from, and whatever subscribes later (the
-dashboard, a tuning trial). Sinks run in the controller, after the ranks have moved on to the
+The controller folds each chunk's per-rank `StepMetrics` into one `Report`, and records what
+happens to the job (a state entered, the strategy and placement decided, a rank lost, a
+failure healed, the procs after a change) as an `Event`; it hands both to every `ReportSink`
+(shaped like Ray Train's `ReportCallback`): the run folder (`metrics.jsonl`, `events.jsonl`:
+what raymesh.dashboard reads, live and afterwards), TensorBoard, the `progress` callable that
+the CLI draws its bar from. Sinks run in the controller, after the ranks have moved on to the
 next chunk, so a slow sink never holds training back.
+
+The run folder's files are append-only JSON lines, each written whole with one `write`: a
+reader that keeps only complete lines never sees a torn record.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from raymesh.train.config import TrainConfig
 
-__all__ = ["MetricsFile", "Progress", "Report", "ReportSink", "TensorBoard", "sinks"]
+__all__ = ["Event", "Progress", "Report", "ReportSink", "RunFolder", "TensorBoard", "sinks"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class Report:
     rank_losses: tuple[float, ...]  # each rank's loss at the chunk's last step
     failures: int  # failures so far
     world_size: int
+    # Per row, each rank's step seconds and loss, in rank order.
+    rank_step_s: tuple[tuple[float, ...], ...] = ()
+    rank_loss: tuple[tuple[float, ...], ...] = ()
+    spares: int = 0  # warm spares ready when the chunk was recorded
 
     @property
     def step(self) -> int:
@@ -53,26 +64,68 @@ class Report:
         }
 
 
-class ReportSink(Protocol):
-    """Receives every report, in order, in the controller's process."""
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to the job, as one line of events.jsonl: `{"t", "event", ...}`.
 
-    def on_report(self, report: Report) -> None: ...
+    `name` and its data (docs/dashboard.md lists every field):
+      - "job": name, pid, host, steps, workers, global_batch_size, spares, report_every
+      - "state": state, reason, step (a state entered; "end" too for Finished and Failed)
+      - "strategy": the decision with its memory arithmetic; "placement": ranks on hosts
+      - "mesh": the procs of the ranks and spares (pid, host, state, actors)
+      - "failure": a rank lost (rank, step, kind, cause); "healed": how, and how long it took
+      - "rebalance": a new split of the global batch
+    """
+
+    name: str
+    data: dict[str, Any]
+    t: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": self.t, "event": self.name, **self.data}
 
 
-class MetricsFile:
-    """Appends one JSON line per step to `path` (metrics.jsonl)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
+class ReportSink:
+    """Receives every report and event, in order, in the controller's process. A sink
+    overrides what it wants; the rest are no-ops."""
 
     def on_report(self, report: Report) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            for row in report.rows:
-                f.write(json.dumps(row) + "\n")
+        pass
+
+    def on_event(self, event: Event) -> None:
+        pass
 
 
-class TensorBoard:
+class RunFolder(ReportSink):
+    """The run folder: one JSON line per step in metrics.jsonl (the history's row with the
+    world size, the spares ready, and each rank's step seconds and loss), one per event in
+    events.jsonl."""
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = dir
+        self.metrics = dir / "metrics.jsonl"
+        self.events = dir / "events.jsonl"
+
+    def on_report(self, report: Report) -> None:
+        lines = []
+        for i, row in enumerate(report.rows):
+            out: dict[str, Any] = {**row, "world_size": report.world_size, "spares": report.spares}
+            if report.rank_step_s:
+                out["rank_step_s"] = list(report.rank_step_s[i])
+                out["rank_loss"] = list(report.rank_loss[i])
+            lines.append(json.dumps(out) + "\n")
+        self._append(self.metrics, "".join(lines))
+
+    def on_event(self, event: Event) -> None:
+        self._append(self.events, json.dumps(event.to_json(), default=str) + "\n")
+
+    def _append(self, path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:  # one write: a concurrent reader sees whole lines or none
+            f.write(text)
+
+
+class TensorBoard(ReportSink):
     """Loss and throughput per step, as TensorBoard scalars in `dir`."""
 
     def __init__(self, writer: Any) -> None:
@@ -94,7 +147,7 @@ class TensorBoard:
         self.writer.flush()
 
 
-class Progress:
+class Progress(ReportSink):
     """Calls `fn` with `Report.progress()` (the CLI's progress bar, `fit(progress=...)`)."""
 
     def __init__(self, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -104,13 +157,15 @@ class Progress:
         self.fn(report.progress())
 
 
-def sinks(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None) -> list[Any]:
-    """The sinks a job's config asks for: metrics.jsonl and TensorBoard in the run folder
-    (`run_dir`, else the checkpoint folder), and the progress callable."""
+def sinks(
+    config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
+) -> list[ReportSink]:
+    """The sinks a job's config asks for: the run folder (`run_dir`, else the checkpoint
+    folder) with TensorBoard in it, and the progress callable."""
     out: list[ReportSink] = []
-    run_dir = config.run_dir or (config.checkpoint.dir if config.checkpoint else None)
+    run_dir = config.run_folder()
     if run_dir:
-        out.append(MetricsFile(Path(run_dir) / "metrics.jsonl"))
+        out.append(RunFolder(Path(run_dir)))
         board = TensorBoard.open(Path(run_dir) / "tensorboard")
         if board is not None:
             out.append(board)

@@ -1,13 +1,14 @@
 """What a training job returns (`Result`) or raises (`TrainError`), and the log it is made of.
 
 `RunLog` is the job's record as it runs: the loss history, every state transition with its
-reason, every failure and how long healing it took, every rebalance. The controller writes it;
-`Result` is its final form.
+reason, every failure and how long healing it took, every rebalance. The controller writes it,
+and it tells the report sinks each event as it is recorded; `Result` is its final form.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from raymesh.data.workers import PipelineReport
 from raymesh.train.failure import FailureRecord
 from raymesh.train.protocol import LostRank, StepMetrics
-from raymesh.train.reporting import Report
+from raymesh.train.reporting import Event, Report, ReportSink
 from raymesh.train.strategy import StrategyDecision
 
 __all__ = ["Result", "RunLog", "TrainError"]
@@ -59,7 +60,8 @@ class Result:
 class RunLog:
     """The record of a job so far (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sinks: Sequence[ReportSink] = ()) -> None:
+        self.sinks = sinks  # told every event (`emit`)
         self.history: list[dict[str, float]] = []
         self.transitions: list[tuple[str, str]] = []
         self.failures: list[FailureRecord] = []
@@ -70,15 +72,40 @@ class RunLog:
         # the job train again: completed by the next chunk recorded.
         self.healing: list[tuple[FailureRecord, float, int]] = []
 
+    def emit(self, name: str, /, **data: Any) -> None:
+        """Tell every sink that `name` happened (`reporting.Event`)."""
+        event = Event(name, data)
+        for sink in self.sinks:
+            sink.on_event(event)
+
+    def transition(self, state: str, reason: str, step: int) -> None:
+        """The controller entered `state` at `step`, for `reason`."""
+        self.transitions.append((state, reason))
+        self.emit("state", state=state, reason=reason, step=step)
+
     def lost(self, lost: list[LostRank], step: int) -> list[FailureRecord]:
         """Record ranks lost while `step` was in flight; returns their records."""
         records = [FailureRecord(rank=x.rank, step=step, cause=x.cause, kind=x.kind) for x in lost]
         self.failures.extend(records)
+        for r in records:
+            self.emit("failure", rank=r.rank, step=r.step, kind=r.kind, cause=r.cause)
         return records
 
-    def healed(self, records: list[FailureRecord], detected: float, recomputed: int) -> None:
-        """`records` are healed; the next chunk recorded tells how long recovery took."""
-        self.healing.extend((r, detected, recomputed) for r in records)
+    def healed(
+        self,
+        records: list[FailureRecord],
+        detected: float,
+        recomputed: int,
+        *,
+        action: str,
+        replaced_by: dict[int, str],
+    ) -> None:
+        """`records` are healed (`action`; `replaced_by`: the proc that took each lost rank's
+        place); the next chunk recorded tells how long recovery took."""
+        for r in records:
+            done = dataclasses.replace(r, action=action, replaced_by=replaced_by.get(r.rank))
+            self.failures[self.failures.index(r)] = done
+            self.healing.append((done, detected, recomputed))
 
     def trim(self, step: int) -> None:
         """Forget the steps after `step`: they are trained again (healing from a checkpoint)."""
@@ -96,11 +123,13 @@ class RunLog:
         global_batch_size: int,
         steps: int,
         data: dict[str, float] | None = None,
+        spares: int = 0,
     ) -> Report | None:
         """Fold one chunk's per-rank metrics (the steps every rank completed) into the
         history; returns its report (None when no step completed). With a pipeline, each row
         also has `data_wait` (the ranks' mean share of the step spent waiting for batches)
-        and the pipeline's figures `data` (`data_workers`, `data_samples_per_s`)."""
+        and the pipeline's figures `data` (`data_workers`, `data_samples_per_s`). `spares`:
+        the warm spares ready now, for the report."""
         n = len(per_rank[0])
         if n == 0:
             return None
@@ -124,10 +153,11 @@ class RunLog:
         if self.healing:  # the first step completed after healing: how long recovery took
             first_end = per_rank[0][0].end
             for failure, detected, recomputed in self.healing:
-                healed = dataclasses.replace(
+                done = dataclasses.replace(
                     failure, recovery_s=first_end - detected, steps_recomputed=recomputed
                 )
-                self.failures[self.failures.index(failure)] = healed
+                self.failures[self.failures.index(failure)] = done
+                self.emit("healed", **dataclasses.asdict(done), world_size=len(per_rank))
             self.healing.clear()
         step = int(rows[-1]["step"])
         return Report(
@@ -138,4 +168,7 @@ class RunLog:
             rank_losses=tuple(m[-1].loss for m in per_rank),
             failures=len(self.failures),
             world_size=len(per_rank),
+            rank_step_s=tuple(self.rank_step_s[-n:]),
+            rank_loss=tuple(tuple(r[i].loss for r in per_rank) for i in range(n)),
+            spares=spares,
         )

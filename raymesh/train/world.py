@@ -34,7 +34,7 @@ from raymesh.train.task import local_ranks
 
 logger = logging.getLogger("raymesh")
 
-__all__ = ["World", "WorldBroken"]
+__all__ = ["World", "WorldBroken", "replaced_by"]
 
 
 class WorldBroken(Exception):
@@ -159,10 +159,11 @@ class World:
                 gone = {ranks[i] for i in lost}
                 if source in gone:
                     source = None  # its state, if fetched, is `state`; else the checkpoint
-                ranks, got, _ = self.replace_lost(ranks, lost, what)
+                ranks, got, decision = self.replace_lost(ranks, lost, what)
                 fresh = (fresh - gone) | got
+                by = replaced_by(ranks, lost, decision)
                 for r in records:
-                    self.log.healed([r], r.time, 0)
+                    self.log.healed([r], r.time, 0, action=decision.action, replaced_by=by)
 
     def reshape(
         self,
@@ -252,3 +253,11 @@ class World:
         if errors:
             raise errors[0]
         return [results[k - 1] for k in itertools.accumulate(len(fs) for fs in calls)]
+
+
+def replaced_by(world: list[Rank], lost: list[int], decision: FailureDecision) -> dict[int, str]:
+    """Which proc took each lost rank's place in the new `world` (replacements keep the lost
+    ranks' places); empty when the world shrank instead."""
+    if decision.action != "replace":
+        return {}
+    return {i: world[i].label() for i in lost}

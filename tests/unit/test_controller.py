@@ -9,6 +9,7 @@ logic: which state follows which, what each carries, what is recorded.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -88,6 +89,13 @@ class FakeRank:
         self.alive = False
         self.pool.stopped.append(self.name)
 
+    def label(self) -> str:
+        return self.name
+
+    def describe(self, rank: int | None) -> dict[str, Any]:
+        state = "alive" if self.alive else "dead"
+        return {"rank": rank, "mesh": self.name, "node_id": self.node_id, "state": state}
+
     # endpoints
     def ep_warm(self) -> None: ...
     def ep_install(self, hooks: Any) -> None: ...
@@ -141,7 +149,7 @@ class FakeRank:
 
 class FakePlacer:
     def __init__(self, config: TrainConfig) -> None:
-        self.gpus, self.plans, self.reason = False, {}, None
+        self.gpus, self.plans, self.reason, self.topology = False, {}, None, None
 
     def place(self, n: int) -> list[str]:
         return ["node-0"] * n
@@ -177,6 +185,12 @@ class FakePool:
 
     def ready(self) -> int:
         return len(self.spares)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "ranks": [r.describe(i) | {"host": "host-0"} for i, r in enumerate(self.ranks)],
+            "spares": [r.describe(None) | {"host": "host-0"} for r in self.spares],
+        }
 
     def spawn(self, n: int, name: str, *, nodes: Any = None, timeout: Any = None) -> list[FakeRank]:
         return [self._new(name) for _ in range(n)]
@@ -248,6 +262,43 @@ def test_a_dead_rank_is_healed_and_training_resumes_at_the_step_in_flight():
     assert "trainer-1" in c.pool.stopped
     assert [h["step"] for h in c.log.history] == list(range(1, 9))
     assert "healed (replace): generation 1, 2 ranks, resuming at step 4" in states[3].reason
+
+
+def test_the_run_folder_tells_every_state_the_failure_and_how_it_was_healed(tmp_path):
+    c = controller(pool=pool_with(die={1: 5}), report_every=2, run_dir=str(tmp_path))
+    c.run()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["job", "state"] and kinds[-2:] == ["state", "end"], kinds
+    states = [(e["state"], e["step"]) for e in events if e["event"] == "state"]
+    assert states == [
+        ("Starting", 0),
+        ("Running", 0),
+        ("Healing", 4),
+        ("Running", 4),
+        ("Finishing", 8),
+        ("Finished", 8),
+    ]
+    [strategy] = [e for e in events if e["event"] == "strategy"]
+    assert strategy["strategy"] == "ddp" and strategy["estimate"]["param_bytes"] == 40
+    [failure] = [e for e in events if e["event"] == "failure"]
+    assert (failure["rank"], failure["step"], failure["kind"]) == (1, 5, "died")
+    assert "SIGKILL" in failure["cause"]
+    [healed] = [e for e in events if e["event"] == "healed"]
+    assert (healed["rank"], healed["action"], healed["replaced_by"]) == (1, "replace", "trainer-2")
+    assert healed["steps_recomputed"] == 1 and healed["recovery_s"] is not None
+    # The failure is told when it is found, the healing once training has moved on.
+    assert kinds.index("failure") < kinds.index("healed")
+    meshes = [e for e in events if e["event"] == "mesh"]
+    assert [[p["mesh"] for p in m["ranks"]] for m in meshes] == [
+        ["trainer-0", "trainer-1"],
+        ["trainer-0", "trainer-2"],
+    ]
+    assert events[-1] == {**events[-1], "event": "end", "state": "Finished", "step": 8}
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["rank_loss"] == [r["loss"]] * 2 and len(r["rank_step_s"]) == 2 for r in rows)
+    assert all(r["world_size"] == 2 for r in rows)
 
 
 def test_failures_past_the_budget_end_in_failed_carrying_too_many_failures():

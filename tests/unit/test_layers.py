@@ -15,6 +15,7 @@ The layers, lowest first (a module may import its own layer and any lower one):
   any layer's tests can use it (not topology, though it sits above it).
 - data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
 - train (`raymesh.train`), tune (`raymesh.tune`: studies whose trials are training jobs),
+  serve, federated, dashboard (`raymesh.dashboard`: reads the run folders the others write),
   examples (`raymesh.examples`), cli (`raymesh.cli`).
 
 Every import counts: top-level, inside functions (lazy), under `if TYPE_CHECKING:` (a type
@@ -50,6 +51,7 @@ ORDER = (
     "tune",
     "serve",
     "federated",
+    "dashboard",
     "examples",
     "cli",
 )
@@ -73,6 +75,7 @@ LAYERS = {
     "raymesh.tune": "tune",
     "raymesh.serve": "serve",
     "raymesh.federated": "federated",
+    "raymesh.dashboard": "dashboard",
     "raymesh.examples": "examples",
     "raymesh.cli": "cli",
 }
@@ -97,6 +100,7 @@ PUBLIC = (
     "raymesh.train",
     "raymesh.tune",
     "raymesh.federated",
+    "raymesh.dashboard",
     "raymesh.cli",
     "raymesh.cli.main",
 )

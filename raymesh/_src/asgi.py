@@ -1,0 +1,126 @@
+"""An ASGI app served by uvicorn on a thread of the controller, with an event loop of its own.
+
+raymesh.serve's front, raymesh.federated's edge server and raymesh.dashboard all start the
+same way: `ServerThread` binds (loopback unless told otherwise), returns once the port is
+known or raises what stopped it (OSError when the port is taken), and `stop()` ends the
+server and its loop. uvicorn is imported here, when a server starts, so that importing raymesh
+needs none of the HTTP extras.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["ServerThread", "url_of"]
+
+
+def url_of(host: str, port: int) -> str:
+    """The URL a local client reaches `host:port` at (a wildcard bind is reached on loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class ServerThread:
+    """`app` under uvicorn on a daemon thread named `name` (see the module docstring).
+
+    before / after: coroutines run on the server's loop before it binds and after it stops
+        (raymesh.serve's router starts and stops there, on the loop its requests run on).
+    graceful_s: how long open requests (streams) get at `stop()` before the loop ends.
+    uvloop: run on uvloop when it is installed (the serving path; others need no speed).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str,
+        port: int,
+        name: str,
+        start_timeout_s: float = 60.0,
+        graceful_s: int = 2,
+        before: Callable[[], Awaitable[None]] | None = None,
+        after: Callable[[], Awaitable[None]] | None = None,
+        uvloop: bool = False,
+    ) -> None:
+        self.host = host
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: Any = None
+        self._args = (app, host, port, graceful_s, before, after, uvloop)
+        started: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread.start()
+        try:
+            self.port = started.result(timeout=start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return url_of(self.host, self.port)
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the server's loop; RuntimeError once the server has stopped."""
+        if self.loop is None or self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the server has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop serving and wait up to `timeout` for the thread to end. Idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+
+    def _run(self, started: concurrent.futures.Future[int]) -> None:
+        loop: asyncio.AbstractEventLoop | None = None
+        if self._args[-1]:
+            try:
+                import uvloop
+
+                loop = uvloop.new_event_loop()
+            except ImportError:
+                pass
+        self.loop = loop = loop or asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(started))
+        except BaseException as e:
+            if not started.done():
+                started.set_exception(e)
+        finally:
+            loop.close()
+
+    async def _main(self, started: concurrent.futures.Future[int]) -> None:
+        import uvicorn
+
+        app, host, port, graceful_s, before, after, _ = self._args
+        if before is not None:
+            await before()
+        try:
+            config = uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=graceful_s,
+            )
+            self._server = server = uvicorn.Server(config)
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started:
+                if serving.done():  # it could not bind (the port is taken)
+                    await serving
+                    raise OSError(f"cannot serve on {host}:{port}")
+                await asyncio.sleep(0.01)
+            started.set_result(server.servers[0].sockets[0].getsockname()[1])
+            await serving
+        finally:
+            if after is not None:
+                await after()

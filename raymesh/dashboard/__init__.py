@@ -1,0 +1,88 @@
+"""raymesh.dashboard: a web page of training runs, live and afterwards.
+
+    raymesh train job.toml --dashboard          # the job's page, live; prints its URL
+    raymesh dashboard runs/                     # every run folder under runs/
+
+    from raymesh import dashboard
+    with dashboard.start("runs") as board:      # a thread of this process
+        print(board.url)
+
+It reads run folders only (`metrics.jsonl`, `events.jsonl`, a study's `results.csv`), so the
+same page shows a job while it runs, after it ended, and from another process than the job's.
+It binds 127.0.0.1 unless told otherwise; with `token`, every request must carry it.
+Needs the `dashboard` extra (Starlette, uvicorn, prometheus_client).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from raymesh._src.asgi import ServerThread
+
+__all__ = ["DEFAULT_PORT", "Dashboard", "start"]
+
+DEFAULT_PORT = 8266  # beside Ray's dashboard (8265)
+
+
+class Dashboard:
+    """A dashboard served on a thread of this process (`start`); `stop()` ends it."""
+
+    def __init__(self, server: ServerThread, token: str | None) -> None:
+        self._server = server
+        self.token = token
+
+    @property
+    def url(self) -> str:
+        """The runs page (with the token, when there is one)."""
+        return self.page("/")
+
+    def page(self, path: str) -> str:
+        """The URL of `path` on this dashboard, with the token."""
+        query = f"?token={quote(self.token)}" if self.token else ""
+        return f"{self._server.url}{path}{query}"
+
+    def run_url(self, run_id: str) -> str:
+        """The page of run `run_id` (its folder relative to the root)."""
+        return self.page("/run/" + quote(run_id))
+
+    def stop(self) -> None:
+        self._server.stop(timeout=10.0)
+
+    def __enter__(self) -> Dashboard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<raymesh.dashboard {self._server.url}>"
+
+
+def start(
+    root: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+) -> Dashboard:
+    """Serve the dashboard of the run folders under `root` on a thread of this process.
+
+    root: a folder of run folders (e.g. "runs"), or one run folder. It may not exist yet (a
+        job about to start); the page says so until it does.
+    port: 0 for any free port. OSError when the port is taken.
+    token: when set, every page and API request must carry it (`Dashboard.url` does).
+    """
+    try:
+        from raymesh.dashboard.app import make_app
+    except ImportError as e:
+        raise ImportError(
+            f'the dashboard needs Starlette and uvicorn ({e}): pip install "raymesh[dashboard]"'
+        ) from None
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r}: give a TCP port, 0 to 65535 (0: any free port)")
+    server = ServerThread(
+        make_app(root, token=token), host=host, port=port, name="raymesh-dashboard"
+    )
+    return Dashboard(server, token)
