@@ -28,12 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from raymesh._src.asgi import ServerThread
 from raymesh.federated.protocol import Done, Message, decode, encode
 
 __all__ = ["BadUpdate", "EdgeConfig", "EdgeServer"]
@@ -122,18 +122,14 @@ class EdgeServer:
         self._lock = threading.Lock()
         self._joined = threading.Condition(self._lock)
         self._done: str | None = None
-        self._server: uvicorn.Server | None = None
-        started: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(started,), name="raymesh-federated", daemon=True
+        self._server = ServerThread(
+            self._app(), host=config.host, port=config.port, name="raymesh-federated"
         )
-        self._thread.start()
-        self.port = started.result(timeout=60)
+        self.port = self._server.port
 
     @property
     def url(self) -> str:
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.config.host, self.config.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return self._server.url
 
     def clients(self) -> list[int]:
         """The edge clients that joined and were heard from within three poll periods (a
@@ -171,9 +167,7 @@ class EdgeServer:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(e.told for e in self._edges.values()):
             time.sleep(0.05)  # let each polling client see Done
-        if self._server is not None:
-            self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self._server.stop(timeout=30)
 
     # --- HTTP --------------------------------------------------------------------------
 
@@ -270,36 +264,3 @@ class EdgeServer:
                 Route("/healthz", self._health, methods=["GET"]),
             ]
         )
-
-    def _run(self, started: concurrent.futures.Future[int]) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._main(started))
-        except BaseException as e:
-            if not started.done():
-                started.set_exception(e)
-        finally:
-            loop.close()
-
-    async def _main(self, started: concurrent.futures.Future[int]) -> None:
-        config = uvicorn.Config(
-            self._app(),
-            host=self.config.host,
-            port=self.config.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
-        # The same start as raymesh.serve's App; not shared, so that federated needs none of
-        # serve's dependencies.
-        self._server = server = uvicorn.Server(config)
-        serving = asyncio.ensure_future(server.serve())
-        while not server.started:
-            if serving.done():  # it could not bind (the port is taken)
-                await serving
-                raise OSError(f"cannot serve on {self.config.host}:{self.config.port}")
-            await asyncio.sleep(0.01)
-        started.set_result(server.servers[0].sockets[0].getsockname()[1])
-        await serving

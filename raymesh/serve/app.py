@@ -8,16 +8,13 @@ between. `App` methods may be called from any thread.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
-
+from raymesh._src.asgi import ServerThread, url_of
 from raymesh.actor import host_mesh
 from raymesh.serve.config import ServeConfig
 from raymesh.serve.front import make_app
@@ -131,77 +128,35 @@ class App:
         self.router = Router(spec, config, self.metrics)
         self.predict = _Endpoint(self, "predict")
         self.generate = _Endpoint(self, "generate")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: ServerThread | None = None
         self.port = config.port
 
     @property
     def url(self) -> str:
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.config.host, self.config.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return url_of(self.config.host, self.port)
 
     def _start(self) -> None:
-        started: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(started,), name="raymesh-serve", daemon=True
-        )
-        self._thread.start()
-        try:
-            self.port = started.result(timeout=self.config.start_timeout_s + 30)
-        except BaseException:
-            self.stop()
-            raise
-        logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))
-
-    def _run(self, started: concurrent.futures.Future[int]) -> None:
-        loop: asyncio.AbstractEventLoop
-        try:
-            import uvloop
-
-            loop = uvloop.new_event_loop()
-        except ImportError:
-            loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._main(started))
-        except BaseException as e:
-            if not started.done():
-                started.set_exception(e)
-        finally:
-            loop.close()
-
-    async def _main(self, started: concurrent.futures.Future[int]) -> None:
-        await self.router.start()
-        config = uvicorn.Config(
+        # The HTTP front and the router share the server's loop: the router starts there
+        # before the server binds and stops there after it closes.
+        self._server = ServerThread(
             make_app(self.router, self.config, self.metrics),
             host=self.config.host,
             port=self.config.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,  # open streams get this long, then the loop ends
+            name="raymesh-serve",
+            start_timeout_s=self.config.start_timeout_s + 30,
+            graceful_s=5,  # open streams get this long, then the loop ends
+            before=self.router.start,
+            after=self.router.stop,
+            uvloop=True,
         )
-        self._server = server = uvicorn.Server(config)
-        serving = asyncio.ensure_future(server.serve())
-        while not server.started:
-            if serving.done():  # it could not bind (the port is taken)
-                await serving
-                raise OSError(f"cannot serve on {self.config.host}:{self.config.port}")
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        started.set_result(port)
-        try:
-            await serving
-        finally:
-            await self.router.stop()
+        self.port = self._server.port
+        logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))
 
     def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        if self._loop is None or self._loop.is_closed():
+        if self._server is None:
             coro.close()
-            raise RuntimeError("the server has stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            raise RuntimeError("the server has not started")
+        return self._server.submit(coro)
 
     def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Reply:
         if name == "predict":
@@ -224,9 +179,7 @@ class App:
     def stop(self) -> None:
         """Stop serving: waiting requests fail with 503, replicas stop. Idempotent."""
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._server.stop(timeout=60)
 
     def __enter__(self) -> App:
         return self
