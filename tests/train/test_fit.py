@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -148,7 +149,7 @@ def test_the_train_command_exits_2_on_a_bad_config(tmp_path):
     assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_the_train_command_heals_a_kill_and_saves_a_picture_of_the_run(
+def test_the_train_command_heals_a_kill_serves_its_dashboard_and_saves_a_picture(
     ray_cluster, tmp_path, capsys
 ):
     from PIL import Image
@@ -161,9 +162,14 @@ def test_the_train_command_heals_a_kill_and_saves_a_picture_of_the_run(
         f'build = "{MLP}"\nworkers = 2\nsteps = 24\nglobal_batch_size = 16\n'
         f'report_every = 4\nrun_dir = "{run}"\n'
     )
-    assert main(["train", str(job), "--inject", "kill:rank=1:step=10"]) == 0
+    argv = ["train", str(job), "--inject", "kill:rank=1:step=10", "--dashboard"]
+    assert main([*argv, "--dashboard-port", "0"]) == 0
     out = capsys.readouterr().out
     assert "healed: rank 1 at step 10: died" in out, out
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/run/run$", out, re.M), out
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    [healed] = [e for e in events if e["event"] == "healed"]
+    assert (healed["rank"], healed["step"], healed["action"]) == (1, 10, "replace")
     assert f"picture: {run / 'run.png'}" in out
     with Image.open(run / "run.png") as image:
         assert image.format == "PNG" and image.size == (990, 660)

@@ -1,0 +1,181 @@
+"""The dashboard in a real browser: headless Chromium (Debian's `chromium` and
+`chromium-driver`, driven by Selenium) watches a real training job (two gloo ranks on the
+session's Ray) while rank 1 is SIGKILLed and healed.
+
+Skips, naming what to install, where Chromium or its driver is missing (`.ci/run` installs
+both). With RAYMESH_SCREENSHOTS=<folder>, the pages' screenshots are saved there too
+(docs/images/ holds the ones docs/dashboard.md shows).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="the browser test needs Debian's chromium and chromium-driver: "
+    "apt-get install chromium chromium-driver (.ci/run installs them)",
+)
+
+KILL_STEP = 150
+
+
+@pytest.fixture
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1400,2200")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # The driver from Debian's package: Selenium must not look for (download) one of its own.
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(what: str, check: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"the page never showed {what} within {timeout:.0f} s")
+
+
+def _screenshot(driver: Any, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    driver.save_screenshot(str(path))
+    if folder := os.environ.get("RAYMESH_SCREENSHOTS"):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(folder) / name)
+    return path
+
+
+def _errors(driver: Any) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.mark.timeout(240)
+def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path, browser):
+    from PIL import Image
+
+    from raymesh import dashboard, testing, train
+
+    run = tmp_path / "job"
+    config = train.TrainConfig(
+        build="tests.dashboard.jobs:slow_mlp",
+        workers=2,
+        spares=1,
+        steps=300,
+        global_batch_size=16,
+        report_every=2,
+        run_dir=str(run),
+        params={"sleep_s": 0.02},
+        faults=(testing.kill(rank=1, at_step=KILL_STEP),),
+    )
+    result: list[Any] = []
+    job = threading.Thread(target=lambda: result.append(fit(None, config)), daemon=True)
+    with dashboard.start(tmp_path, port=0) as board:
+        job.start()
+        _wait("the run folder", lambda: (run / "metrics.jsonl").exists(), timeout=120)
+        browser.get(board.run_url("job"))
+        _wait("its first data", lambda: browser.execute_script("return window.dashboard.ready"))
+        # The curves advance while the job runs: more rows, and more points in the chart.
+        first = browser.execute_script("return window.dashboard.rows.length")
+        assert browser.find_element("id", "status").text == "running"
+        _wait(
+            "new rows streamed in",
+            lambda: browser.execute_script("return window.dashboard.rows.length") > first + 10,
+        )
+        assert int(browser.find_element("id", "step").text) > first
+        plotted = browser.execute_script(
+            "return document.querySelectorAll('#loss-chart canvas').length"
+        )
+        assert plotted >= 1
+        # The kill appears, then how it was healed (the row is drawn again as news comes).
+        selector = 'tr.failure[data-rank="1"]'
+
+        def failure_text() -> str:
+            rows = browser.find_elements("css selector", selector)
+            return rows[0].text if rows else ""
+
+        _wait("the failure", failure_text)
+        row = browser.find_element("css selector", selector)
+        assert row.get_attribute("data-step") == str(KILL_STEP)
+        _wait("its recovery", lambda: "healed in" in failure_text())
+        text = failure_text()
+        assert "died" in text and "SIGKILL" in text and "replace" in text, text
+        _wait("the Healing state", lambda: browser.find_elements("css selector", ".state-Healing"))
+        _wait("the end", lambda: browser.find_element("id", "status").text == "finished", 120)
+        job.join(timeout=60)
+        [res] = result
+        rows = browser.execute_script("return window.dashboard.rows")
+        assert [r["step"] for r in rows] == list(range(1, 301))
+        assert rows[-1]["loss"] == pytest.approx(res.history[-1]["loss"])
+        time.sleep(0.5)  # the charts' last frame
+        shot = _screenshot(browser, tmp_path, "dashboard-job.png")
+        # The mesh page: each rank's proc on its host, with the pid the job reported.
+        browser.get(board.page("/mesh/job"))
+        pids = _wait(
+            "the procs",
+            lambda: [
+                e.get_attribute("data-pid") for e in browser.find_elements("css selector", ".proc")
+            ],
+        )
+        [failure_event] = [e for e in _events(run) if e["event"] == "healed"]
+        newest_mesh = [e for e in _events(run) if e["event"] == "mesh"][-1]
+        assert {str(p["pid"]) for p in newest_mesh["ranks"]} <= set(pids)
+        assert failure_event["replaced_by"] in browser.find_element("tag name", "body").text
+        _screenshot(browser, tmp_path, "dashboard-mesh.png")
+        # The runs page lists it, finished.
+        browser.get(board.url)
+        row = _wait(
+            "the run", lambda: browser.find_elements("css selector", 'tr.run[data-id="job"]')
+        )
+        assert "finished" in row[0].text
+        _screenshot(browser, tmp_path, "dashboard-runs.png")
+        assert _errors(browser) == []
+    with Image.open(shot) as image:
+        assert image.format == "PNG" and image.size[0] >= 1000
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_run_and_a_corrupt_line_are_messages_on_the_page(tmp_path, browser):
+    from raymesh import dashboard
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0, "samples_per_s": 1.0, "end": 1.0}\n{"step": 2, "lo\n'
+    )
+    with dashboard.start(tmp_path, port=0) as board:
+        browser.get(board.page("/run/nope"))
+        error = _wait("the error", lambda: browser.find_element("id", "error").text)
+        assert "no run folder 'nope'" in error
+        browser.get(board.run_url("bad"))
+        _wait("its data", lambda: browser.execute_script("return window.dashboard.ready"))
+        body = browser.find_element("tag name", "body").text
+        assert "metrics.jsonl line 2 is not a JSON object" in body
+        assert browser.execute_script("return window.dashboard.rows.length") == 1
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
