@@ -10,7 +10,8 @@ Guarantees:
 - reading is incremental and never blocks a writer: each `refresh` reads only what was
   appended since the last, and only whole lines (a line still being written is read next time);
 - a line that is not a JSON object, or a row without a step, is skipped and named in the run's
-  `warnings` (file, line number and why), never an exception;
+  `warnings` (file, line number and why), never an exception; NaN and infinite numbers (a
+  diverged loss) read as None, so that what the API sends is valid JSON;
 - a step trained again (after healing from a checkpoint, or a resumed run) replaces the rows
   from that step on, so `rows` is always in step order without repeats.
 """
@@ -66,7 +67,7 @@ class JsonLines:
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
+                item = json.loads(line, parse_constant=_not_finite)
                 if not isinstance(item, dict):
                     raise ValueError(f"a JSON {type(item).__name__}, not an object")
             except ValueError as e:
@@ -102,8 +103,8 @@ class Run:
         rows = self.metrics.read_new()
         events = self.events_file.read_new()
         for line, row in rows:
-            step, loss = row.get("step"), row.get("loss")
-            if not isinstance(step, int | float) or not isinstance(loss, int | float):
+            step, loss = row.get("step"), row.get("loss", 0.0)
+            if not isinstance(step, int | float) or not isinstance(loss, int | float | None):
                 self.metrics.warn(f"line {line}: a row needs a numeric step and loss: skipped")
                 continue
             while self.rows and self.rows[-1]["step"] >= step:  # trained again from `step`
@@ -272,6 +273,12 @@ def _walk(root: Path) -> list[tuple[Path, str | None]]:
             continue
         todo.extend((p, depth + 1, study) for p in reversed(children))
     return out
+
+
+def _not_finite(name: str) -> None:
+    """NaN and +-Infinity (a diverged loss) read as None: JSON has no such numbers, so the
+    browser could not parse a page that passed them on."""
+    return None
 
 
 def _id(root: Path, path: Path) -> str:

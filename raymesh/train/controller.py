@@ -119,6 +119,7 @@ class TrainController:
         self.sizes: list[int] | None = None  # samples per rank for the next chunks (None: even)
         self.resumed_from = 0
         self.weights: dict[str, Any] = {}
+        self.told_spares = -1  # spares in the newest "mesh" event
         # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
         self.data = Workers(config.data, config.seed) if config.data is not None else None
 
@@ -291,7 +292,8 @@ class TrainController:
             reported = [r.metrics for r in results if isinstance(r, ChunkResult)]
             if reported:
                 common = min(len(m) for m in reported)
-                self.record([m[:common] for m in reported])
+                who = [isinstance(r, ChunkResult) for r in results]
+                self.record([m[:common] for m in reported], reported=who)
             later = [detection.settle(fs, self.chunk_timeout(0)) for _, fs in in_flight]
             chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)))
             return Healing(detection.describe(results), chunk)
@@ -378,7 +380,14 @@ class TrainController:
         self.world.reform(ranks, fresh=fresh, source=source)
         self.sizes = None  # a new world starts from the even split
         self.balance_policy.reset()
-        self.log.emit("mesh", **self.pool.snapshot())
+        self.emit_mesh()
+
+    def emit_mesh(self, snapshot: dict[str, Any] | None = None) -> None:
+        """The "mesh" event: the procs of the ranks and the spares now (`snapshot`: as just
+        taken)."""
+        snapshot = snapshot or self.pool.snapshot()
+        self.told_spares = len(snapshot["spares"])
+        self.log.emit("mesh", **snapshot)
 
     def emit_placement(self) -> None:
         """The "placement" event: each host's ranks, why (the topology plan, on several
@@ -396,7 +405,7 @@ class TrainController:
             hosts=[{"node_id": n, "host": names[n], "ranks": rs} for n, rs in hosts.items()],
             topology=topo.to_dict() if topo is not None else None,
         )
-        self.log.emit("mesh", **snapshot)
+        self.emit_mesh(snapshot)
 
     def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> None:
         """A sink (the progress callback) ended the job: let the ranks finish the chunks
@@ -439,17 +448,24 @@ class TrainController:
         step time, never below the configured floor."""
         return max(self.config.step_timeout_s, 10 * self.log.median_step_s() * max(steps, 1))
 
-    def record(self, per_rank: list[tuple[StepMetrics, ...]]) -> None:
-        """Fold one chunk's per-rank metrics into the log, and report it to every sink."""
+    def record(
+        self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
+    ) -> None:
+        """Fold one chunk's per-rank metrics into the log, and report it to every sink
+        (`reported`: which ranks `per_rank` are, when not all; see `RunLog.record`). The
+        procs are told again when the spares ready changed (the recruiter refills them)."""
         report = self.log.record(
             [list(m) for m in per_rank],
             global_batch_size=self.config.global_batch_size,
             steps=self.config.steps,
             data=self.data.figures() if self.data is not None else None,
             spares=self.pool.ready(),
+            reported=reported,
         )
         if report is None:
             return
+        if report.spares != self.told_spares:
+            self.emit_mesh()
         self.world.step = report.step
         for sink in self.sinks:
             sink.on_report(report)

@@ -40,9 +40,10 @@ class Report:
     rank_losses: tuple[float, ...]  # each rank's loss at the chunk's last step
     failures: int  # failures so far
     world_size: int
-    # Per row, each rank's step seconds and loss, in rank order.
-    rank_step_s: tuple[tuple[float, ...], ...] = ()
-    rank_loss: tuple[tuple[float, ...], ...] = ()
+    # Per row, each rank's step seconds and loss, in rank order (None: the rank did not
+    # report this chunk, which failed).
+    rank_step_s: tuple[tuple[float | None, ...], ...] = ()
+    rank_loss: tuple[tuple[float | None, ...], ...] = ()
     spares: int = 0  # warm spares ready when the chunk was recorded
 
     @property

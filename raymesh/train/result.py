@@ -124,15 +124,26 @@ class RunLog:
         steps: int,
         data: dict[str, float] | None = None,
         spares: int = 0,
+        reported: Sequence[bool] | None = None,
     ) -> Report | None:
         """Fold one chunk's per-rank metrics (the steps every rank completed) into the
         history; returns its report (None when no step completed). With a pipeline, each row
         also has `data_wait` (the ranks' mean share of the step spent waiting for batches)
         and the pipeline's figures `data` (`data_workers`, `data_samples_per_s`). `spares`:
-        the warm spares ready now, for the report."""
+        the warm spares ready now, for the report. `reported`: which ranks of the world
+        `per_rank` are, in rank order, when not every rank reported (a chunk that failed);
+        the report's per-rank figures are None for the others."""
         n = len(per_rank[0])
         if n == 0:
             return None
+
+        def spread(values: tuple[float, ...]) -> tuple[float | None, ...]:
+            """`values`, one per reporting rank, at their ranks' places in the world."""
+            if reported is None:
+                return values
+            it = iter(values)
+            return tuple(next(it) if r else None for r in reported)
+
         seconds = sum(m.step_s for m in per_rank[0])
         self.step_times.extend(m.step_s for m in per_rank[0])
         rate = global_batch_size * n / seconds if seconds > 0 else 0.0
@@ -167,8 +178,8 @@ class RunLog:
             eta_s=(steps - step) * seconds / n,
             rank_losses=tuple(m[-1].loss for m in per_rank),
             failures=len(self.failures),
-            world_size=len(per_rank),
-            rank_step_s=tuple(self.rank_step_s[-n:]),
-            rank_loss=tuple(tuple(r[i].loss for r in per_rank) for i in range(n)),
+            world_size=len(reported) if reported is not None else len(per_rank),
+            rank_step_s=tuple(spread(t) for t in self.rank_step_s[-n:]),
+            rank_loss=tuple(spread(tuple(r[i].loss for r in per_rank)) for i in range(n)),
             spares=spares,
         )

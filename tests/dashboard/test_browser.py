@@ -104,7 +104,7 @@ def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path
             "new rows streamed in",
             lambda: browser.execute_script("return window.dashboard.rows.length") > first + 10,
         )
-        assert int(browser.find_element("id", "step").text) > first
+        _wait("the step advance", lambda: int(browser.find_element("id", "step").text) > first)
         plotted = browser.execute_script(
             "return document.querySelectorAll('#loss-chart canvas').length"
         )
@@ -150,6 +150,11 @@ def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path
             "the run", lambda: browser.find_elements("css selector", 'tr.run[data-id="job"]')
         )
         assert "finished" in row[0].text
+        row[0].find_element("css selector", "input[type=checkbox]").click()  # compare its curve
+        _wait(
+            "the compared curve",
+            lambda: browser.find_elements("css selector", "#compare-chart canvas"),
+        )
         _screenshot(browser, tmp_path, "dashboard-runs.png")
         assert _errors(browser) == []
     with Image.open(shot) as image:

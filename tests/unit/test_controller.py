@@ -301,6 +301,20 @@ def test_the_run_folder_tells_every_state_the_failure_and_how_it_was_healed(tmp_
     assert all(r["world_size"] == 2 for r in rows)
 
 
+def test_a_chunk_some_ranks_did_not_report_keeps_each_figure_at_its_rank():
+    from raymesh.train.result import RunLog
+
+    def metrics(loss: float) -> list[StepMetrics]:
+        return [StepMetrics(step=1, loss=loss, step_s=loss / 10, end=0, compute_s=0, samples=1)]
+
+    report = RunLog().record(
+        [metrics(1.0), metrics(3.0)], global_batch_size=4, steps=8, reported=[True, False, True]
+    )
+    assert report is not None and report.world_size == 3
+    assert report.rank_loss == ((1.0, None, 3.0),)
+    assert report.rank_step_s == ((0.1, None, 0.3),)
+
+
 def test_failures_past_the_budget_end_in_failed_carrying_too_many_failures():
     c = controller(pool=pool_with(die={1: 3}), max_failures=0)
     states = drive(c)

@@ -130,6 +130,14 @@ def test_a_line_still_being_written_is_read_once_it_is_whole(tmp_path):
     assert lines.warnings == []
 
 
+def test_a_diverged_loss_is_served_as_null_not_as_invalid_json(tmp_path, client):
+    _write(tmp_path / "a" / "metrics.jsonl", [_row(1), _row(2, loss=float("nan"))])
+    response = client.get("/api/run/a")
+    assert response.status_code == 200
+    assert [r["loss"] for r in json.loads(response.text)["rows"]] == [2.99, None]
+    assert client.get("/api/runs").json()["runs"][0]["loss"] is None
+
+
 def test_steps_trained_again_replace_the_rows_from_there_on(tmp_path, client):
     _write(tmp_path / "a" / "metrics.jsonl", [_row(s) for s in range(1, 7)])
     _write(tmp_path / "a" / "metrics.jsonl", [_row(s, loss=1.0) for s in range(5, 9)])
