@@ -281,38 +281,64 @@ def main() -> None:
             except Exception as e:  # keep what the other systems measured
                 runs[name] = {"failed": f"{type(e).__name__}: {e}"}
             log(f"{name}: {runs[name]}")
-    failed = sorted(k for k, r in runs.items() if "failed" in r)
-    if args.only or failed:  # the figures that exist, no comparison where one is missing
-        print(json.dumps({**res, "runs": runs, "failed": failed}))
-        sys.exit(1 if failed else 0)
-    print(json.dumps(summarise(res, runs)))
+    report = summarise(res, runs)
+    print(table(report), file=sys.stderr)
+    print(json.dumps(report))
+    sys.exit(1 if report["failed"] else 0)
 
 
 def summarise(res: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
-    """The report of a run in which every system was measured: ratios and targets."""
-    ray_train = runs["ray_train"]["kill_to_first_step_s"]
+    """The report: every system's figures, ratios and targets where both sides were measured
+    (None where one was not), and each system that failed with its error (`failed`)."""
+    ok = {k: r for k, r in runs.items() if "failed" not in r}
+    ray_train = ok.get("ray_train", {}).get("kill_to_first_step_s")
     ratios = {
-        f"{k}_over_ray_train": round(runs[k]["kill_to_first_step_s"] / ray_train, 3)
+        f"{k}_over_ray_train": round(ok[k]["kill_to_first_step_s"] / ray_train, 3)
+        if k in ok and ray_train
+        else None
         for k in ("raymesh_warm_spare", "raymesh_no_spare", "torchrun")
+        if k in runs
     }
+
+    def at_most(value: float | None, limit: float) -> bool | None:
+        return None if value is None else value <= limit
+
+    spare = ok.get("raymesh_warm_spare", {}).get("kill_to_first_step_s")
+    raymesh = [ok[k] for k in ("raymesh_warm_spare", "raymesh_no_spare") if k in ok]
     res.update(runs=runs, ratios=ratios, ray_train_published=RAY_TRAIN_PUBLISHED)
+    res["failed"] = {k: r["failed"] for k, r in runs.items() if "failed" in r}
     res["targets"] = {
         "vs_ray_train_max": TARGET_VS_RAY_TRAIN,
         "warm_spare_max_s": TARGET_SPARE_S,
         "steps_recomputed_max": TARGET_RECOMPUTED,
-        "warm_spare_vs_ray_train_met": ratios["raymesh_warm_spare_over_ray_train"]
-        <= TARGET_VS_RAY_TRAIN,
-        "no_spare_vs_ray_train_met": ratios["raymesh_no_spare_over_ray_train"]
-        <= TARGET_VS_RAY_TRAIN,
-        "warm_spare_under_1s_met": runs["raymesh_warm_spare"]["kill_to_first_step_s"]
-        < TARGET_SPARE_S,
-        "steps_recomputed_met": all(
-            runs[k]["steps_recomputed"] <= TARGET_RECOMPUTED
-            for k in ("raymesh_warm_spare", "raymesh_no_spare")
+        "warm_spare_vs_ray_train_met": at_most(
+            ratios.get("raymesh_warm_spare_over_ray_train"), TARGET_VS_RAY_TRAIN
         ),
+        "no_spare_vs_ray_train_met": at_most(
+            ratios.get("raymesh_no_spare_over_ray_train"), TARGET_VS_RAY_TRAIN
+        ),
+        "warm_spare_under_1s_met": None if spare is None else spare < TARGET_SPARE_S,
+        "steps_recomputed_met": all(r["steps_recomputed"] <= TARGET_RECOMPUTED for r in raymesh)
+        if raymesh
+        else None,
     }
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return res
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report for people: a row per system, a failed one with its error."""
+    lines = [f"{'system':<20} {'kill to first step':>18} {'recomputed':>10} {'vs Ray Train':>12}"]
+    for name, r in report["runs"].items():
+        if "failed" in r:
+            lines.append(f"{name:<20} FAILED: {r['failed']}")
+            continue
+        ratio = report["ratios"].get(f"{name}_over_ray_train")
+        lines.append(
+            f"{name:<20} {r['kill_to_first_step_s']:>16.2f} s {r['steps_recomputed']:>10} "
+            f"{'' if ratio is None else f'{ratio:.3f}x':>12}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

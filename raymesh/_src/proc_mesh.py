@@ -257,9 +257,19 @@ def _create(
     return ProcMesh(state, Shape.of(dict(extent)))
 
 
-def host_mesh() -> HostMesh:
-    """All alive Ray nodes, the controller's own first."""
-    return HostMesh(backend.nodes())
+def host_mesh(*, all_hosts: bool = False) -> HostMesh:
+    """The alive Ray nodes that can run a proc (with CPUs or GPUs), the controller's own first.
+
+    A node with neither, such as the head node of Ray's recommended cluster setup (started
+    with `num_cpus=0` to keep work off it), is left out, so that
+    `host_mesh().spawn_procs(per_host=...)` puts procs on every host that can hold them.
+    all_hosts=True includes such nodes too (to list or address every node; spawning procs
+    on one raises PlacementError naming it). On a cluster where no node has CPUs or GPUs,
+    every node is returned, and spawning says why it cannot."""
+    nodes = backend.nodes()
+    if all_hosts:
+        return HostMesh(nodes)
+    return HostMesh([n for n in nodes if n.cpus > 0 or n.gpus > 0] or nodes)
 
 
 def preload(*modules: str) -> None:

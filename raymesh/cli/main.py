@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ def _info() -> dict[str, Any]:
     from raymesh._src import backend
 
     backend.ensure_ray()
+    here = backend.current_node_id()
     return {
         "raymesh": __version__,
         "ray": ray.__version__,
@@ -55,7 +57,10 @@ def _info() -> dict[str, Any]:
                 "node_id": n.node_id,
                 "ip": n.ip,
                 "hostname": n.hostname,
-                "cpus": n.cpus,
+                # Cores known for the host this runs on (`raymesh topology` reads each
+                # host's); CPU slots are Ray's logical CPUs, which procs reserve.
+                "cores": len(os.sched_getaffinity(0)) if n.node_id == here else None,
+                "cpu_slots": n.cpus,
                 "gpus": n.gpus,
                 "memory_gib": round(n.memory_bytes / 2**30, 1),
             }
@@ -67,12 +72,17 @@ def _info() -> dict[str, Any]:
 def _print_info(info: dict[str, Any]) -> None:
     print(f"raymesh {info['raymesh']}  ray {info['ray']}  torch {info['torch']}")
     print(f"Ray address: {info['address']}")
-    print(f"{'host':<20} {'ip':<16} {'CPUs':>6} {'GPUs':>5} {'memory':>10}  node id")
+    print(
+        f"{'host':<20} {'ip':<16} {'cores':>5} {'CPU slots':>9} {'GPUs':>5} {'memory':>10}  node id"
+    )
     for h in info["hosts"]:
+        cores = "?" if h["cores"] is None else str(h["cores"])
         print(
-            f"{h['hostname'][:20]:<20} {h['ip']:<16} {h['cpus']:>6g} {h['gpus']:>5g} "
-            f"{h['memory_gib']:>7.1f} GiB  {h['node_id'][:12]}"
+            f"{h['hostname'][:20]:<20} {h['ip']:<16} {cores:>5} {h['cpu_slots']:>9g} "
+            f"{h['gpus']:>5g} {h['memory_gib']:>7.1f} GiB  {h['node_id'][:12]}"
         )
+    if any(h["cores"] is not None and h["cpu_slots"] > h["cores"] for h in info["hosts"]):
+        print(topology_cli.SLOTS_NOTE)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -83,6 +93,8 @@ def _train(args: argparse.Namespace) -> int:
     from raymesh.cli.progress import ProgressBar
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose:  # Ray's own messages too, e.g. its paragraph on each dead worker
+        logging.getLogger("raymesh.ray").setLevel(logging.DEBUG)
     try:
         config = train.load_config(args.job)
         pairs = (("steps", args.steps), ("workers", args.workers), ("spares", args.spares))
@@ -168,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KIND:rank=R:step=S",
         help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
+    )
+    tr.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show Ray's own messages (raymesh reports worker deaths itself)",
     )
     tr.add_argument(
         "--dashboard",

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from raymesh.topology import Host, Link, Topology
 
 _GIB = 1 << 30
+# Said wherever a host shows more of Ray's logical CPUs than it has cores (the embedded Ray).
+SLOTS_NOTE = (
+    "CPU slots are Ray's logical CPUs: each proc reserves one. The local Ray raymesh starts "
+    "offers at least 64, so that meshes of many procs can start on a small machine; they share "
+    "its cores. Size a job by cores, not slots."
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -66,16 +72,19 @@ def render(topo: Topology, took: float | None = None) -> str:
         + (f", discovered in {took:.1f}s" if took is not None else "")
         + "  (~ marks a nominal figure, not measured)",
         "",
-        f"{'host':<16} {'ip':<16} {'CPUs':>5} {'GPUs':>5} {'memory':>10} {'sockets':>7} "
-        f"{'NUMA':>4}  node id",
+        f"{'host':<16} {'ip':<16} {'cores':>5} {'CPU slots':>9} {'GPUs':>5} {'memory':>10} "
+        f"{'sockets':>7} {'NUMA':>4}  node id",
     ]
     for h in topo.hosts:
         sockets = "-" if h.sockets is None else str(h.sockets)
+        cores = "-" if h.cores is None else str(h.cores)
         lines.append(
-            f"{h.name[:16]:<16} {h.ip[:16]:<16} {h.cpus:>5g} {h.gpus:>5g} "
+            f"{h.name[:16]:<16} {h.ip[:16]:<16} {cores:>5} {h.cpus:>9g} {h.gpus:>5g} "
             f"{h.memory_bytes / _GIB:>6.1f} GiB {sockets:>7} {len(h.numa_nodes):>4}  "
             f"{h.node_id[:12]}"
         )
+    if any(h.cores is not None and h.cpus > h.cores for h in topo.hosts):
+        lines.append(SLOTS_NOTE)
     for h in topo.hosts:
         lines += ["", *_host_lines(h)]
     lines += ["", *_network_lines(topo)]

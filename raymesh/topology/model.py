@@ -216,6 +216,19 @@ class Host:
                     )
 
     @property
+    def cores(self) -> int | None:
+        """The CPUs a process on this host may run on (`cpu_affinity` counted), None when
+        unknown. Ray's logical CPUs (`cpus`) can be many more: each is a slot a proc
+        reserves, not a core."""
+        if not self.cpu_affinity:
+            return None
+        count = 0
+        for part in self.cpu_affinity.split(","):
+            low, _, high = part.partition("-")
+            count += int(high or low) - int(low) + 1
+        return count
+
+    @property
     def name(self) -> str:
         """A short name for people: the `raymesh.io/host` label, else hostname, else node id."""
         return self.labels.get("raymesh.io/host") or self.hostname or self.node_id[:12]

@@ -311,13 +311,12 @@ class TrainController:
         lost_ranks = sorted({x.rank for x in lost})
         if self.hooks is not None:
             self.hooks.on_lost(lost_ranks, started)
-        what = detection.describe(chunk.results)
         # The failure budget first: no point waiting for capacity for a job that stops anyway.
         budget = self.world.decide(
             world=len(ranks), lost=len(lost_ranks), replacements=len(lost_ranks)
         )
         if budget.action == "abort":
-            logger.warning("raymesh.train: %s -> abort (%s)", what, budget.reason)
+            logger.warning("raymesh.train: abort (%s)", budget.reason)
             raise TooManyFailures(self.log.failures, latest_checkpoint(self.config))
         # The survivor with the most completed steps holds the newest state. A survivor that
         # did not report was stuck in a collective with the lost rank, which fails (and frees
@@ -330,7 +329,7 @@ class TrainController:
         elif survivors:
             source = ranks[survivors[0]]
         t_stopped = time.monotonic()
-        world, fresh, decision = self.world.replace_lost(ranks, lost_ranks, what)
+        world, fresh, decision = self.world.replace_lost(ranks, lost_ranks)
         t_replaced = time.monotonic()
         self.reform(world, fresh=fresh, source=source)
         logger.info(
@@ -346,8 +345,9 @@ class TrainController:
             records, detected, started - self.world.step, action=decision.action, replaced_by=by
         )
         self.pool.recruit()
+        how = "".join(f", rank {r} by {proc}" for r, proc in by.items())
         return Running(
-            f"healed ({decision.action}): generation {self.world.generation}, "
+            f"healed ({decision.action}{how}): generation {self.world.generation}, "
             f"{len(self.world.ranks)} ranks, resuming at step {self.world.step}"
         )
 

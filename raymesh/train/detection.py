@@ -112,11 +112,29 @@ def find_lost(
 
 
 def describe(results: Sequence[Any]) -> str:
-    """One line naming each failed rank and why."""
-    parts = []
+    """One line: each rank that failed of itself and how (the root cause), then the ranks that
+    only saw a peer go (their collective's error text says nothing more)."""
+    own, peers = [], []
     for i, r in enumerate(results):
-        if isinstance(r, BaseException):
-            parts.append(f"rank {i}: {type(r).__name__}: {str(r).splitlines()[0][:120]}")
+        if isinstance(r, SupervisionError):
+            own.append(f"rank {i} died: {r.failure.cause}")
+        elif isinstance(r, ActorError):
+            own.append(f"rank {i} raised {r.remote_type}: {_first_line(r.remote_message)}")
+        elif isinstance(r, TimeoutError):
+            own.append(f"rank {i} did not answer in time")
+        elif isinstance(r, BaseException):
+            own.append(f"rank {i}: {type(r).__name__}: {_first_line(str(r))}")
         elif isinstance(r, ChunkResult) and r.error is not None:
-            parts.append(f"rank {i}: {r.error[:120]}")
-    return "; ".join(parts)
+            if r.cause == "peer":
+                peers.append(str(i))
+            else:
+                own.append(f"rank {i}: {_first_line(r.error)}")
+    if peers:
+        many = len(peers) > 1
+        own.append(f"rank{'s' * many} {', '.join(peers)} saw {'their' if many else 'its'} peer go")
+    return "; ".join(own)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."

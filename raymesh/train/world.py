@@ -112,7 +112,7 @@ class World:
         )
 
     def replace_lost(
-        self, ranks: list[Rank], lost: list[int], what: str
+        self, ranks: list[Rank], lost: list[int]
     ) -> tuple[list[Rank], set[Rank], FailureDecision]:
         """Stop the ranks at positions `lost` (killing a hung one), and fill their places
         with spares or new procs within `replace_timeout_s`; places left empty are dropped
@@ -123,7 +123,7 @@ class World:
             ranks[i].stop(kill=True)
         got = self.pool.replacements(len(lost), self.config.replace_timeout_s)
         decision = self.decide(world=len(ranks), lost=len(lost), replacements=len(got))
-        logger.warning("raymesh.train: %s -> %s (%s)", what, decision.action, decision.reason)
+        logger.warning("raymesh.train: %s (%s)", decision.action, decision.reason)
         if decision.action == "abort":
             for r in got:
                 r.stop()
@@ -149,7 +149,9 @@ class World:
                 state = broken.state
                 lost = sorted({x.rank for x in broken.lost})
                 records = self.log.lost(broken.lost, self.step + 1)
-                what = "while re-forming: " + "; ".join(str(r) for r in records)
+                logger.warning(
+                    "raymesh.train: lost while re-forming: %s", "; ".join(map(str, records))
+                )
                 if self.decide(world=len(ranks), lost=len(lost), replacements=len(lost)).action == (
                     "abort"
                 ):
@@ -159,7 +161,7 @@ class World:
                 gone = {ranks[i] for i in lost}
                 if source in gone:
                     source = None  # its state, if fetched, is `state`; else the checkpoint
-                ranks, got, decision = self.replace_lost(ranks, lost, what)
+                ranks, got, decision = self.replace_lost(ranks, lost)
                 fresh = (fresh - gone) | got
                 by = replaced_by(ranks, lost, decision)
                 for r in records:

@@ -25,7 +25,12 @@ def test_version_and_info_on_an_existing_cluster():
     assert info["raymesh"] == raymesh.__version__
     assert info["address"] == backend.address()  # joined this session's cluster, started none
     [host] = info["hosts"]
-    assert host["cpus"] >= 8 and host["gpus"] == 0
+    assert host["cpu_slots"] >= 8 and host["cores"] == len(os.sched_getaffinity(0))
+    text = run_python(["-m", "raymesh.cli.main", "info"], env)
+    row = next(line for line in text.splitlines() if line.startswith(host["hostname"][:20]))
+    assert row.split()[2:4] == [str(host["cores"]), f"{host['cpu_slots']:g}"], text
+    if host["cpu_slots"] > host["cores"]:  # the embedded Ray: slots are not cores, said once
+        assert "Size a job by cores, not slots" in text, text
 
 
 MULTI_HOST = textwrap.dedent(
@@ -117,6 +122,56 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
     nodes = [n for n, *_ in local]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and set(nodes) == set(hosts), local
     assert [x[1:] for x in local] == [[0, 2, "0", "2"], [1, 2, "1", "2"]] * 2, local
+
+
+ZERO_CPU_HEAD = textwrap.dedent(
+    """
+    import json
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    import ray
+    ray.init(address=cluster.address)
+    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
+    from raymesh import Actor, endpoint, host_mesh
+    from raymesh.actor import PlacementError
+
+    class Where(Actor):
+        @endpoint
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    hosts, everything = host_mesh(), host_mesh(all_hosts=True)
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    nodes = sorted(procs.spawn("where", Where).node.call().get(timeout=120).values())
+    procs.stop()
+    try:
+        everything.spawn_procs(per_host={"procs": 1}, timeout=10)
+        error = None
+    except PlacementError as e:
+        error = str(e)
+    print("RESULT", json.dumps({
+        "head": head, "hosts": hosts.node_ids, "all": everything.node_ids, "nodes": nodes,
+        "error": error,
+    }))
+    ray.shutdown()
+    cluster.shutdown()
+    """
+)
+
+
+def test_host_mesh_leaves_out_a_head_node_without_cpus_and_all_hosts_includes_it(tmp_path):
+    out = run_cluster_script(tmp_path / "head.py", ZERO_CPU_HEAD, timeout=300)
+    head, hosts = out["head"], out["hosts"]
+    assert len(hosts) == 2 and head not in hosts, out
+    assert out["all"][0] == head and set(out["all"]) == {head, *hosts}, out
+    assert out["nodes"] == sorted(hosts), out  # one proc on each host that can run one
+    # Asking for a proc on the head itself is impossible, and says so.
+    error = out["error"] or ""
+    assert f"host {head[:12]}" in error and "which has 0 CPU in total" in error, error
+    assert "spawn on host_mesh(), which leaves such hosts out" in error, error
 
 
 FROM_A_THREAD = """

@@ -75,6 +75,14 @@ def test_topology_command_prints_json_and_a_table_for_the_session_cluster(capsys
     assert cli_main(["topology", "--probe-timeout", "10"]) == 0  # in-process, the same Ray
     text = capsys.readouterr().out
     assert "raymesh topology: 1 host(s)" in text and "network (one-way latency" in text
+    # Cores and Ray's logical CPU slots apart (the embedded Ray offers >= 64 slots on any
+    # machine), read independently of the probes here.
+    [host] = topo.hosts
+    assert host.cores == len(os.sched_getaffinity(0)), host.cpu_affinity
+    row = next(line for line in text.splitlines() if line.startswith(host.name[:16]))
+    assert row.split()[2:4] == [str(host.cores), f"{host.cpus:g}"], row
+    if host.cpus > host.cores:
+        assert "Size a job by cores, not slots" in text, text
 
 
 TWO_GPU_HOSTS = textwrap.dedent(

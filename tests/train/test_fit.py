@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,7 @@ def test_the_train_command_heals_a_kill_serves_its_dashboard_and_saves_a_picture
     assert main([*argv, "--dashboard-port", "0"]) == 0
     out = capsys.readouterr().out
     assert "healed: rank 1 at step 10: died" in out, out
+    assert "A worker died or was killed" not in out, out  # raymesh told it; Ray's paragraph not
     assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/run/run$", out, re.M), out
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     [healed] = [e for e in events if e["event"] == "healed"]
@@ -174,6 +176,39 @@ def test_the_train_command_heals_a_kill_serves_its_dashboard_and_saves_a_picture
     with Image.open(run / "run.png") as image:
         assert image.format == "PNG" and image.size == (990, 660)
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 24
+
+
+def test_the_readmes_main_job_heals_and_the_terminal_tells_each_event_once(tmp_path):
+    """The README's main job as a user runs it (its own embedded Ray; fewer steps): it heals,
+    and what it prints is raymesh's: one line for the failure with its root cause, none of
+    Ray's paragraphs on a dead worker or its token warning, no gloo error text."""
+    job = Path(__file__).resolve().parents[2] / "examples" / "tinygpt.toml"
+    unset = ("RAY_ADDRESS", "RAYMESH_ADDRESS", "RAY_AUTH_MODE")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    argv = ["train", str(job), "--steps", "60", "--inject", "kill:rank=1:step=30"]
+    out = subprocess.run(
+        [sys.executable, "-m", "raymesh.cli.main", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert re.search(
+        r"^healed: rank 1 at step 30: died: proc \(pid \d+\) killed by SIGKILL", text, re.M
+    )
+    [healing] = [line for line in text.splitlines() if "-> Healing" in line]
+    assert re.fullmatch(
+        r"raymesh\.train: -> Healing \(rank 1 died: proc \(pid \d+\) killed by SIGKILL; "
+        r"ranks 0, 2, 3 saw their peer go\)",
+        healing,
+    ), healing
+    assert "A worker died or was killed" not in text, text  # Ray's paragraph on the death
+    assert "Token authentication" not in text, text
+    assert "gloo" not in text and "Traceback" not in text, text
+    assert (tmp_path / "runs" / "tinygpt" / "run.png").is_file()
 
 
 def test_config_is_validated_in_python_too():

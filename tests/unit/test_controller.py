@@ -261,7 +261,11 @@ def test_a_dead_rank_is_healed_and_training_resumes_at_the_step_in_flight():
     assert [r.name for r in c.pool.ranks] == ["trainer-0", "trainer-2"]
     assert "trainer-1" in c.pool.stopped
     assert [h["step"] for h in c.log.history] == list(range(1, 9))
-    assert "healed (replace): generation 1, 2 ranks, resuming at step 4" in states[3].reason
+    assert states[3].reason == (
+        "healed (replace, rank 1 by trainer-2): generation 1, 2 ranks, resuming at step 4"
+    )
+    # One line, the root cause first: the survivor only saw its peer go.
+    assert healing.reason == "rank 1 died: killed by SIGKILL; rank 0 saw its peer go"
 
 
 def test_the_run_folder_tells_every_state_the_failure_and_how_it_was_healed(tmp_path):

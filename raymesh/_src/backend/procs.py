@@ -244,6 +244,9 @@ def _check_feasible(
                     "this cluster has no GPUs: use a CPU axis name such as 'procs' instead of "
                     "'gpus', or run on a cluster with GPUs"
                     if key == "GPU" and sum(t.get("GPU", 0) for t in totals.values()) == 0
+                    else "this host runs no procs (like a head node started with num_cpus=0): "
+                    "spawn on host_mesh(), which leaves such hosts out"
+                    if have == 0
                     else f"ask for at most {int(have // amount)} procs per host, or add capacity "
                     f"(RAYMESH_NUM_CPUS for the local default, `ray start --num-cpus` on a "
                     f"cluster)"

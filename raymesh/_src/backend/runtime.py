@@ -151,6 +151,7 @@ def ensure_ray() -> None:
         else:
             cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
             _loopback_only()
+            _quiet_token_auth_notice()
             _init_local(
                 address="local",  # always a new instance, even if another Ray runs here
                 num_cpus=cpus,
@@ -161,12 +162,74 @@ def ensure_ray() -> None:
                 configure_logging=True,
             )
             _started_local = True
-            logger.info("raymesh: started a local Ray with %d logical CPUs", cpus)
+            logger.info(
+                "raymesh: started a local Ray with %d logical CPUs on %d cores (a proc takes "
+                "one; procs share the cores)",
+                cpus,
+                os.cpu_count() or 1,
+            )
         _connected = True
+        _quiet_worker_deaths()
         _run_quiesce_before_rays_exit_hook()
         from raymesh._src.backend import procs  # it imports this module
 
         procs.prepare(current_node_id())
+
+
+_WORKER_DIED = "A worker died or was killed while executing a task"
+ray_logger = logging.getLogger("raymesh.ray")  # Ray's messages that raymesh tells better
+
+
+def _quiet_worker_deaths() -> None:
+    """Ray's driver prints a paragraph to stdout for every worker process that dies ("A worker
+    died or was killed while executing a task by an unexpected system error ... (1) the
+    process was killed by the OOM killer ..."), in the middle of the user's progress bar,
+    while raymesh's supervision reports the same death in one line that names the mesh, the
+    rank and the signal. Those paragraphs go to the `raymesh.ray` logger at DEBUG instead
+    (`raymesh train --verbose` shows them); Ray's other messages print as Ray prints them.
+    Ray calls its module's `print_to_stdstream` for each; where a Ray release has no such
+    function, nothing changes."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "raymesh_quiet", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and lines and all(_WORKER_DIED in x for x in lines):
+            for line in lines:
+                ray_logger.debug("(raylet) %s", line)
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream.raymesh_quiet = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+class _ToDebug(logging.Filter):
+    """Sends a Ray logger's records that start with `prefix` to `raymesh.ray` at DEBUG
+    instead of the terminal."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            return True
+        ray_logger.debug("%s", message)
+        return False
+
+
+def _quiet_token_auth_notice() -> None:
+    """A new local Ray enables token authentication (its default, kept) and warns that it did,
+    at every start; the embedded Ray is raymesh's choice, not news to the user, so the notice
+    goes to `raymesh.ray` at DEBUG. Its warnings that authentication is off still print."""
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _ToDebug) for f in notice.filters):
+        notice.addFilter(_ToDebug("Token authentication is enabled for this Ray cluster"))
 
 
 def started_local() -> bool:
