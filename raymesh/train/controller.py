@@ -240,7 +240,6 @@ class TrainController:
         )
         if decision.strategy in self.placer.plans:
             self.placer.reason = self.placer.plans[decision.strategy].reason
-        logger.info("raymesh.train: %s", decision.reason)
         self.log.emit(
             "strategy",
             **dataclasses.asdict(decision),
@@ -316,7 +315,7 @@ class TrainController:
             world=len(ranks), lost=len(lost_ranks), replacements=len(lost_ranks)
         )
         if budget.action == "abort":
-            logger.warning("raymesh.train: abort (%s)", budget.reason)
+            logger.warning("raymesh.train: abort: %s", budget.reason)
             raise TooManyFailures(self.log.failures, latest_checkpoint(self.config))
         # The survivor with the most completed steps holds the newest state. A survivor that
         # did not report was stuck in a collective with the lost rank, which fails (and frees

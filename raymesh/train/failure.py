@@ -99,7 +99,7 @@ class FailurePolicy:
         if replacements >= lost:
             return FailureDecision(
                 "replace",
-                f"replace {lost} lost rank(s); failure {len(counted)} of "
+                f"{lost} lost rank(s) to replace; failure {len(counted)} of "
                 f"max_failures={self.max_failures}{window}",
                 world_size,
             )

@@ -123,7 +123,7 @@ class World:
             ranks[i].stop(kill=True)
         got = self.pool.replacements(len(lost), self.config.replace_timeout_s)
         decision = self.decide(world=len(ranks), lost=len(lost), replacements=len(got))
-        logger.warning("raymesh.train: %s (%s)", decision.action, decision.reason)
+        logger.warning("raymesh.train: %s: %s", decision.action, decision.reason)
         if decision.action == "abort":
             for r in got:
                 r.stop()

@@ -120,7 +120,7 @@ ELASTIC = textwrap.dedent(
             message = record.getMessage()
             if "placement" in message:
                 placing.append(message[:300])
-            if message.startswith("raymesh.train: shrink ("):
+            if message.startswith("raymesh.train: shrink: "):
                 shrunk.append(message[:300])
             if "recruited" in message:
                 recruited.append(message[:300])
