@@ -29,8 +29,9 @@ DEFAULT_PORT = 8266  # beside Ray's dashboard (8265)
 class Dashboard:
     """A dashboard served on a thread of this process (`start`); `stop()` ends it."""
 
-    def __init__(self, server: ServerThread, token: str | None) -> None:
+    def __init__(self, server: ServerThread, app: Any, token: str | None) -> None:
         self._server = server
+        self._app = app
         self.token = token
 
     @property
@@ -48,6 +49,8 @@ class Dashboard:
         return self.page("/run/" + quote(run_id))
 
     def stop(self) -> None:
+        """Stop serving: open pages' live streams end first (within half a second)."""
+        self._app.state.stopping.set()
         self._server.stop(timeout=10.0)
 
     def __enter__(self) -> Dashboard:
@@ -82,7 +85,6 @@ def start(
         ) from None
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}: give a TCP port, 0 to 65535 (0: any free port)")
-    server = ServerThread(
-        make_app(root, token=token), host=host, port=port, name="raymesh-dashboard"
-    )
-    return Dashboard(server, token)
+    app = make_app(root, token=token)
+    server = ServerThread(app, host=host, port=port, name="raymesh-dashboard")
+    return Dashboard(server, app, token)

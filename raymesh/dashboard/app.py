@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(_prometheus(runs), media_type="text/plain; version=0.0.4")
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/", page("runs.html")),
             Route("/run/{id:path}", page("job.html")),
@@ -126,6 +127,10 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
     )
+    # Set (from any thread) before the server stops: live streams end at their next poll,
+    # instead of holding the server's graceful shutdown until it gives up on them.
+    app.state.stopping = threading.Event()
+    return app
 
 
 def _sse(name: str, data: Any) -> str:
@@ -161,10 +166,10 @@ async def _stream(
         if changed:
             yield _sse("summary", run.summary())
             quiet = 0.0
-        if run.status() not in ("running",):
+        if run.status() != "running":
             yield _sse("end", run.summary())
             return
-        if await request.is_disconnected():
+        if await request.is_disconnected() or request.app.state.stopping.is_set():
             return
         await asyncio.sleep(_POLL_S)
         quiet += _POLL_S

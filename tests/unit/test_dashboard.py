@@ -5,6 +5,7 @@ tests/dashboard/test_browser.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -256,3 +257,29 @@ def test_the_dashboard_command_serves_until_stopped(tmp_path, capsys):
     stop.set()
     server.join(timeout=30)
     assert done == [0]
+
+
+def test_stopping_ends_open_live_streams_instead_of_cutting_them_off(tmp_path, caplog):
+    import urllib.request
+
+    from raymesh import dashboard
+
+    _write(tmp_path / "live" / "events.jsonl", [_job(os.getpid())])  # running: streams stay
+    board = dashboard.start(tmp_path, port=0)
+    base = board.page("/").rstrip("/")
+    opened = threading.Event()
+    ended: list[bytes] = []
+
+    def watch() -> None:
+        with urllib.request.urlopen(f"{base}/api/stream/live", timeout=30) as r:
+            opened.set()
+            ended.append(r.read())  # until the server ends the stream
+
+    page = threading.Thread(target=watch)
+    page.start()
+    assert opened.wait(timeout=30)
+    with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+        board.stop()
+    page.join(timeout=30)
+    assert ended and not page.is_alive()
+    assert "graceful shutdown exceeded" not in caplog.text, caplog.text
