@@ -5,8 +5,10 @@ Ray or torch) that checks how they become a link matrix on any machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -23,9 +25,28 @@ from raymesh.topology.discovery import read_cpus, read_gpus
 from ..scripts import run_cluster_script, run_python
 
 
-def _nvml_gpus() -> int:
-    devices, _, _ = read_gpus()
-    return len(devices)
+def _nvidia_device_files() -> list[str]:
+    """The NVIDIA driver's device files, /dev/nvidia0, /dev/nvidia1, ...: the machine's GPUs,
+    counted without NVML, Ray or CUDA (the code under test reads none of these)."""
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return []
+    return sorted(n for n in names if re.fullmatch(r"nvidia[0-9]+", n))
+
+
+def _gpus_ray_offers() -> int:
+    """The GPUs Ray's local node offers: every one the machine has, narrowed by
+    CUDA_VISIBLE_DEVICES when it is set (as Ray narrows its GPU resource)."""
+    present = len(_nvidia_device_files())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    return min(present, len([v for v in visible.split(",") if v.strip()]))
+
+
+def _pynvml_importable() -> bool:
+    return importlib.util.find_spec("pynvml") is not None
 
 
 def test_local_facts_read_cpus_and_report_gpus_or_why_not():
@@ -37,6 +58,9 @@ def test_local_facts_read_cpus_and_report_gpus_or_why_not():
     devices, kinds, note = read_gpus()
     assert len(kinds) == len(devices)
     assert (note is None) == bool(devices)  # no GPUs always says why
+    # every GPU the machine has, counted from its device files, where the bindings are here
+    expected = len(_nvidia_device_files()) if _pynvml_importable() else 0
+    assert len(devices) == expected, (devices, note, _nvidia_device_files())
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -47,16 +71,25 @@ def test_discover_sees_this_one_host_and_measures_its_loopback_within_the_timeou
     assert time.monotonic() - start < 15  # the timeout, plus Ray's node listing
     [host] = topo.hosts
     assert host.node_id == backend.current_node_id()
-    assert host.cpus >= 1 and host.gpus == 0
-    assert len(host.devices) == _nvml_gpus()  # none on a CPU machine
+    # GPUs as counted here from the device files, not by discover()'s own NVML reader: Ray's
+    # GPU resource, and the devices (NVML's, all the machine's; else one per Ray GPU).
+    assert host.cpus >= 1 and host.gpus == _gpus_ray_offers(), _nvidia_device_files()
+    nvml_sees = len(_nvidia_device_files()) if _pynvml_importable() else 0
+    assert len(host.devices) == max(nvml_sees, _gpus_ray_offers()), (host.devices, topo.notes)
+    assert all(d.source == ("nvml" if nvml_sees else "ray") for d in host.devices), host.devices
     [[loop]] = topo.network
     assert loop.kind == "LOOP" and loop.measured and loop.bandwidth > 0
     assert topology.Topology.from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
     again = topology.discover(probe_timeout=10, ttl=60)  # measured once more, then cached
     assert topology.discover(probe_timeout=10, ttl=60).network == again.network
     # and the planner takes it as it is: CPU procs on the one host
-    placement = topology.plan(topo, topology.JobShape(world_size=4, strategy="fsdp"))
+    # (CPU procs asked for by name, so that a GPU host places them so too; on a host without
+    # GPUs "auto" means CPU procs)
+    placement = topology.plan(topo, topology.JobShape(world_size=4, strategy="fsdp", device="cpu"))
     assert placement.node_ids == [host.node_id] * 4 and placement.devices == [None] * 4
+    if not host.devices:
+        auto = topology.plan(topo, topology.JobShape(world_size=4, strategy="fsdp"))
+        assert auto.assignments == placement.assignments
     # A plan made for other hosts is refused before anything is spawned, naming the host.
     elsewhere = topology.Topology.of([topology.Host(node_id="f" * 56, hostname="far", cpus=8)])
     far = topology.plan(elsewhere, topology.JobShape(world_size=2))
@@ -150,24 +183,21 @@ def test_discover_on_a_two_node_cluster_sees_simulated_gpus_and_measures_the_lin
 
 
 def _nvml_skip_reason() -> str | None:
-    try:
-        import pynvml
-    except ImportError:
+    """Why the real NVML cannot be read here, from facts read_gpus() does not decide (whether
+    a driver's device file exists, whether the bindings are installed); None: it must work."""
+    if not _nvidia_device_files():
+        return "no NVIDIA GPU on this machine (no /dev/nvidia0, /dev/nvidia1, ...)"
+    if not _pynvml_importable():
         return "nvidia-ml-py is not installed (pip install 'raymesh[gpu]')"
-    devices, _, note = read_gpus()
-    if not devices:
-        return f"no GPU visible to NVML here: {note}"
-    del pynvml
     return None
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(_nvml_skip_reason() is not None, reason=_nvml_skip_reason() or "")
 def test_nvml_reads_every_gpu_with_its_memory_and_a_symmetric_link_matrix():
-    reason = _nvml_skip_reason()
-    if reason:
-        pytest.skip(reason)
     devices, kinds, note = read_gpus()
-    assert note is None
+    assert note is None, note
+    assert len(devices) == len(_nvidia_device_files()), (devices, _nvidia_device_files())
     assert [d.index for d in devices] == list(range(len(devices)))
     for d in devices:
         assert d.name and d.memory_bytes and d.memory_bytes > 0 and d.source == "nvml"

@@ -48,11 +48,20 @@ def test_balanced_ranks_and_small_gains_are_left_alone() -> None:
 
 
 def test_a_noisy_report_resets_the_streak() -> None:
+    # Driven by reports alone: a report with nothing to gain between two slow ones means the
+    # slow ones are not in a row, so patience=2 needs two more slow reports, not one.
     policy = BalancePolicy(gain=1.1, patience=2)
-    assert _report(policy, [16, 16], [0.0, 0.0], [1e-3, 2e-3]) is None
-    policy.reset()
-    assert _report(policy, [16, 16], [0.0, 0.0], [1e-3, 1e-3]) is None
-    assert _report(policy, [16, 16], [0.0, 0.0], [1e-3, 2e-3]) is None
+    slow, even = [1e-3, 2e-3], [1e-3, 1e-3]
+    assert _report(policy, [16, 16], [0.0, 0.0], slow) is None  # 1 in a row
+    assert _report(policy, [16, 16], [0.0, 0.0], even) is None  # noise: the streak is 0 again
+    assert _report(policy, [16, 16], [0.0, 0.0], slow) is None  # 1 in a row, not 2
+    decision = _report(policy, [16, 16], [0.0, 0.0], slow)  # 2 in a row: rebalance
+    assert decision is not None and decision.sizes[1] < 16, decision
+    # and a report gaining less than `gain` breaks a streak just as an even one does
+    assert _report(policy, [16, 16], [0.0, 0.0], slow) is None
+    assert _report(policy, [16, 16], [0.0, 0.0], [1e-3, 1.05e-3]) is None  # below the gain
+    assert _report(policy, [16, 16], [0.0, 0.0], slow) is None
+    assert _report(policy, [16, 16], [0.0, 0.0], slow) is not None
 
 
 def test_a_rank_far_slower_than_the_median_is_flagged() -> None:

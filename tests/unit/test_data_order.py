@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from raymesh.data import order as order_module
 from raymesh.data.order import (
     epoch_of,
     epoch_order,
@@ -17,9 +18,21 @@ from raymesh.data.order import (
 )
 
 
+def _fresh_cache() -> None:
+    """Forget every cached permutation, so that the next call draws its order anew."""
+    order_module._order.cache_clear()
+    assert order_module._order.cache_info().currsize == 0
+
+
 def test_the_order_is_the_same_on_every_call() -> None:
-    assert epoch_order(7, 3, 100) == epoch_order(7, 3, 100)
-    assert global_batch(7, 5, 16, 100) == global_batch(7, 5, 16, 100)
+    # Each call after the first is drawn anew (the module caches permutations: comparing a
+    # cached value with itself would prove nothing), once through the cache and once around it.
+    _fresh_cache()
+    first_order, first_batch = epoch_order(7, 3, 100), global_batch(7, 5, 16, 100)
+    _fresh_cache()
+    assert epoch_order(7, 3, 100) == first_order
+    assert global_batch(7, 5, 16, 100) == first_batch
+    assert list(order_module._order.__wrapped__(7, 3, 100)) == first_order  # no cache at all
 
 
 def test_the_order_is_the_same_in_another_process() -> None:
@@ -80,8 +93,10 @@ def test_a_batch_larger_than_the_dataset_spans_several_epochs() -> None:
 
 def test_resuming_at_a_step_gives_the_batches_of_an_uninterrupted_run() -> None:
     n, batch_size, steps = 13, 5, 12
+    _fresh_cache()
     uninterrupted = [global_batch(9, s, batch_size, n) for s in range(steps)]
-    _ = [global_batch(4, s, 3, 50) for s in range(40)]  # evict the cache in between
+    _ = [global_batch(4, s, 3, 50) for s in range(40)]  # other jobs' orders in between
+    _fresh_cache()  # a resumed job starts in a new process: nothing of the first run is cached
     resumed = [global_batch(9, s, batch_size, n) for s in range(7, steps)]
     assert resumed == uninterrupted[7:]
     stream = [i for epoch in range(6) for i in epoch_order(9, epoch, n)]
@@ -104,10 +119,42 @@ def test_micro_batches_split_a_share_in_order() -> None:
     assert micro_batches([5, 6, 7, 8, 9], 2) == [[5, 6], [7, 8], [9]]
 
 
+def _dealt(batch_size: int, world_size: int) -> list[int]:
+    """The reference split: deal the samples out one at a time, rank 0 first, and count each
+    rank's; the ranks dealt one more are the first ones."""
+    return [len(range(rank, batch_size, world_size)) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "world_size", "sizes"),
+    [
+        (10, 4, [3, 3, 2, 2]),  # the docstring's example
+        (10, 3, [4, 3, 3]),
+        (10, 7, [2, 2, 2, 1, 1, 1, 1]),
+        (8, 4, [2, 2, 2, 2]),
+        (5, 5, [1, 1, 1, 1, 1]),
+        (7, 1, [7]),
+        (11, 2, [6, 5]),
+    ],
+)
+def test_the_first_ranks_read_one_more_when_the_world_does_not_divide_the_batch(
+    batch_size: int, world_size: int, sizes: list[int]
+) -> None:
+    assert split_sizes(batch_size, world_size) == sizes == _dealt(batch_size, world_size)
+
+
+def test_the_split_is_the_dealt_split_for_every_small_batch_and_world() -> None:
+    for world_size in range(1, 9):
+        for batch_size in range(world_size, 40):
+            assert split_sizes(batch_size, world_size) == _dealt(batch_size, world_size)
+
+
 def test_uneven_shares_still_concatenate_to_the_global_batch() -> None:
     batch = global_batch(0, 3, 10, 50)
     for world_size in (3, 4, 7):
-        sizes = split_sizes(10, world_size)
-        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 10
+        sizes = _dealt(10, world_size)
         shares = [rank_share(batch, world_size, r) for r in range(world_size)]
+        assert [len(s) for s in shares] == sizes
         assert [i for s in shares for i in s] == batch
+        begins = [sum(sizes[:r]) for r in range(world_size)]
+        assert shares == [batch[b : b + n] for b, n in zip(begins, sizes)]

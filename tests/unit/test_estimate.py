@@ -17,10 +17,14 @@ from raymesh.train.estimate import (
 
 GIB = 1 << 30
 MIB = 1 << 20
+FP32, BF16 = 4, 2  # bytes per element
+
+# two_layers(), counted by hand from the layer sizes (weights + biases)
+FIRST, SECOND = 10 * 20 + 20, 20 * 5 + 5  # 220 and 105
+PARAMS = FIRST + SECOND  # 325, 1300 bytes in fp32
 
 
 def two_layers() -> nn.Sequential:
-    # 10*20 + 20 = 220 and 20*5 + 5 = 105 parameters: 325 in all, 1300 bytes in fp32
     return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
 
 
@@ -43,7 +47,9 @@ class Blocks(nn.Module):
 def test_estimate_counts_params_grads_and_two_adamw_states_per_param():
     model = two_layers()
     e = estimate(model, torch.optim.AdamW(model.parameters()), activation_bytes=1000)
-    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (1300, 1300, 2600)
+    weights = PARAMS * FP32
+    assert weights == 1300
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (weights, weights, 2 * weights)
     assert e.activation_bytes == 1000
     assert e.ddp_bytes() == 1300 + 1300 + 2600 + 1000
 
@@ -51,13 +57,14 @@ def test_estimate_counts_params_grads_and_two_adamw_states_per_param():
 def test_estimate_counts_a_third_adam_state_with_amsgrad():
     model = two_layers()
     e = estimate(model, torch.optim.Adam(model.parameters(), amsgrad=True), 0)
-    assert e.optimizer_bytes == 3 * 1300
+    assert e.optimizer_bytes == 3 * PARAMS * FP32
 
 
 def test_estimate_counts_one_sgd_state_with_momentum_and_none_without():
     model = two_layers()
+    weights = PARAMS * FP32
     assert estimate(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0) == (
-        MemoryEstimate(1300, 1300, 1300, 0, largest_block_bytes=1300)
+        MemoryEstimate(weights, weights, weights, 0, largest_block_bytes=weights)
     )
     assert estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), 0).optimizer_bytes == 0
 
@@ -71,7 +78,7 @@ def test_estimate_reads_momentum_per_param_group():
         ],
         lr=0.1,
     )
-    assert estimate(model, opt, 0).optimizer_bytes == 220 * 4
+    assert estimate(model, opt, 0).optimizer_bytes == FIRST * FP32  # only the first has momentum
 
 
 def test_estimate_assumes_two_states_for_an_unknown_optimizer():
@@ -80,28 +87,54 @@ def test_estimate_assumes_two_states_for_an_unknown_optimizer():
             super().__init__(params, {})
 
     model = two_layers()
-    assert estimate(model, Custom(model.parameters()), 0).optimizer_bytes == 2 * 1300
+    assert estimate(model, Custom(model.parameters()), 0).optimizer_bytes == 2 * PARAMS * FP32
 
 
 def test_estimate_counts_grads_of_trainable_params_only():
     model = two_layers()
     model[0].requires_grad_(False)
     e = estimate(model, torch.optim.AdamW(model[2].parameters()), 0)
-    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (1300, 420, 840)
+    trainable = SECOND * FP32  # 420
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (
+        PARAMS * FP32,
+        trainable,
+        2 * trainable,
+    )
 
 
 def test_estimate_uses_each_params_dtype_size():
     model = two_layers().to(torch.bfloat16)
     e = estimate(model, torch.optim.AdamW(model.parameters()), 0)
-    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (650, 650, 1300)
+    weights = PARAMS * BF16  # 650
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (weights, weights, 2 * weights)
 
 
 def test_estimate_counts_a_tied_weight_once():
     model = Blocks()
-    n = 400 + (64 + 8) + (128 + 16) + (128 + 8)
+    n = 50 * 8 + (8 * 8 + 8) + (8 * 16 + 16) + (16 * 8 + 8)  # the head adds none: it is tied
     e = estimate(model, torch.optim.AdamW(model.parameters()), 0)
-    assert e.param_bytes == 4 * n
-    assert e.optimizer_bytes == 2 * 4 * n
+    assert e.param_bytes == FP32 * n
+    assert e.optimizer_bytes == 2 * FP32 * n
+
+
+def test_estimate_of_the_large_example_mlp_follows_from_its_layer_sizes():
+    from raymesh.examples import mlp
+    from raymesh.train.task import Context
+
+    ctx = Context(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
+    )
+    task = mlp.build_large(ctx)  # a 32-1024x4-4 MLP with AdamW
+    hidden = 1024 * 1024 + 1024
+    n = (32 * 1024 + 1024) + 3 * hidden + (1024 * 4 + 4)
+    e = estimate(task.model, task.optimizer, 0)
+    assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (
+        FP32 * n,
+        FP32 * n,
+        2 * FP32 * n,  # AdamW: exp_avg and exp_avg_sq per parameter
+    )
+    assert e.largest_block_bytes == FP32 * hidden  # one hidden layer: the 4 MiB FSDP unit
+    assert 12 * MIB < e.param_bytes < 12.5 * MIB  # "about 12.2 MiB of weights"
 
 
 def test_estimate_rejects_negative_activation_bytes():
@@ -117,13 +150,13 @@ def test_estimate_rejects_negative_activation_bytes():
 
 def test_largest_block_is_the_biggest_block_or_the_root_remainder():
     model = Blocks()
-    assert largest_block_bytes(model) == 4 * 400  # the tied embedding outweighs every block
+    assert largest_block_bytes(model) == FP32 * 50 * 8  # the tied embedding outweighs blocks
     model.emb, model.head = nn.Embedding(2, 8), nn.Linear(8, 2, bias=False)
-    assert largest_block_bytes(model) == 4 * (128 + 16)  # now the biggest block does
+    assert largest_block_bytes(model) == FP32 * (8 * 16 + 16)  # now the biggest block does
 
 
 def test_largest_block_is_the_whole_model_without_a_module_list():
-    assert largest_block_bytes(two_layers()) == 1300
+    assert largest_block_bytes(two_layers()) == PARAMS * FP32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,10 +183,26 @@ def test_cpu_budget_is_the_configured_gib():
     assert cpu_budget_bytes(0.5, ranks_per_host=4) == GIB // 2  # configured: already per rank
 
 
+def _mem_total_bytes() -> int | None:
+    """The host's MemTotal, read here from /proc/meminfo (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    number, unit = fields["MemTotal"].split()
+    assert unit == "kB"
+    return int(number) * 1024
+
+
 def test_cpu_budget_defaults_to_host_memory_split_among_local_ranks():
-    whole = cpu_budget_bytes(None)
-    assert whole > 64 * MIB
+    whole = _mem_total_bytes()
+    if whole is None:  # not Linux: at least a plausible, evenly split figure
+        whole = cpu_budget_bytes(None)
+        assert whole > 64 * MIB
+    assert cpu_budget_bytes(None) == whole
     assert cpu_budget_bytes(None, ranks_per_host=4) == whole // 4
+    assert cpu_budget_bytes(None, ranks_per_host=3) == whole // 3
 
 
 def test_cpu_budget_rejects_nonsense():

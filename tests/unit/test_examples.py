@@ -69,11 +69,30 @@ def test_tinygpt_ties_the_lm_head_to_the_token_embedding_and_exposes_blocks():
     assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == 2
 
 
+def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
+    """Parameters of an n_in -> n_out linear layer, counted by hand."""
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # a tied tensor once
+
+
 def test_tinygpt_default_config_has_120576_parameters():
     model = tinygpt.TinyGPT()
     assert (model.block_size, len(model.blocks)) == (64, 2)
-    assert sum(p.numel() for p in model.parameters()) == 120_576
-    assert sum(p.numel() for p in model.blocks[0].parameters()) == 49_984
+    assert model.tok_emb.weight.shape == (256, 64)  # a byte vocabulary, 64 wide
+    # By hand from the layer sizes: two LayerNorms (weight and bias), the attention's qkv and
+    # output projections, and the 4x-wide MLP.
+    width = 64
+    block = 2 * (2 * width) + _linear(width, 3 * width) + _linear(width, width)
+    block += _linear(width, 4 * width) + _linear(4 * width, width)
+    assert block == 49_984
+    embeddings = 256 * width + 64 * width  # tokens, positions; the lm head is the token table
+    total = embeddings + 2 * block + 2 * width  # + the final LayerNorm
+    assert total == 120_576  # the "~0.12M parameters" the module names
+    assert _count(model.blocks[0]) == block
+    assert _count(model) == total
 
 
 def test_tinygpt_rejects_a_sequence_longer_than_its_block_size():
@@ -203,6 +222,13 @@ def test_datasets_leave_the_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_build_is_the_32_64_4_mlp_with_adamw():
+    task = mlp.build(CTX)
+    assert isinstance(task.model, mlp.MLP) and len(task.model.blocks) == 1
+    assert _count(task.model) == _linear(32, 64) + _linear(64, 4) == 2372
+    assert isinstance(task.optimizer, torch.optim.AdamW)
+
+
 def test_the_small_mlp_learns_the_teacher():
     torch.manual_seed(0)
     task = mlp.build(CTX)
@@ -213,15 +239,31 @@ def test_the_small_mlp_learns_the_teacher():
 
 def test_build_large_has_one_fsdp_unit_per_hidden_layer():
     task = mlp.build_large(CTX)
-    assert isinstance(task.model, mlp.MLP) and len(task.model.blocks) == mlp.LARGE_DEPTH
-    assert sum(p.numel() for p in task.model.parameters()) == 3_186_692
+    assert isinstance(task.model, mlp.MLP) and len(task.model.blocks) == 4
+    # 32 -> 1024, three 1024 -> 1024, 1024 -> 4
+    expected = _linear(32, 1024) + 3 * _linear(1024, 1024) + _linear(1024, 4)
+    assert expected == 3_186_692  # the figure build_large's docstring gives
+    assert _count(task.model) == expected
+    assert [_count(block) for block in task.model.blocks] == [_linear(32, 1024)] + [
+        _linear(1024, 1024)
+    ] * 3  # each FSDP unit one hidden layer
     assert isinstance(task.optimizer, torch.optim.AdamW)
 
 
 def test_build_bench_is_the_784_1024_1024_10_mlp_with_sgd():
     task = mlp.build_bench(CTX)
     assert isinstance(task.model, mlp.MLP784)
-    assert sum(p.numel() for p in task.model.parameters()) == 1_863_690
+    expected = _linear(784, 1024) + _linear(1024, 1024) + _linear(1024, 10)
+    assert expected == 1_863_690  # the figure MLP784's docstring gives
+    assert _count(task.model) == expected
+    assert [tuple(p.shape) for p in task.model.parameters()] == [
+        (1024, 784),
+        (1024,),
+        (1024, 1024),
+        (1024,),
+        (10, 1024),
+        (10,),
+    ]
     assert isinstance(task.optimizer, torch.optim.SGD)
     x, y = task.dataset[0]
     assert x.shape == (784,) and 0 <= int(y) < 10

@@ -89,9 +89,25 @@ def test_forced_choices_still_fail_before_training_when_nothing_fits(requested):
         StrategyPolicy().decide(requested, ONE_GIB, world_size=4, budget_bytes=100 * MIB)
 
 
+def test_ddp_fits_at_exactly_80_percent_of_the_budget_and_not_a_byte_below():
+    # ddp needs 1 GiB = 1024 MiB; 80% of 1280 MiB is exactly that. One byte less of budget and
+    # 80% of it falls short, so auto shards instead (FSDP over 4: 0.25 GiB per rank).
+    at = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=1280 * MIB)
+    assert at.strategy == "ddp", at.reason
+    assert at.reason.endswith("fits 80% of the 1.25 GiB budget (1.00 GiB)"), at.reason
+    below = StrategyPolicy().decide("auto", ONE_GIB, world_size=4, budget_bytes=1280 * MIB - 1)
+    assert below.strategy == "fsdp", below.reason
+
+
 def test_headroom_is_configurable():
     assert StrategyPolicy(headroom=1.0).decide("auto", ONE_GIB, 1, GIB).strategy == "ddp"
     assert "fits 100%" in StrategyPolicy(headroom=1.0).decide("auto", ONE_GIB, 1, GIB).reason
+    # half of 2 GiB holds the 1 GiB ddp needs; half of a byte less does not
+    assert StrategyPolicy(headroom=0.5).decide("auto", ONE_GIB, 4, 2 * GIB).strategy == "ddp"
+    assert StrategyPolicy(headroom=0.5).decide("auto", ONE_GIB, 4, 2 * GIB - 1).strategy == "fsdp"
+    # and 80% of 1229 MiB (983.2 MiB) is short of it though 100% of it is not
+    assert StrategyPolicy().decide("auto", ONE_GIB, 4, 1229 * MIB).strategy == "fsdp"
+    assert StrategyPolicy(headroom=1.0).decide("auto", ONE_GIB, 4, 1229 * MIB).strategy == "ddp"
 
 
 @pytest.mark.parametrize(
