@@ -3,12 +3,15 @@
 Run (from the repository root):
     python bench/messaging.py            # full: 1000 call_one, 300 call-all, 25 tensor sends
     python bench/messaging.py --quick    # smoke run: 100 / 30 / 3
+    python bench/messaging.py --sigkill  # only SIGKILL -> SupervisionError (5 kills)
 
 Per system: spawn 4 (and 16) procs until every actor replied, with Ray (for Monarch: the
 process) already up; call_one round trip to one actor; call to all 4 (and to all 16) actors +
 gather; a 64 MiB float32 tensor sent to one actor and acknowledged, and sent to one actor and
 echoed back; and the whole process: a fresh `python` that imports the system, starts it (raymesh:
-its local Ray) and spawns 4 procs until every actor replied, timed from before the launch.
+its local Ray) and spawns 4 procs until every actor replied, timed from before the launch. For
+raymesh alone, the milliseconds from SIGKILL of a proc to the SupervisionError of a call pending
+on it (5 kills, one proc each; `--sigkill` measures only that).
 raymesh and raw Ray run in this process, interleaved in alternating blocks so machine noise hits
 both alike; torchmonarch (when installed) runs in a subprocess of its own (`--monarch`) so its
 runtime never shares a process with Ray.
@@ -26,6 +29,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +43,7 @@ import torch
 
 TENSOR_NUMEL = 64 * 2**20 // 4  # 64 MiB of float32
 TENSOR_WARMUP = 3  # the first sends fault in fresh object-store pages
+SIGKILLS = 5  # procs killed for the SIGKILL -> SupervisionError figure
 ANCHORS_PUBLISHED = {
     "torchmonarch_0.7.0": {"call_one_ms": 1.01, "call_all_4_ms": 1.82, "tensor_64MiB_s": 0.21},
     "raw_ray": {"actor_rtt_ms": 0.99},
@@ -274,6 +279,46 @@ def measure(spawn: dict[str, Callable[[int], tuple[Ops, float]]], it: dict[str, 
     return res
 
 
+def sigkill_to_supervision_error(kills: int) -> dict[str, float]:
+    """Milliseconds from SIGKILL of a proc to the SupervisionError of a call pending on it
+    (docs/programming-model.md: "within milliseconds"): `kills` procs, each running a long call
+    when it is killed, one at a time."""
+    from raymesh import Actor, SupervisionError, endpoint, this_host
+
+    class Sleeper(Actor):
+        @endpoint
+        def sleep(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        @endpoint
+        def ping(self) -> int:
+            return os.getpid()
+
+    settle_pool()
+    # escalate=False: the deaths are this bench's own doing, not news for the fault hook
+    procs = this_host().spawn_procs(per_host={"procs": kills}, timeout=300, escalate=False)
+    sleepers = procs.spawn("sleepers", Sleeper)
+    check(sleepers.ping.call().get(timeout=60).values() == procs.pids, "sleepers' pids")
+    secs = []
+    for rank, pid in enumerate(procs.pids):
+        pending = sleepers.slice(procs=rank).sleep.call_one(60.0)
+        time.sleep(0.2)  # the call is running in the proc
+        check(not pending.done(), "the sleep returned early")
+        t0 = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            pending.get(timeout=30)
+        except SupervisionError as e:
+            secs.append(time.perf_counter() - t0)
+            check(e.failure.kind == "proc_died", f"failure kind {e.failure.kind}")
+        else:
+            check(False, "a call on a SIGKILLed proc returned")
+        log(f"SIGKILL -> SupervisionError in {secs[-1] * 1e3:.1f} ms")
+    procs.stop()
+    settle_pool()
+    return summary(secs, 1e3)
+
+
 def run_monarch(quick: bool) -> dict[str, Any]:
     if importlib.util.find_spec("monarch") is None:
         return {"skipped": "torchmonarch not installed"}
@@ -331,9 +376,30 @@ def version(dist: str) -> str | None:
         return None
 
 
+def sigkill_only(loadavg: tuple[float, float, float]) -> dict[str, Any]:
+    """`--sigkill`: that one figure, in the report's shape."""
+    os.environ.setdefault("RAYMESH_WARM_PROCS", str(SIGKILLS))  # the spawn takes warm procs
+    from raymesh._src.backend import ensure_ray, shutdown
+
+    ensure_ray()
+    figure = sigkill_to_supervision_error(SIGKILLS)
+    shutdown()
+    return {
+        "bench": "messaging",
+        "only": "sigkill",
+        "cpus": os.cpu_count(),
+        "loadavg_start_end": [loadavg, os.getloadavg()],
+        "versions": {d: version(d) for d in ("raymesh", "ray", "torch")},
+        "raymesh": {"sigkill_to_supervision_error_ms": figure},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument(
+        "--sigkill", action="store_true", help="only SIGKILL -> SupervisionError, for raymesh"
+    )
     ap.add_argument("--monarch", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = ap.parse_args()
     it = {"one": 1000, "all": 300, "tensor": 25, "warmup": 50}
@@ -349,6 +415,9 @@ def main() -> None:
         print(json.dumps(measure({"monarch": spawn_monarch}, it)["monarch"]), file=out, flush=True)
         return
     loadavg = os.getloadavg()
+    if args.sigkill:
+        print(json.dumps(sigkill_only(loadavg)), file=out, flush=True)
+        return
     os.environ.setdefault("RAYMESH_WARM_PROCS", "16")
     whole = whole_process(1 if args.quick else 3)
     monarch = run_monarch(args.quick)  # before Ray starts: it never shares the machine's Ray
@@ -358,6 +427,7 @@ def main() -> None:
     ensure_ray()
     log(f"ray up in {time.perf_counter() - t0:.1f}s")
     res = measure({"raymesh": spawn_raymesh, "raw_ray": spawn_raw_ray}, it)
+    res["raymesh"]["sigkill_to_supervision_error_ms"] = sigkill_to_supervision_error(SIGKILLS)
     shutdown()  # the procs and actors are stopped already; this ends the local Ray
     for system, figure in whole.items():
         (monarch if system == "monarch" else res["raymesh"])["whole_process_4_s"] = figure

@@ -56,6 +56,14 @@ class Counter(Actor):
         return current_rank().rank
 
     @endpoint
+    def wait_for(self, path: str, timeout: float) -> int:
+        """Busy until the file `path` exists (at most `timeout` seconds); returns the rank."""
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return current_rank().rank
+
+    @endpoint
     def countdown(self, step: float) -> int:
         """Reply after (last rank - my rank) * step seconds."""
         time.sleep((current_size()["procs"] - 1 - current_rank()["procs"]) * step)
@@ -112,10 +120,50 @@ class AsyncWorker(Actor):
         return self.max_active
 
 
+def _mapping_of(address: int) -> dict:
+    """The memory mapping of this process that holds `address` (from /proc/self/maps): the
+    file it maps (device, inode, path), the byte of that file at `address`, and whether the
+    mapping is shared with other processes."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return {
+                    "file": (fields[3], int(fields[4])),
+                    "path": fields[5].strip() if len(fields) > 5 else "",
+                    "byte": int(fields[2], 16) + address - low,
+                    "shared": fields[1].endswith("s"),
+                }
+    raise AssertionError(f"address {address:#x} is in no mapping of pid {os.getpid()}")
+
+
 class TensorActor(Actor):
     @endpoint
     def echo(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    @endpoint
+    def memory_of(self, t: torch.Tensor) -> dict:
+        """Where this process holds the tensor's data: its pid and the mapping it lies in."""
+        return {"pid": os.getpid(), "numel": t.numel(), **_mapping_of(t.data_ptr())}
+
+    @endpoint
+    def write_or_read(self, t: torch.Tensor, gate: str) -> float | str:
+        """Rank 0 tries to add 1 to its tensor in place, then opens the gate (the file
+        `gate`); the other ranks wait for the gate, then read their tensor's first value."""
+        if current_rank().rank == 0:
+            try:
+                t.add_(1)
+            except Exception as e:  # a read-only tensor refuses
+                return f"refused: {type(e).__name__}"
+            finally:
+                open(gate, "w").close()
+            return "written"
+        deadline = time.monotonic() + 30
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return float(t[0])
 
     @endpoint
     def checksum(self, t: torch.Tensor) -> float:
@@ -190,6 +238,12 @@ class Parent(Actor):
         return helper.incr.call_one(1).get(timeout=30)
 
     @endpoint
+    def local_helper_pids(self) -> tuple[int, int]:
+        """(this actor's pid, the pid its helper on this_proc() reports)."""
+        helper = this_proc().spawn("pid-helper", Counter)
+        return os.getpid(), helper.pid.call_one().get(timeout=30)
+
+    @endpoint
     def seen(self) -> list:
         with self.lock:
             return list(self.failures)
@@ -202,3 +256,33 @@ class Parent(Actor):
         with self.lock:
             self.failures.append(failure)
         return self.handle
+
+
+_latches: dict[str, threading.Event] = {}  # one per name in each proc, whichever actor asks
+_latches_lock = threading.Lock()
+
+
+def _latch(name: str) -> threading.Event:
+    with _latches_lock:
+        return _latches.setdefault(name, threading.Event())
+
+
+class Latch(Actor):
+    """Waits on, or opens, a latch of its proc: two actors on one proc share the latch."""
+
+    @endpoint
+    def wait(self, name: str, timeout: float) -> bool:
+        """Whether the latch `name` was opened within `timeout` seconds of starting to wait."""
+        _latch(f"{name}:waiting").set()
+        return _latch(name).wait(timeout)
+
+    @endpoint
+    def open(self, name: str, timeout: float) -> bool:
+        """Open the latch `name` once an actor waits on it; whether one did within `timeout`."""
+        waiting = _latch(f"{name}:waiting").wait(timeout)
+        _latch(name).set()
+        return waiting
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()

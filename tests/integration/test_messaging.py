@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import collections
 import pickle
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from .actors import AsyncWorker, Counter, Recorder, TensorActor, Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
 
 @pytest.fixture(scope="module")
 def procs():
@@ -22,16 +28,58 @@ def procs():
     procs.stop()
 
 
-def test_the_readme_example_runs_as_written(procs):
-    counters = procs.spawn("counters", Counter, 10)
-    values = counters.incr.call(5).get(timeout=30)
-    assert isinstance(values, ValueMesh)
-    assert values.values() == [15, 15, 15, 15]
-    assert counters.slice(procs=2).incr.call_one().get(timeout=30) == 16
-    assert counters.rank.choose().get(timeout=30) in range(4)
-    assert sorted(f.get() for f in counters.rank.stream()) == [0, 1, 2, 3]
-    counters.incr.broadcast(1)
-    assert counters.get.call().get(timeout=30).values() == [16, 16, 17, 16]
+def _readme_example() -> tuple[str, int]:
+    """The README's python block that defines `class Counter(Actor)`, and the README's line
+    number of its first line."""
+    text = README.read_text()
+    blocks = [
+        m
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)
+        if "class Counter(Actor)" in m[1]
+    ]
+    assert len(blocks) == 1, f"{README} has {len(blocks)} python blocks with class Counter(Actor)"
+    return blocks[0][1], text.count("\n", 0, blocks[0].start(1))
+
+
+# What each commented expression of the README's example promises, by its comment.
+README_PROMISES = {
+    "ValueMesh: 4 values, all 15": lambda v: isinstance(v, ValueMesh) and v.values() == [15] * 4,
+    "16": lambda v: v == 16,
+    "one rank": lambda v: v in range(4),
+    "no reply": lambda v: v is None,
+}
+
+
+def test_the_readme_example_runs_as_written(capsys):
+    """The README's code itself, statement by statement in one namespace (as a script runs it,
+    in this session's Ray): each expression's value is kept and checked against its comment."""
+    code, offset = _readme_example()
+    tree = ast.parse(code, str(README))
+    ast.increment_lineno(tree, offset)  # tracebacks point into README.md
+    lines = README.read_text().splitlines()
+    namespace: dict = {"__name__": "readme_example"}  # not importable: classes go by value
+    checked = []
+    try:
+        for stmt in tree.body:
+            if not isinstance(stmt, ast.Expr):
+                exec(compile(ast.Module([stmt], []), str(README), "exec"), namespace)
+                continue
+            value = eval(compile(ast.Expression(stmt.value), str(README), "eval"), namespace)
+            line = lines[stmt.lineno - 1]
+            if "#" not in line:
+                continue
+            comment = line.split("#", 1)[1].strip()
+            assert comment in README_PROMISES, f"README line {stmt.lineno}: {comment!r} unchecked"
+            assert README_PROMISES[comment](value), f"README line {stmt.lineno}: {value!r}"
+            checked.append(comment)
+    finally:
+        if "procs" in namespace and namespace["procs"].failure is None:
+            namespace["procs"].stop()  # only if the example failed before its own stop()
+    assert checked == list(README_PROMISES)
+    # the stream loop printed every rank once, in order of arrival
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.strip().isdigit()]
+    assert sorted(int(x) for x in printed) == [0, 1, 2, 3]
+    assert namespace["procs"].failure.kind == "stopped"
 
 
 def test_call_returns_a_value_mesh_indexed_by_points(procs):
@@ -50,15 +98,20 @@ def test_call_one_on_a_mesh_of_many_names_the_fix(procs):
         counters.incr.call_one()
 
 
-def test_choose_prefers_an_idle_actor(procs):
+def test_choose_never_picks_a_busy_actor_and_takes_turns_among_the_idle_ones(procs, tmp_path):
     counters = procs.spawn("choosy", Counter)
-    busy = counters.slice(procs=0)
-    blocker = counters.slow.choose(1.0)  # occupies whichever it picked
-    picked = [counters.slow.choose(0.0) for _ in range(3)]
-    ranks = {f.get(timeout=30) for f in picked}
-    first = blocker.get(timeout=30)
-    assert first not in ranks
-    assert busy.rank.call_one().get(timeout=30) == 0
+    gate = tmp_path / "gate"
+    blocker = counters.wait_for.choose(str(gate), 60.0)  # busy until the gate opens
+    # Each pick is awaited before the next, so the busy actor always has one choose() call in
+    # flight and the other three none. Plain round robin would hit the busy actor every 4th
+    # pick (and then wait for the gate: a TimeoutError here); uniformly random picks avoid it
+    # in all 60 with probability (3/4)**60 = 3.2e-8, and split 20/20/20 even more rarely.
+    picks = [counters.rank.choose().get(timeout=30) for _ in range(60)]
+    assert not blocker.done()
+    gate.touch()
+    busy = blocker.get(timeout=30)
+    assert busy not in picks
+    assert collections.Counter(picks) == {r: 20 for r in range(4) if r != busy}
 
 
 def test_stream_yields_replies_in_order_of_arrival(procs):

@@ -30,9 +30,10 @@ def _alive(pid: int) -> bool:
 @pytest.fixture
 def hook_calls():
     calls: list[MeshFailure] = []
-    raymesh.set_unhandled_fault_hook(calls.append)
+    previous = raymesh.unhandled_fault_hook  # the hook in force, put back after
+    raymesh.unhandled_fault_hook = calls.append
     yield calls
-    raymesh.set_unhandled_fault_hook(None)
+    raymesh.unhandled_fault_hook = previous
 
 
 def _wait_for(predicate, timeout: float = 10.0):
@@ -56,7 +57,8 @@ def test_sigkill_of_a_proc_fails_pending_and_later_calls_with_the_rank_and_signa
         pending.get(timeout=20)
     elapsed = time.monotonic() - started
     failure = info.value.failure
-    assert elapsed < 5.0, f"took {elapsed:.1f}s to surface"
+    # Milliseconds in fact (bench/messaging.py --sigkill measures it); 2 s allows a loaded machine.
+    assert elapsed < 2.0, f"took {elapsed:.1f}s to surface"
     assert failure.mesh_name == "victims"
     assert failure.ranks == (1,)
     assert failure.kind == "proc_died"
@@ -115,7 +117,9 @@ def test_broadcast_exception_reaches_supervision(hook_calls):
     procs.stop()
 
 
-def test_owner_actor_gets_supervise_for_its_child_mesh():
+def test_owner_actor_gets_supervise_for_its_child_mesh_and_the_controller_hears_nothing(
+    hook_calls,
+):
     owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="owner")
     parent = owner_procs.spawn("parent", Parent, True)
     child_pids = parent.spawn_children.call_one(2).get(timeout=60)
@@ -124,8 +128,13 @@ def test_owner_actor_gets_supervise_for_its_child_mesh():
     seen = _wait_for(lambda: parent.seen.call_one().get(timeout=10))
     assert seen[0].mesh_name == "children"
     assert seen[0].ranks == (0,) and seen[0].signal == signal.SIGKILL
-    # handled by the owner: the owner's own mesh is fine
-    assert parent.seen.call_one().get(timeout=10)
+    # handled by the owner (its __supervise__ returned True): nothing goes up to the
+    # controller. Unhandled, the owner's proc would report child_failed at once, and the
+    # controller's watcher picks it up within its 0.2 s poll: give it a second.
+    time.sleep(1.0)
+    assert hook_calls == []
+    assert owner_procs.failure is None
+    assert parent.seen.call_one().get(timeout=10) == seen  # and the owner keeps serving
     owner_procs.stop()
 
 
@@ -224,6 +233,9 @@ def test_this_proc_inside_an_actor_hosts_a_helper_in_the_same_process():
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="hosting")
     parent = procs.spawn("parent", Parent, True)
     assert parent.local_helper.call_one().get(timeout=30) == 8
+    actor_pid, helper_pid = parent.local_helper_pids.call_one().get(timeout=30)
+    assert helper_pid == actor_pid == procs.pids[0]
+    assert actor_pid != os.getpid()  # not the controller's
     procs.stop()
 
 
