@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from ..waiting import wait_for
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
@@ -50,13 +52,7 @@ def browser():
 
 
 def _wait(what: str, check: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"the page never showed {what} within {timeout:.0f} s")
+    return wait_for(check, timeout, what=f"the page showing {what}", interval=0.1)
 
 
 def _screenshot(driver: Any, tmp_path: Path, name: str) -> Path:

@@ -28,6 +28,7 @@ from raymesh import (
 from raymesh._src.endpoint import Reply
 from raymesh.actor import Port
 
+from ..waiting import wait_for
 from .monarch_actors import (
     AsyncCleaned,
     AsyncWatcher,
@@ -63,16 +64,6 @@ def hook_calls():
     raymesh.actor.unhandled_fault_hook = calls.append
     yield calls
     raymesh.actor.unhandled_fault_hook = saved
-
-
-def _wait_for(predicate, timeout: float = 8.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"not true within {timeout}s")
 
 
 def _failures_of(calls: list[MeshFailure], mesh_name: str) -> list[MeshFailure]:
@@ -164,7 +155,7 @@ def test_actor_instance_gives_rank_actor_id_names_and_its_proc(procs):
 def test_abort_fails_the_actor_its_owner_hears_of_it_and_later_calls_raise(procs, hook_calls):
     ids = procs.slice(procs=0).spawn("aborter", Identity)
     assert ids.abort.call_one("test abort reason").get(timeout=10) == "aborted"
-    [failure] = _wait_for(lambda: _failures_of(hook_calls, "aborter"))
+    [failure] = wait_for(lambda: _failures_of(hook_calls, "aborter"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and "test abort reason" in failure.cause
     with pytest.raises(SupervisionError, match="test abort reason"):
         ids.whoami.call_one().get(timeout=10)
@@ -220,7 +211,7 @@ def test_an_exception_that_escapes_an_explicit_port_endpoint_fails_the_actor(pro
     options = procs.slice(procs=1).spawn("escaper", Options)
     with pytest.raises(ActorError, match="escaped the port"):
         options.escape.call_one().get(timeout=10)
-    [failure] = _wait_for(lambda: _failures_of(hook_calls, "escaper"))
+    [failure] = wait_for(lambda: _failures_of(hook_calls, "escaper"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and "escaped the port" in failure.cause
     with pytest.raises(SupervisionError):
         options.ping.call_one().get(timeout=10)
@@ -272,7 +263,7 @@ def test_system_exit_in_an_endpoint_fails_the_actor_and_supervision_runs(procs, 
     with pytest.raises(ActorError) as info:
         exiter.exit.call_one(3).get(timeout=10)
     assert info.value.remote_type == "SystemExit"
-    [failure] = _wait_for(lambda: _failures_of(hook_calls, "exiter"))
+    [failure] = wait_for(lambda: _failures_of(hook_calls, "exiter"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and "SystemExit" in failure.cause
     with pytest.raises(SupervisionError, match="SystemExit"):
         exiter.ping.call_one().get(timeout=10)
@@ -288,7 +279,7 @@ def test_keyboard_interrupt_in_an_async_endpoint_fails_the_actor_but_not_the_eve
     with pytest.raises(ActorError) as info:
         exiter.interrupt.call_one().get(timeout=10)
     assert info.value.remote_type == "KeyboardInterrupt"
-    [failure] = _wait_for(lambda: _failures_of(hook_calls, "interrupted"))
+    [failure] = wait_for(lambda: _failures_of(hook_calls, "interrupted"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed"
     assert neighbour.aping.call_one().get(timeout=10) == "apong"  # the loop still runs
 
@@ -297,7 +288,7 @@ def test_keyboard_interrupt_in_an_async_endpoint_fails_the_actor_but_not_the_eve
 def test_an_owner_actor_sees_its_childs_system_exit_in_supervise(procs):
     watcher = procs.slice(procs=0).spawn("exit-watcher", Watcher)
     watcher.spawn_children.call_one(True).get(timeout=30)
-    [failure] = _wait_for(lambda: watcher.seen.call_one().get(timeout=10))
+    [failure] = wait_for(lambda: watcher.seen.call_one().get(timeout=10), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and failure.mesh_name == "kid"
     assert "SystemExit" in failure.cause
 
@@ -345,7 +336,7 @@ def test_stopping_an_actor_mesh_runs_cleanup_once_on_each_actors_thread(procs, l
 def test_a_failed_actor_gets_cleanup_with_the_reason(procs, log, hook_calls):
     cleaned = procs.slice(procs=0).spawn("aborts", Cleaned, log, "aborts")
     cleaned.abort.call_one("disk full").get(timeout=10)
-    [line] = _wait_for(lambda: log.read.call_one().get(timeout=10))
+    [line] = wait_for(lambda: log.read.call_one().get(timeout=10), 8.0, interval=0.02)
     assert line.startswith("aborts cleanup exc=actor aborts-") and "disk full" in line
     cleaned.stop().get(timeout=30)  # a failed actor's cleanup has run: not again
     assert log.read.call_one().get(timeout=10) == [line]
@@ -370,7 +361,7 @@ def test_stopping_an_owner_stops_the_meshes_it_spawned_and_their_cleanups_run(pr
         "on-given cleanup exc=None same_thread=True",
         "on-own cleanup exc=None same_thread=True",
     ]
-    _wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30)  # its own procs ended
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, interval=0.02)  # its own procs ended
 
 
 # ---- 8. stream() in an async endpoint --------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import raymesh
 from raymesh import MeshFailure, SupervisionError, this_host
 
+from ..waiting import wait_for
 from .actors import Counter, FailsToStart, Parent
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -34,16 +35,6 @@ def hook_calls():
     raymesh.unhandled_fault_hook = calls.append
     yield calls
     raymesh.unhandled_fault_hook = previous
-
-
-def _wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not true within {timeout}s")
 
 
 def test_sigkill_of_a_proc_fails_pending_and_later_calls_with_the_rank_and_signal(hook_calls):
@@ -70,7 +61,7 @@ def test_sigkill_of_a_proc_fails_pending_and_later_calls_with_the_rank_and_signa
     # the survivor keeps serving calls addressed to it alone
     assert counters.slice(procs=0).incr.call_one().get(timeout=10) == 1
     # the controller's fault hook saw it
-    seen = _wait_for(lambda: hook_calls)
+    seen = wait_for(lambda: hook_calls, 10.0)
     assert seen[0].ranks == (1,) and seen[0].signal == signal.SIGKILL
     procs.stop()
 
@@ -79,7 +70,7 @@ def test_an_idle_mesh_still_reports_a_death_to_the_hook(hook_calls):
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="idle")
     procs.spawn("c", Counter)
     os.kill(procs.pids[0], signal.SIGKILL)
-    failure = _wait_for(lambda: hook_calls, timeout=5.0)[0]
+    failure = wait_for(lambda: hook_calls, 5.0)[0]
     assert failure.mesh_name == "idle" and failure.signal == signal.SIGKILL
     # Monarch's report names an actor that ran on the dead proc, and how the proc ended
     assert failure.report().splitlines()[:2] == [
@@ -104,7 +95,7 @@ def test_broadcast_exception_reaches_supervision(hook_calls):
     procs = this_host().spawn_procs(per_host={"procs": 2}, name="bcast")
     counters = procs.spawn("bc", Counter)
     counters.fail.broadcast("lost")
-    failures = _wait_for(lambda: len(hook_calls) >= 2 and hook_calls)
+    failures = wait_for(lambda: len(hook_calls) >= 2 and hook_calls, 10.0)
     assert {f.kind for f in failures} == {"endpoint_error"}
     assert sorted(r for f in failures for r in f.ranks) == [0, 1]
     assert {f.actor for f in failures} == {
@@ -125,7 +116,7 @@ def test_owner_actor_gets_supervise_for_its_child_mesh_and_the_controller_hears_
     child_pids = parent.spawn_children.call_one(2).get(timeout=60)
     assert parent.call_children.call_one().get(timeout=30) == [101, 101]
     os.kill(child_pids[0], signal.SIGKILL)
-    seen = _wait_for(lambda: parent.seen.call_one().get(timeout=10))
+    seen = wait_for(lambda: parent.seen.call_one().get(timeout=10), 10.0)
     assert seen[0].mesh_name == "children"
     assert seen[0].ranks == (0,) and seen[0].signal == signal.SIGKILL
     # handled by the owner (its __supervise__ returned True): nothing goes up to the
@@ -143,7 +134,7 @@ def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
     parent = owner_procs.spawn("parent", Parent, False)
     child_pids = parent.spawn_children.call_one(1).get(timeout=60)
     os.kill(child_pids[0], signal.SIGKILL)
-    failure = _wait_for(lambda: hook_calls)[0]
+    failure = wait_for(lambda: hook_calls, 10.0)[0]
     assert failure.kind == "child_failed"
     assert failure.mesh_name == "parent"
     assert failure.child is not None and failure.child.signal == signal.SIGKILL
@@ -159,7 +150,7 @@ def test_unhandled_child_failure_goes_up_to_the_controller(hook_calls):
 def test_a_constructor_that_raises_returns_the_mesh_and_each_rank_reaches_the_hook(hook_calls):
     procs = this_host().spawn_procs(per_host={"procs": 2}, name="bad-start")
     broken = procs.spawn("broken", FailsToStart, "no config")  # returns, as in Monarch
-    failures = _wait_for(lambda: len(hook_calls) >= 2 and hook_calls)
+    failures = wait_for(lambda: len(hook_calls) >= 2 and hook_calls, 10.0)
     assert sorted(f.ranks for f in failures) == [(0,), (1,)]
     for f in failures:
         assert f.kind == "init_error" and f.mesh_name == "broken"
@@ -174,7 +165,7 @@ def test_an_owner_actor_gets_supervise_for_a_child_whose_constructor_raised():
     owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="starter")
     parent = owner_procs.spawn("parent", Parent, True)
     parent.spawn_broken_children.call_one().get(timeout=60)
-    [failure] = _wait_for(lambda: parent.seen.call_one().get(timeout=10))
+    [failure] = wait_for(lambda: parent.seen.call_one().get(timeout=10), 10.0)
     assert failure.kind == "init_error" and "cannot start" in failure.cause
     owner_procs.stop()
 
@@ -185,7 +176,7 @@ def test_a_mesh_that_does_not_escalate_records_a_death_but_never_calls_the_hook(
     assert counter.incr.call_one().get(timeout=10) == 1
     assert procs.failure is None
     os.kill(procs.pids[0], signal.SIGKILL)
-    failure = _wait_for(lambda: procs.failure, timeout=5.0)
+    failure = wait_for(lambda: procs.failure, 5.0)
     assert isinstance(failure, MeshFailure)
     assert failure.mesh_name == "healer" and failure.ranks == (0,)
     assert failure.kind == "proc_died" and failure.signal == signal.SIGKILL
@@ -203,7 +194,7 @@ def test_failure_is_none_on_a_live_mesh_and_names_the_dead_proc_in_each_view(hoo
     assert procs.failure is None
     assert procs.slice(procs=0).failure is None and procs.slice(procs=1).failure is None
     os.kill(procs.pids[1], signal.SIGKILL)
-    failure = _wait_for(lambda: procs.failure, timeout=5.0)
+    failure = wait_for(lambda: procs.failure, 5.0)
     assert failure.ranks == (1,) and failure.signal == signal.SIGKILL
     assert procs.slice(procs=1).failure == failure
     assert procs.slice(procs=0).failure is None  # calls to the survivor still go through
@@ -221,7 +212,7 @@ def test_an_owner_actor_that_does_not_escalate_gets_no_supervise_but_sees_the_fa
     child_pids = parent.spawn_children.call_one(1, escalate=False).get(timeout=60)
     assert parent.children_failure.call_one().get(timeout=10) is None
     os.kill(child_pids[0], signal.SIGKILL)
-    failure = _wait_for(lambda: parent.children_failure.call_one().get(timeout=10))
+    failure = wait_for(lambda: parent.children_failure.call_one().get(timeout=10), 10.0)
     assert failure.mesh_name == "children" and failure.signal == signal.SIGKILL
     time.sleep(0.5)
     assert parent.seen.call_one().get(timeout=10) == []
@@ -253,7 +244,7 @@ def test_nested_meshes_stop_with_their_owner():
     parent = owner_procs.spawn("parent", Parent, True)
     child_pids = parent.spawn_children.call_one(2).get(timeout=60)
     owner_procs.stop()
-    _wait_for(lambda: not any(_alive(p) for p in child_pids), timeout=15)
+    wait_for(lambda: not any(_alive(p) for p in child_pids), 15)
 
 
 def test_a_gpus_axis_on_hosts_without_gpus_gives_cpu_procs_as_in_monarch():
@@ -331,4 +322,4 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
     assert len(pids) > 2, "no warm procs seen"
     proc.kill()  # the controller crashes: no cleanup runs in it
     proc.wait(timeout=30)
-    _wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)
+    wait_for(lambda: not any(_alive(p) for p in pids), 30)

@@ -21,17 +21,10 @@ from tests.serve.helpers import (
     mlp_outputs,
     slow_or_failing,
 )
+from tests.waiting import wait_for
 
 TOKEN = "test-token"
 XS = [[0.01 * (i + j) for j in range(32)] for i in range(64)]  # inputs of examples.mlp (32 wide)
-
-
-def wait_for(what: str, cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +170,7 @@ def test_a_replica_sigkilled_under_load_fails_no_request(slow_app):
     assert [payload["y"][0] for _, payload in result] == [2.0 * i for i in range(96)]
     stats = slow_app.stats()
     assert stats["retried"] >= 1 and stats["replaced"] >= 1, stats
-    wait_for("a replacement replica", lambda: len(slow_app.replica_pids()) == 2)
+    wait_for(lambda: len(slow_app.replica_pids()) == 2, 30, what="a replacement replica")
     assert pids[0] not in slow_app.replica_pids()
 
 
@@ -226,7 +219,7 @@ def test_replicas_scale_up_under_load_and_down_when_idle(ray_cluster):
         bodies = [{"x": [1.0, 0.05]} for _ in range(120)]
         replies = load(app.url, None, bodies, clients=6)
         assert {status for status, _ in replies} == {200}
-        wait_for("scaling down when idle", lambda: len(app.replica_pids()) == 1, timeout=20)
+        wait_for(lambda: len(app.replica_pids()) == 1, 20, what="scaling down when idle")
         reasons = [d["reason"] for d in app.stats()["decisions"]]
         ups = [r for r in reasons if r.endswith("add a replica")]
         downs = [r for r in reasons if r.endswith("remove a replica")]
@@ -293,7 +286,7 @@ def test_a_stream_whose_replica_is_sigkilled_goes_on_from_where_it_was(ray_clust
         text = "".join(json.loads(line[6:])["text"] for line in lines[:-1])
         assert text == expected  # one unbroken stream: nothing repeated, nothing lost
         assert app.stats()["retried"] >= 1
-        wait_for("a replacement replica", lambda: len(app.replica_pids()) == 2)
+        wait_for(lambda: len(app.replica_pids()) == 2, 30, what="a replacement replica")
     finally:
         app.stop()
 

@@ -1,0 +1,25 @@
+"""Waiting in a test for something that happens in another process or thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["wait_for"]
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float, *, what: str = "the condition", interval=0.05
+) -> T:
+    """Call `predicate` until it returns something true, and return that; AssertionError naming
+    `what` once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not true within {timeout:g}s")
