@@ -232,24 +232,32 @@ class TrainController:
         assert infos[0].estimate is not None
         budget = min(i.budget_bytes or 0 for i in infos)
         shard = cfg.shard_size or host_shard_size([r.node_id for r in ranks])
-        if shard and not splits_into_shard_groups(world, shard) and cfg.strategy == "auto":
-            shard = None  # an elastic start below max: no whole shard groups to consider
+        decide_for = world
+        if shard and not splits_into_shard_groups(world, shard):  # an elastic start below max
+            if cfg.strategy == "auto":
+                shard = None  # no whole shard groups to consider
+            elif cfg.strategy == "hsdp":
+                # HSDP as at max; World runs it resized to this world (FSDP over every rank,
+                # as a shrunk HSDP job does) until it grows back.
+                decide_for = cfg.max_workers
         comm = self.placer.comm_costs() if world == cfg.max_workers and shard else None
         decision = self.strategy_policy.decide(
-            cfg.strategy, infos[0].estimate, world, budget, shard_size=shard, comm=comm
+            cfg.strategy, infos[0].estimate, decide_for, budget, shard_size=shard, comm=comm
         )
         if decision.strategy in self.placer.plans:
             self.placer.reason = self.placer.plans[decision.strategy].reason
+        self.resumed_from = self.world.prepare(decision, find_resume(cfg))
+        running = self.world.decision  # `decision` resized to this world
+        assert running is not None
         self.log.emit(
             "strategy",
-            **dataclasses.asdict(decision),
+            **dataclasses.asdict(running),
             params=infos[0].params,
             device=infos[0].device,
         )
         self.emit_placement()
-        self.resumed_from = self.world.prepare(decision, find_resume(cfg))
         self.pool.recruit()
-        return Running(f"{world} ranks, {infos[0].params:,} parameters, {decision.reason}")
+        return Running(f"{world} ranks, {infos[0].params:,} parameters, {running.reason}")
 
     def train(self) -> State:
         """Train chunk after chunk until `steps`, two chunks in flight."""
@@ -293,7 +301,11 @@ class TrainController:
                 common = min(len(m) for m in reported)
                 who = [isinstance(r, ChunkResult) for r in results]
                 self.record([m[:common] for m in reported], reported=who)
-            later = [detection.settle(fs, self.chunk_timeout(0)) for _, fs in in_flight]
+            # A rank that timed out never reached the chunks behind this one: what they have
+            # is all they will have (waiting a timeout more only doubled a hang's detection).
+            hung = any(isinstance(r, TimeoutError) for r in results)
+            wait = 0.0 if hung else self.chunk_timeout(0)
+            later = [detection.settle(fs, wait) for _, fs in in_flight]
             chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)))
             return Healing(detection.describe(results), chunk)
         return Finishing(f"reached step {self.world.step}")

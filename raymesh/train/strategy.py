@@ -132,10 +132,15 @@ class StrategyPolicy:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
         if shard_size is not None and not splits_into_shard_groups(world_size, shard_size):
+            most = world_size // 2
+            fits = (
+                f"a divisor of the world size {world_size} between 2 and {most}"
+                if most >= 2
+                else f"a world of at least 4 ranks, not {world_size}"
+            )
             raise ValueError(
                 f"shard_size={shard_size}: HSDP needs at least 2 shard groups of at least 2 "
-                f"ranks, so a divisor of the world size {world_size} between 2 and "
-                f"{world_size // 2}"
+                f"ranks, so {fits}"
             )
         if requested == "hsdp" and shard_size is None:
             raise ValueError(

@@ -96,9 +96,12 @@ class World:
         return self.gather([r.worker.setup.call_one(rdv[i]) for i, r in enumerate(ranks)])
 
     def prepare(self, decision: StrategyDecision, resume: str | None) -> int:
-        """Wrap every rank's model as `decision` says and restore `resume`; the first step."""
-        self.decision = self.base = decision
-        start = self.gather([r.worker.prepare.call_one(decision, resume) for r in self.ranks])
+        """Wrap every rank's model as `decision` says, resized to this world (an elastic HSDP
+        job started below max runs FSDP until it grows), and restore `resume`; the first
+        step."""
+        self.base = decision
+        self.decision = decision.resized(len(self.ranks))
+        start = self.gather([r.worker.prepare.call_one(self.decision, resume) for r in self.ranks])
         self.step = start[0]
         return self.step
 

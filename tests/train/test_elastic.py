@@ -1,18 +1,23 @@
 """Healing that changes more than one rank: an FSDP rank lost (every rank rebuilds from the
-checkpoint), and elastic training on a multi-node local cluster (a node is lost, the job shrinks
-to the ranks that fit, and grows back when a node joins)."""
+checkpoint), an elastic FSDP job that starts with the room there is and grows (through a
+checkpoint) when room appears, and elastic training on a multi-node local cluster (a node is
+lost, the job shrinks to the ranks that fit, and grows back when a node joins)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import textwrap
+import time
 
 import pytest
 
 from raymesh import train
 from raymesh.testing import kill
+from raymesh.train.checkpoint import Manifest
 
 from ..scripts import run_cluster_script
+from ..waiting import wait_for
 from .weights import MLP, close
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +86,82 @@ def test_an_fsdp_job_without_checkpoints_fails_with_a_clear_error(tmp_path):
     config = _config(tmp_path, checkpoint=None, faults=[kill(rank=1, at_step=3)])
     with pytest.raises(train.TrainError, match=r"no checkpoint to heal from.*CheckpointConfig"):
         train.fit(MLP, config)
+
+
+def _leave_room_for(n: int) -> list:
+    """Proc meshes holding all of this host's free CPUs but `n`, once Ray's view of them has
+    settled (procs of an earlier test may still be giving theirs back)."""
+    from raymesh.actor import host_mesh, this_host
+
+    here = this_host()
+    node = here.node_ids[0]
+    blockers: list = []
+    steady, deadline = 0, time.monotonic() + 60
+    while steady < 5:  # exactly n free, five looks in a row (1 s)
+        room = host_mesh().free_procs(cpus_per_proc=1.0)
+        if set(room) - {node}:
+            pytest.skip(f"needs a cluster of one host, not {room}")
+        extra = room.get(node, 0) - n
+        assert extra >= 0 and time.monotonic() < deadline, f"room for {n} procs: {room}"
+        if extra:
+            name = f"blocker-{len(blockers)}"
+            blockers.append(here.spawn_procs(per_host={"procs": 1}, cpus_per_proc=extra, name=name))
+        steady = 0 if extra else steady + 1
+        time.sleep(0.2)
+    return blockers
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_elastic_fsdp_job_starts_with_the_room_there_is_and_grows_when_room_appears(
+    tmp_path, caplog
+):
+    blockers = _leave_room_for(2)  # room for 2 of the job's 3 ranks
+    run = tmp_path / "ckpt"
+    config = _config(
+        tmp_path,
+        workers=(2, 3),
+        replace_timeout_s=1.0,
+        grow_interval_s=0.5,
+        checkpoint=train.CheckpointConfig(dir=str(run), every=4, keep=5),
+    )
+    worlds: list[int] = []
+
+    def recruited() -> bool:
+        return any(r.getMessage() == "raymesh.train: recruited 1 rank(s)" for r in caplog.records)
+
+    def progress(p: dict) -> None:
+        worlds.append(p["world_size"])
+        if p["step"] >= 4 and blockers:
+            for b in blockers:  # room appears: hold the controller until a rank is recruited
+                b.stop()
+            blockers.clear()
+            wait_for(recruited, 60, what="a rank recruited where the room appeared")
+
+    try:
+        with caplog.at_level(logging.INFO, logger="raymesh"):
+            result = train.fit(MLP, config, progress=progress)
+    finally:
+        for b in blockers:
+            b.stop()
+    said = [r.getMessage() for r in caplog.records if r.name == "raymesh"]
+    assert "raymesh.train: room for 2 of max 3 workers now: starting with 2" in said, said
+    assert worlds[0] == 2 and worlds[-1] == 3, worlds
+    states = [s for s, _ in result.transitions]
+    assert states == ["Starting", "Running", "Resizing", "Running", "Finishing", "Finished"]
+    assert result.transitions[2][1] == "capacity returned: 1 rank(s) ready, 2 -> 3 (max 3)"
+    assert result.transitions[3][1] == "grew by 1: generation 1, 3 ranks"
+    assert result.decision.strategy == "fsdp" and not result.failures
+    assert [h["step"] for h in result.history] == list(range(1, 13))
+    # The shards moved to the grown world through a checkpoint saved as it grew: every
+    # checkpoint is FSDP's, those before the growth of 2 ranks, those after of 3.
+    saved = [
+        Manifest.from_json((p / "manifest.json").read_text()) for p in sorted(run.glob("step-*"))
+    ]
+    assert {m.strategy for m in saved} == {"fsdp"}
+    sizes = [m.world_size for m in saved]
+    assert sizes == sorted(sizes) and sizes[0] == 2 and sizes[-1] == 3, sizes
+    clean = train.fit(MLP, _config(tmp_path / "clean", workers=3, checkpoint=None))
+    assert close(clean.state_dict(), result.state_dict(), rtol=1e-4, atol=1e-6)
 
 
 # Node loss on a real 3-node Ray cluster (head without CPUs, two 2-CPU nodes): 4 ranks, one per
@@ -172,17 +253,18 @@ ELASTIC = textwrap.dedent(
                 time.sleep(0.2)
 
     result = train.fit(slow, config, progress=progress)
-    same = all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-        for a, b in zip(clean.state_dict().values(), result.state_dict().values())
-    )
+    a, b = clean.state_dict(), result.state_dict()
+    differ = [  # by name: a missing or extra tensor shows in the keys
+        k for k in sorted(set(a) & set(b)) if not torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6)
+    ]
     print("RESULT", json.dumps({
         "events": events,
         "worlds": worlds,
         "transitions": result.transitions,
         "failures": [[f.rank, f.kind, f.cause] for f in result.failures],
         "steps": [h["step"] for h in result.history],
-        "same": same,
+        "keys": [sorted(a), sorted(b)],
+        "differ": differ,
         "planned": planned,
         "placing": placing,
         "seconds": [t1 - t0, time.time() - t1],
@@ -209,7 +291,9 @@ def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
         "stuck",
     }
     assert got["steps"] == list(range(1, steps + 1))
-    assert got["same"], "the weights differ from the failure-free run's"
+    clean_keys, keys = got["keys"]
+    assert clean_keys and keys == clean_keys, "the tensors differ from the failure-free run's"
+    assert got["differ"] == [], "these weights differ from the failure-free run's"
     nodes, reason = got["planned"]
     assert reason and "ddp on 4 CPU procs of 2 host(s)" in reason, got["placing"]
     # Two ranks per host, each host's ranks next to each other (one cross-host hop in the ring).

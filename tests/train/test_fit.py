@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from raymesh import train
+from raymesh.train.checkpoint import Checkpointer, Manifest, export_state_dict
 
 from .weights import MLP, close, equal
 
@@ -85,14 +87,47 @@ def test_auto_picks_fsdp_when_the_budget_is_below_the_ddp_estimate(fit):
     assert "fsdp" in result.decision.reason
 
 
-def test_a_corrupted_newest_checkpoint_is_skipped(fit, tmp_path):
+def test_a_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_one_resumed(
+    fit, tmp_path, caplog
+):
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4, keep=3)
     fit(MLP, _config(steps=8, checkpoint=ckpt))
     newest = tmp_path / "ckpt" / "step-00000008"
-    victim = next(p for p in newest.iterdir() if p.name != "manifest.json" and p.is_file())
+    victim = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     victim.write_bytes(b"\0" * 16 + victim.read_bytes()[16:])
-    resumed = fit(MLP, _config(steps=10, checkpoint=ckpt))
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        resumed = fit(MLP, _config(steps=10, checkpoint=ckpt))
     assert resumed.resumed_from == 4
+    said = [r.getMessage() for r in caplog.records if r.name == "raymesh"]
+    assert any(
+        str(newest) in m and repr(victim.name) in m and "fails its checksum" in m for m in said
+    ), said
+    # Resumed from step 4's checkpoint (neither the corrupt one nor from scratch): steps 5-10
+    # are trained, to the weights of an uninterrupted 10-step run, bit for bit.
+    assert [h["step"] for h in resumed.history] == list(range(5, 11))
+    assert equal(fit(MLP, _config(steps=10)).state_dict(), resumed.state_dict())
+
+
+def test_async_checkpoints_are_committed_loadable_and_hold_what_blocking_saves_hold(fit, tmp_path):
+    runs = {}
+    for name, async_save in (("sync", False), ("async", True)):
+        ckpt = train.CheckpointConfig(dir=str(tmp_path / name), every=4, async_save=async_save)
+        runs[name] = fit(MLP, _config(steps=12, checkpoint=ckpt))
+    assert equal(runs["sync"].state_dict(), runs["async"].state_dict())
+    steps = ["step-00000004", "step-00000008", "step-00000012"]
+    folder = tmp_path / "async"
+    # All committed by the end: no save left in flight (.tmp-*).
+    saved = sorted(p.name for p in folder.iterdir() if p.name.startswith(("step-", ".tmp-")))
+    assert saved == steps
+    assert Checkpointer(folder).latest() == folder / steps[-1]
+    assert runs["async"].checkpoint == str(folder / steps[-1])
+    for step in steps:
+        manifest = Manifest.from_json((folder / step / "manifest.json").read_text())
+        assert (manifest.step, manifest.world_size) == (int(step[5:]), 2)
+        # Each holds the state at its step (the save did not see the steps trained while it
+        # was written): the blocking save's, bit for bit.
+        assert equal(export_state_dict(tmp_path / "sync" / step), export_state_dict(folder / step))
+    assert equal(export_state_dict(folder / steps[-1]), runs["async"].state_dict())
 
 
 def test_the_tiny_gpt_learns_from_the_standard_library(fit):

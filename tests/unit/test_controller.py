@@ -2,7 +2,8 @@
 
 No Ray and no torch.distributed here: `FakePool` stands in for the rank pool (as Ray Train's
 controller tests swap in a dummy worker group) and its ranks answer every endpoint at once, the
-way real ranks would, including dying at a chosen step. What is tested is the controller's own
+way real ranks would, including dying at a chosen step or as they join a world, and hanging
+(a reply that never comes; waiting for it takes real time). What is tested is the controller's own
 logic: which state follows which, what each carries, what is recorded.
 """
 
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +21,10 @@ import torch
 
 from raymesh.actor import MeshFailure, SupervisionError
 from raymesh.train import TooManyFailures, TrainConfig
+from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.controller import TrainController
 from raymesh.train.estimate import MemoryEstimate
+from raymesh.train.monitor import PHASES
 from raymesh.train.protocol import ChunkResult, RankStatus, ReplicaState, SetupInfo, StepMetrics
 from raymesh.train.states import Failed, Finished, Finishing, Healing, Resizing, Running, Starting
 
@@ -38,6 +44,18 @@ class Done:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+class Pending:
+    """A reply that never comes (a hung rank, or one blocked in a collective with it): each
+    wait for it lasts its whole timeout, as a real one would."""
+
+    def done(self) -> bool:
+        return False
+
+    def get(self, timeout: float | None = None) -> Any:
+        time.sleep(timeout or 0.0)
+        raise TimeoutError("no reply")
 
 
 class Endpoint:
@@ -61,9 +79,10 @@ class FakeWorker:
             if not self.r.alive:
                 return Done(error=self.r.gone())
             try:
-                return Done(method(*args, **kwargs))
+                out = method(*args, **kwargs)
             except SupervisionError as e:
                 return Done(error=e)
+            return out if isinstance(out, Pending) else Done(out)
 
         return Endpoint(call)
 
@@ -73,14 +92,19 @@ class FakeRank:
     pool: FakePool
     name: str
     die_at: int | None = None  # the step (1-based) at which its proc dies
+    hang_at: int | None = None  # the step (1-based) at which its trainer hangs
+    dies_joining: bool = False  # its proc dies as it joins a world (setup)
     node_id: str = "node-0"
     alive: bool = True
     grouped: bool = False  # in a process group (a peer's failure ends it, as in gloo)
     done: int = 0
     position: int = -1
+    world_size: int = 0
+    stalled: tuple[int, str] | None = None  # (step, phase) where it waits, hung or blocked
 
     def __post_init__(self) -> None:
         self.worker = self.monitor = FakeWorker(self)
+        self.prepared: list[tuple[str, str | None, int]] = []  # (strategy, resume, world size)
 
     def gone(self) -> SupervisionError:
         return SupervisionError(MeshFailure(self.name, (0,), "proc_died", "killed by SIGKILL"))
@@ -104,15 +128,28 @@ class FakeRank:
         return ("127.0.0.1", 29500)
 
     def ep_setup(self, rdv: Any, measure: bool = True) -> SetupInfo:
-        self.position, self.grouped = rdv.rank, True
+        if self.dies_joining:
+            self.alive = False
+            self.pool.dead.append(self.name)
+            raise self.gone()
+        self.position, self.grouped, self.stalled = rdv.rank, True, None
+        self.world_size = rdv.world_size
         est = MemoryEstimate(param_bytes=40, grad_bytes=40, optimizer_bytes=0, activation_bytes=8)
         return SetupInfo(params=10, device="cpu", estimate=est, budget_bytes=1 << 30)
 
     def ep_reform(self, rdv: Any) -> None:
-        self.position, self.grouped = rdv.rank, True
+        self.position, self.grouped, self.stalled = rdv.rank, True, None
+        self.world_size = rdv.world_size
 
     def ep_prepare(self, decision: Any, resume: str | None) -> int:
+        self.prepared.append((decision.strategy, resume, self.world_size))
+        if resume is not None:  # a checkpoint: its data position, as a real rank loads it
+            self.done = Manifest.from_json((Path(resume) / "manifest.json").read_text()).step
         return self.done
+
+    def ep_save(self, done: int) -> None:
+        if self.position == 0:
+            save_checkpoint(self.pool.config, done)
 
     def ep_get_state(self) -> ReplicaState:
         return ReplicaState(model={}, optim={}, done=self.done)
@@ -121,15 +158,29 @@ class FakeRank:
         self.done = state.done
         return self.done
 
-    def ep_run(self, start: int, stop: int, sizes: Any, feeders: Any = None) -> ChunkResult:
+    def ep_run(self, start: int, stop: int, sizes: Any, feeders: Any = None) -> Any:
         if not self.grouped:  # a chunk queued behind a failed one
             return ChunkResult((), self.done, error="no process group", cause="peer")
+        if self.position == 0:
+            time.sleep(self.pool.pause)
+        hung = [r for r in self.pool.ranks if r.hang_at is not None and r.hang_at <= stop]
+        if hung:  # one trainer hangs at its step; the others wait for it in the step's collective
+            at = hung[0].hang_at
+            assert at is not None
+            self.done = max(self.done, at - 1)
+            self.stalled = (at, "start" if self is hung[0] else "backward")
+            return Pending()
         dying = [r.die_at for r in self.pool.ranks if r.die_at and start < r.die_at <= stop]
         end = min(dying, default=stop + 1) - 1  # the ranks complete the steps before a death
+        step_s = self.pool.step_s
         metrics = tuple(
-            StepMetrics(step=s, loss=float(s), step_s=0.01, end=0.0, compute_s=0.01, samples=1)
+            StepMetrics(step=s, loss=float(s), step_s=step_s, end=0.0, compute_s=step_s, samples=1)
             for s in range(start + 1, end + 1)
         )
+        every = self.pool.config.checkpoint.every if self.pool.config.checkpoint else 0
+        for s in range(start + 1, end + 1):
+            if every and s % every == 0 and self.position == 0:
+                save_checkpoint(self.pool.config, s)
         self.done = max(self.done, end)
         if end == stop:
             return ChunkResult(metrics, self.done)
@@ -141,18 +192,21 @@ class FakeRank:
         return ChunkResult(metrics, self.done, error="gloo: connection closed", cause="peer")
 
     def ep_status(self) -> RankStatus:
-        return RankStatus(step=self.done, phase="done", phase_index=5, for_s=0.0, pid=1)
+        step, phase = self.stalled or (self.done, "done")
+        return RankStatus(step=step, phase=phase, phase_index=PHASES.index(phase), for_s=0, pid=1)
 
     def ep_finish(self, done: int, save: bool) -> dict[str, torch.Tensor] | None:
         return {"w": torch.tensor(float(done))} if self.position == 0 else None
 
 
 class FakePlacer:
+    room: int | None = None  # ranks the cluster has room for at the start (None: any)
+
     def __init__(self, config: TrainConfig) -> None:
         self.gpus, self.plans, self.reason, self.topology = False, {}, None, None
 
     def place(self, n: int) -> list[str]:
-        return ["node-0"] * n
+        return ["node-0"] * (n if self.room is None else min(n, self.room))
 
     def comm_costs(self) -> dict[str, float]:
         return {}
@@ -162,9 +216,12 @@ class FakePool:
     """The rank pool: ranks spawn at once; `die` says which spawned rank dies at which step;
     `capacity` limits how many replacements there are."""
 
-    die: dict[int, int] = {}
+    die: dict[int, int] = {}  # spawn index -> the step its proc dies at
+    hang: dict[int, int] = {}  # spawn index -> the step its trainer hangs at
     capacity: int | None = None
     spares_ready = 0
+    step_s = 0.01  # each step's measured time, as the ranks report it
+    pause = 0.0  # real seconds each chunk takes
 
     def __init__(self, build: Any, config: TrainConfig, placer: Any, warm: Any = None) -> None:
         self.config = config
@@ -176,7 +233,8 @@ class FakePool:
         self.closed = False
 
     def _new(self, name: str) -> FakeRank:
-        rank = FakeRank(self, f"{name}-{len(self.spawned)}", die_at=self.die.get(len(self.spawned)))
+        i = len(self.spawned)
+        rank = FakeRank(self, f"{name}-{i}", die_at=self.die.get(i), hang_at=self.hang.get(i))
         self.spawned.append(rank)
         return rank
 
@@ -215,8 +273,29 @@ class FakePool:
         self.closed = True
 
 
-def controller(pool: type = FakePool, **overrides: Any) -> TrainController:
-    cls = type("Controller", (TrainController,), {"placer_cls": FakePlacer, "rank_pool_cls": pool})
+def save_checkpoint(config: TrainConfig, step: int) -> Path:
+    """A real committed checkpoint of a tiny model at `step` in the job's checkpoint folder,
+    written by this process (no process group), with the job's config in its manifest."""
+    assert config.checkpoint is not None
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    Checkpointer(config.checkpoint.dir, keep=config.checkpoint.keep).save(
+        step,
+        model,
+        optimizer,
+        world_size=1,
+        strategy="ddp",
+        config=config.to_dict(),
+        data_position=step,
+        rank=0,
+    )
+    return Path(config.checkpoint.dir) / f"step-{step:08d}"
+
+
+def controller(
+    pool: type = FakePool, placer: type = FakePlacer, **overrides: Any
+) -> TrainController:
+    cls = type("Controller", (TrainController,), {"placer_cls": placer, "rank_pool_cls": pool})
     config = TrainConfig(**{"workers": 2, "steps": 8, "global_batch_size": 4, **overrides})
     return cls(lambda ctx: None, config)
 
@@ -225,9 +304,10 @@ def pool_with(**attrs: Any) -> type:
     return type("Pool", (FakePool,), attrs)
 
 
-def drive(c: TrainController, limit: int = 20) -> list[Any]:
-    """Step the controller from Starting to a terminal state; every state it passed."""
-    states: list[Any] = [Starting("test")]
+def drive(c: TrainController, limit: int = 20, start: Any = None) -> list[Any]:
+    """Step the controller from Starting (or `start`) to a terminal state (or `limit` states);
+    every state it passed."""
+    states: list[Any] = [start or Starting("test")]
     while not isinstance(states[-1], (Finished, Failed)) and len(states) < limit:
         states.append(c.next_state(states[-1]))
     return states
@@ -359,3 +439,220 @@ def test_a_runtime_error_outside_healing_fails_the_job_with_a_train_error():
     assert [type(s) for s in states] == [Starting, Failed]
     assert isinstance(states[-1].error, TrainError)
     assert isinstance(states[-1].error.cause, SupervisionError)
+
+
+# ---- the hang timeout: 10x the measured step time, never below step_timeout_s ----------------
+
+
+@pytest.mark.parametrize(
+    ("floor", "times", "steps", "expected"),
+    [
+        (30.0, [], 4, 30.0),  # nothing measured yet: the floor
+        (1.0, [0.2] * 5, 2, 4.0),  # 10 x 0.2 s x 2 steps, above the floor
+        (1.0, [0.2] * 5, 0, 2.0),  # a chunk of no steps still allows one step
+        (1.0, [0.01] * 5, 4, 1.0),  # 10 x 0.01 s x 4 steps is below the floor
+        (1.0, [0.01, 0.01, 0.01, 5.0, 5.0], 2, 1.0),  # the median: outliers do not count
+        (1.0, [0.01, 0.3, 0.3, 0.3, 9.0], 1, 3.0),
+    ],
+)
+def test_the_hang_timeout_is_ten_times_the_median_step_per_step_never_below_the_floor(
+    floor, times, steps, expected
+):
+    c = controller(step_timeout_s=floor)
+    c.log.step_times = list(times)
+    assert c.chunk_timeout(steps) == pytest.approx(expected)
+
+
+def test_a_hung_rank_is_found_after_ten_times_the_measured_step_not_the_floor():
+    # Steps measured at 0.025 s and a floor of 0.1 s: the second chunk, 4 steps, may take 1 s
+    # (10 x 0.025 x 4), so the hang in it is found after about 1 s, not after the floor.
+    pool = pool_with(hang={1: 5}, step_s=0.025)
+    c = controller(pool=pool, report_every=4, step_timeout_s=0.1)
+    states: list[Any] = [Starting("test")]
+    seconds = []
+    while not isinstance(states[-1], (Healing, Finished, Failed)):
+        t0 = time.monotonic()
+        states.append(c.next_state(states[-1]))
+        seconds.append(time.monotonic() - t0)
+    assert [type(s) for s in states] == [Starting, Running, Healing], states
+    expected = 10 * 0.025 * 4
+    assert expected <= seconds[-1] < 2 * expected + 1.0, seconds
+    assert states[-1].reason == "rank 0 did not answer in time; rank 1 did not answer in time"
+    assert isinstance(drive(c, start=states[-1])[-1], Finished)
+    [failure] = c.log.failures
+    assert (failure.rank, failure.step, failure.kind) == (1, 5, "hung")
+    assert failure.cause == "no progress past step 5 for the step timeout"
+    assert "trainer-1" in c.pool.stopped and [r.name for r in c.pool.ranks] == [
+        "trainer-0",
+        "trainer-2",
+    ]
+    assert [h["step"] for h in c.log.history] == list(range(1, 9))
+
+
+# ---- failure_window_s ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("window", "ends"), [(0.1, Finished), (30.0, Failed), (None, Failed)])
+def test_failures_older_than_the_window_do_not_count_towards_max_failures(window, ends):
+    # Rank 1 dies at step 3 and its replacement at step 6, three chunks of 0.05 s later: with
+    # max_failures=1, the second failure ends the job unless the first one is out of the window.
+    pool = pool_with(die={1: 3, 2: 6}, pause=0.05)
+    c = controller(pool=pool, report_every=1, max_failures=1, failure_window_s=window)
+    states = drive(c)
+    assert isinstance(states[-1], ends), states[-1]
+    first, second = c.log.failures
+    assert (first.step, second.step) == (3, 6)
+    assert second.time - first.time >= 0.15
+    if ends is Failed:
+        assert isinstance(states[-1].error, TooManyFailures)
+    else:
+        assert [h["step"] for h in c.log.history] == list(range(1, 9))
+        healing = [s.reason for s in states if isinstance(s, Running)][-1]
+        assert healing.startswith("healed (replace, rank 1 by trainer-3)"), healing
+
+
+# ---- a failure while the world grows (Resizing) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity", "max_failures", "world"), [(1, 3, 3), (0, 3, 2), (1, 1, None)]
+)
+def test_a_rank_lost_as_the_world_grows_is_healed_within_the_failure_budget(
+    capacity, max_failures, world
+):
+    # Shrunk to 2 (no room for rank 2's replacement), the job grows with a recruited rank that
+    # dies as it joins. It is replaced (room for one), or dropped (no room: the world stays at
+    # 2), or, past max_failures, the job stops with every failure.
+    pool = pool_with(die={2: 3}, capacity=0)
+    c = controller(pool=pool, workers=(2, 3), global_batch_size=6, max_failures=max_failures)
+    states = drive(c, limit=4)
+    assert [type(s) for s in states] == [Starting, Running, Healing, Running]
+    joining = c.pool._new("spare")
+    joining.dies_joining = True
+    c.pool.spares.append(joining)
+    c.pool.capacity = capacity
+    grown = c.next_state(states[-1])
+    assert isinstance(grown, Resizing), grown
+    after = c.next_state(grown)
+    lost = [(f.rank, f.kind) for f in c.log.failures]
+    assert lost == [(2, "died"), (2, "died")], c.log.failures
+    assert joining.name in c.pool.dead
+    if world is None:  # (run() then closes the pool, which stops every proc)
+        assert isinstance(after, Failed) and isinstance(after.error, TooManyFailures)
+        assert len(after.error.failures) == 2
+        return
+    assert joining.name in c.pool.stopped
+    assert isinstance(after, Running) and len(c.pool.ranks) == world, after
+    assert c.log.failures[1].action == ("replace" if capacity else "shrink")
+    assert isinstance(drive(c, start=after)[-1], Finished)
+    assert [h["step"] for h in c.log.history] == list(range(1, 9))
+
+
+# ---- resume="auto" and another job's checkpoint ----------------------------------------------
+
+
+def test_resume_auto_takes_this_jobs_checkpoint_and_refuses_another_jobs(tmp_path):
+    def job(folder: str, **kw: Any) -> dict[str, Any]:
+        ckpt = {"dir": str(tmp_path / folder)}
+        return {"workers": 2, "steps": 8, "global_batch_size": 4, "checkpoint": ckpt, **kw}
+
+    # Another seed, or another global batch size: another sample order, another job.
+    for key, value in (("seed", 1), ("global_batch_size", 8)):
+        save_checkpoint(TrainConfig(**job(key, **{key: value})), 4)
+        c = controller(**job(key))
+        with pytest.raises(ValueError, match=r"is of another job .*resume=False") as info:
+            c.run()
+        assert f"({key}={value!r}, this job has" in str(info.value)
+        assert all(r.prepared == [] for r in c.pool.spawned), "no rank may load it"
+        assert c.pool.closed
+        fresh = controller(**job(key, resume=False))  # starts fresh beside it
+        assert fresh.run().resumed_from == 0
+        assert [r.prepared[0][1] for r in fresh.pool.spawned] == [None, None]
+    # The same job: other steps and workers are the same job, trained further or resized.
+    path = save_checkpoint(TrainConfig(**job("same", steps=4, workers=(1, 2))), 4)
+    c = controller(**job("same"))
+    result = c.run()
+    assert result.resumed_from == 4
+    assert [r.prepared[0][1] for r in c.pool.spawned] == [str(path), str(path)]
+    assert [h["step"] for h in result.history] == list(range(5, 9))
+
+
+# ---- HSDP shrinking to FSDP and growing back -------------------------------------------------
+
+
+def test_hsdp_shrinks_to_fsdp_and_grows_back_to_hsdp_each_from_the_newest_checkpoint(
+    tmp_path, caplog
+):
+    # 4 ranks in shard groups of 2; rank 2 dies and there is no room to replace it: 3 ranks do
+    # not split into groups of 2, so the job goes on as FSDP. A recruited rank brings it back
+    # to 4, and HSDP.
+    pool = pool_with(die={2: 3}, capacity=0)
+    ckpt = {"dir": str(tmp_path / "ckpt"), "every": 2}
+    c = controller(
+        pool=pool,
+        workers=(3, 4),
+        strategy="hsdp",
+        shard_size=2,
+        checkpoint=ckpt,
+        global_batch_size=8,
+        report_every=1,
+    )
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        states = drive(c, limit=4)
+        assert [type(s) for s in states] == [Starting, Running, Healing, Running], states
+        assert c.world.decision is not None and c.world.decision.strategy == "fsdp"
+        assert len(c.pool.ranks) == 3
+        c.pool.spares.append(c.pool._new("spare"))
+        grown = c.next_state(states[-1])
+        assert isinstance(grown, Resizing)
+        after = c.next_state(grown)
+        assert isinstance(after, Running) and len(c.pool.ranks) == 4
+        assert c.world.decision.strategy == "hsdp" and c.world.decision.mesh(4) == (2, 2)
+        assert isinstance(drive(c, start=after)[-1], Finished)
+    # Rank 0 was in every world: hsdp at 4, fsdp at 3 (from step 2's checkpoint), hsdp at 4
+    # (from the checkpoint saved as the world grew).
+    rank0 = c.pool.ranks[0]
+    assert [(s, n) for s, _, n in rank0.prepared] == [("hsdp", 4), ("fsdp", 3), ("hsdp", 4)]
+    resumes = [Path(r).name if r else None for _, r, _ in rank0.prepared]
+    grew_at = int(resumes[2].split("-")[1])
+    assert resumes[:2] == [None, "step-00000002"] and grew_at >= 2, resumes
+    said = [r.getMessage() for r in caplog.records if r.name == "raymesh"]
+    assert any("fsdp over 3 ranks: the world of 3 no longer splits" in m for m in said), said
+    assert [h["step"] for h in c.log.history] == list(range(1, 9))
+
+
+def test_an_elastic_hsdp_job_with_room_for_fewer_starts_as_fsdp_and_grows_back_to_hsdp(
+    tmp_path,
+):
+    # workers=(2, 4): "starts with max (or with what fits, if at least min)". With room for 2,
+    # 2 ranks are one shard group, not two: it must start as FSDP (as a shrunk HSDP job goes
+    # on), and become HSDP once it grows to 4.
+    placer = type("Placer", (FakePlacer,), {"room": 2})
+    ckpt = {"dir": str(tmp_path / "ckpt"), "every": 2}
+    c = controller(
+        placer=placer,
+        workers=(2, 4),
+        strategy="hsdp",
+        shard_size=2,
+        checkpoint=ckpt,
+        replace_timeout_s=0.5,
+        report_every=1,
+    )
+    states = drive(c, limit=2)
+    assert isinstance(states[-1], Running), states[-1]
+    assert len(c.pool.ranks) == 2 and c.world.decision.strategy == "fsdp"
+    c.pool.spares += [c.pool._new("spare"), c.pool._new("spare")]
+    states = drive(c, start=states[-1])
+    assert [type(s) for s in states] == [Running, Resizing, Running, Finishing, Finished]
+    assert c.world.decision.strategy == "hsdp" and len(c.pool.ranks) == 4
+
+
+def test_an_elastic_job_with_room_for_fewer_starts_with_what_fits_and_grows_to_max():
+    placer = type("Placer", (FakePlacer,), {"room": 2})
+    c = controller(placer=placer, workers=(2, 3), global_batch_size=6, replace_timeout_s=0.5)
+    states = drive(c, limit=2)
+    assert isinstance(states[-1], Running) and len(c.pool.ranks) == 2
+    c.pool.spares.append(c.pool._new("spare"))
+    states = drive(c, start=states[-1])
+    assert [type(s) for s in states] == [Running, Resizing, Running, Finishing, Finished]
+    assert len(c.pool.ranks) == 3 and [h["step"] for h in c.log.history] == list(range(1, 9))

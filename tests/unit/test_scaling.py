@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from raymesh.train.failure import FailurePolicy, FailureRecord, GrowPolicy
 
 
@@ -27,6 +29,28 @@ def test_without_room_an_elastic_job_shrinks_down_to_min_and_no_further() -> Non
 def test_past_the_budget_the_job_aborts() -> None:
     d = FailurePolicy(max_failures=1).decide(_failures(2), 2, replacements=1, lost=1, min_workers=2)
     assert d.action == "abort" and "more than max_failures=1" in d.reason
+
+
+def test_failures_older_than_the_window_do_not_count_towards_max_failures() -> None:
+    now = time.time()
+
+    def at(age: float, step: int) -> FailureRecord:
+        return FailureRecord(rank=1, step=step, cause="SIGKILL", kind="died", time=now - age)
+
+    spread = [at(300.0, 10), at(61.0, 20), at(0.0, 30)]  # the newest is the one to heal now
+    policy = FailurePolicy(max_failures=1, window_s=60.0)
+    d = policy.decide(spread, 2, replacements=1, lost=1, min_workers=2)
+    assert d.action == "replace", d.reason
+    assert "failure 1 of max_failures=1 in the last 60s" in d.reason
+    # A second failure inside the window is one too many; without a window all three count.
+    d = policy.decide(
+        [*spread[:2], at(59.0, 25), spread[2]], 2, replacements=1, lost=1, min_workers=2
+    )
+    assert (
+        d.action == "abort" and "2 failures in the last 60s, more than max_failures=1" in d.reason
+    )
+    d = FailurePolicy(max_failures=1).decide(spread, 2, replacements=1, lost=1, min_workers=2)
+    assert d.action == "abort" and "3 failures, more than max_failures=1" in d.reason
 
 
 def test_ranks_stuck_behind_a_failure_are_replaced_but_not_counted() -> None:
