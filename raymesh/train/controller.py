@@ -306,7 +306,7 @@ class TrainController:
             hung = any(isinstance(r, TimeoutError) for r in results)
             wait = 0.0 if hung else self.chunk_timeout(0)
             later = [detection.settle(fs, wait) for _, fs in in_flight]
-            chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)))
+            chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)), tuple(futs))
             return Healing(detection.describe(results), chunk)
         return Finishing(f"reached step {self.world.step}")
 
@@ -343,6 +343,7 @@ class TrainController:
         world, fresh, decision = self.world.replace_lost(ranks, lost_ranks)
         t_replaced = time.monotonic()
         self.reform(world, fresh=fresh, source=source)
+        self.record_late(chunk, survivors)
         logger.info(
             "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop and replace "
             "them %.2fs, re-form and restore %.2fs",
@@ -417,6 +418,25 @@ class TrainController:
             topology=topo.to_dict() if topo is not None else None,
         )
         self.emit_mesh(snapshot)
+
+    def record_late(self, chunk: FailedChunk, survivors: list[int]) -> None:
+        """Record the steps the restored state holds that no rank reported in time: survivors
+        stuck in a collective with a hung rank answer once it is killed, with the steps they
+        completed before it hung."""
+        late = [i for i in survivors if isinstance(chunk.results[i], TimeoutError)]
+        if not late or not chunk.replies:
+            return
+        replies = dict(zip(late, detection.settle([chunk.replies[i] for i in late], 1.0)))
+        last = int(self.log.history[-1]["step"]) if self.log.history else self.resumed_from
+        new = {
+            i: [m for m in r.metrics if last < m.step <= self.world.step]
+            for i in survivors
+            if isinstance(r := replies.get(i, chunk.results[i]), ChunkResult)
+        }
+        common = min((len(m) for m in new.values()), default=0)
+        if common:
+            who = [i in new for i in range(len(chunk.results))]
+            self.record([tuple(new[i][:common]) for i in sorted(new)], reported=who)
 
     def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> None:
         """A sink (the progress callback) ended the job: let the ranks finish the chunks

@@ -47,6 +47,9 @@ class FailedChunk:
     # The outcomes of the chunks queued behind it (they fail too, but may tell that the ranks
     # got further: a lost rank's reply to this chunk can be lost with it).
     later: tuple[tuple[Any, ...], ...] = ()
+    # Each rank's pending reply: one that did not answer in time (stuck in a collective with a
+    # hung rank) answers once that rank is gone, with the steps it completed.
+    replies: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
