@@ -8,7 +8,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_for"]
+__all__ = ["alive", "wait_for"]
 
 
 def wait_for(
@@ -23,3 +23,12 @@ def wait_for(
             return value
         time.sleep(interval)
     raise AssertionError(f"{what}: not true within {timeout:g}s")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

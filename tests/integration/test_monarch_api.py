@@ -26,6 +26,7 @@ from raymesh import (
 from raymesh._src.logs import log_path
 
 from ..scripts import run_python
+from ..waiting import alive
 from .monarch_api_actors import (
     Asker,
     OtherRegistry,
@@ -239,14 +240,6 @@ print("CONTROLLER", pid)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(120)
 def test_a_controller_first_asked_for_by_an_actor_outlives_it_and_ends_with_its_job():
     from raymesh._src import backend
@@ -257,7 +250,7 @@ def test_a_controller_first_asked_for_by_an_actor_outlives_it_and_ends_with_its_
     out = run_python(["-c", _ANOTHER_JOB], env, timeout=100)
     [theirs] = [int(line.split()[1]) for line in out.splitlines() if line.startswith("CONTROLLER")]
     deadline = time.monotonic() + 20
-    while _alive(theirs):
+    while alive(theirs):
         assert time.monotonic() < deadline, f"job's controller (pid {theirs}) outlived the job"
         time.sleep(0.1)
     # This job has a controller of that name of its own.
@@ -348,4 +341,4 @@ def test_shutdown_context_stops_the_procs_running_cleanup_and_disconnects(tmp_pa
     assert "DONE" in out, out
     pids = [int(p) for p in out.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     assert marker.read_text() == "cleaned None"
-    assert not any(_alive(p) for p in pids)  # the session's Ray still runs; these procs do not
+    assert not any(alive(p) for p in pids)  # the session's Ray still runs; these procs do not

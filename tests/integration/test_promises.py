@@ -23,19 +23,12 @@ import torch
 
 from raymesh import PlacementError, this_host
 
+from ..waiting import alive
 from .actors import Counter, Latch, TensorActor
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -289,4 +282,4 @@ def test_the_counters_example_runs_as_a_user_runs_it_with_every_adverb_and_a_sup
     hello = re.findall(r"^\(procs\[procs=(\d)\] pid=(\d+)\) rank (\d) says hello", out, re.M)
     assert hello and all(p == r for p, _, r in hello), out
     # "no procs left": neither the killed proc nor the ones that said hello
-    assert not any(_alive(p) for p in {killed, *(int(pid) for _, pid, _ in hello)})
+    assert not any(alive(p) for p in {killed, *(int(pid) for _, pid, _ in hello)})

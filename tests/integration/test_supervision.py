@@ -14,18 +14,10 @@ import pytest
 import raymesh
 from raymesh import MeshFailure, SupervisionError, this_host
 
-from ..waiting import wait_for
+from ..waiting import alive, wait_for
 from .actors import Counter, FailsToStart, Parent
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -234,9 +226,9 @@ def test_stop_leaves_no_processes():
     procs = this_host().spawn_procs(per_host={"procs": 3}, name="stopper")
     procs.spawn("c", Counter)
     pids = procs.pids
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     procs.stop()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_nested_meshes_stop_with_their_owner():
@@ -244,7 +236,7 @@ def test_nested_meshes_stop_with_their_owner():
     parent = owner_procs.spawn("parent", Parent, True)
     child_pids = parent.spawn_children.call_one(2).get(timeout=60)
     owner_procs.stop()
-    wait_for(lambda: not any(_alive(p) for p in child_pids), 15)
+    wait_for(lambda: not any(alive(p) for p in child_pids), 15)
 
 
 def test_a_gpus_axis_on_hosts_without_gpus_gives_cpu_procs_as_in_monarch():
@@ -322,4 +314,4 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
     assert len(pids) > 2, "no warm procs seen"
     proc.kill()  # the controller crashes: no cleanup runs in it
     proc.wait(timeout=30)
-    wait_for(lambda: not any(_alive(p) for p in pids), 30)
+    wait_for(lambda: not any(alive(p) for p in pids), 30)

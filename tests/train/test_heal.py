@@ -12,7 +12,7 @@ import pytest
 from raymesh import train
 from raymesh.testing import fail, hang, kill
 
-from ..waiting import wait_for
+from ..waiting import alive, wait_for
 from .weights import MLP, close, equal
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
@@ -72,15 +72,6 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 HANG_TIMEOUT_S = 4.0  # the hung job's step_timeout_s: far above 10x its measured steps (ms)
 
 
@@ -114,7 +105,7 @@ def test_a_hung_rank_is_detected_after_the_step_timeout_killed_and_replaced(hung
     [first, *_] = [e for e in _lines(run / "events.jsonl") if e["event"] == "mesh"]
     hung_pid = first["ranks"][0]["pid"]
     assert failure.replaced_by != f"{first['ranks'][0]['mesh']} (pid {hung_pid})"
-    wait_for(lambda: not _alive(hung_pid), 10, what=f"the hung rank's proc {hung_pid} killed")
+    wait_for(lambda: not alive(hung_pid), 10, what=f"the hung rank's proc {hung_pid} killed")
     assert equal(reference[2], result.state_dict())
 
 

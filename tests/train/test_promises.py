@@ -23,7 +23,7 @@ from raymesh.examples import mlp
 from raymesh.testing import kill
 from raymesh.train.checkpoint import export_state_dict
 
-from ..waiting import wait_for
+from ..waiting import alive, wait_for
 from .weights import equal
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(240)]
@@ -56,15 +56,6 @@ def held(ctx: train.Context) -> train.Task:
         return loss_fn(model, batch)
 
     return dataclasses.replace(task, loss_fn=loss)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_ranks_see_the_torch_distributed_env_and_cpus_per_worker_threads(tmp_path):
@@ -141,7 +132,7 @@ def test_train_resume_after_the_controller_was_sigkilled_ends_with_the_uninterru
     }
     assert sorted(m.split("-")[0] for m in procs.values()) == ["spare", "trainer", "trainer"]
     wait_for(
-        lambda: not any(map(_alive, procs)), 10, what=f"the killed controller's procs {procs} gone"
+        lambda: not any(map(alive, procs)), 10, what=f"the killed controller's procs {procs} gone"
     )
     before = len((run / "metrics.jsonl").read_text().splitlines())
 
