@@ -497,7 +497,7 @@ class TrainController:
             return
         if report.spares != self.told_spares:
             self.emit_mesh()
-        self.world.step = report.step
+        self.world.step = max(self.world.step, report.step)  # late steps never move it back
         for sink in self.sinks:
             sink.on_report(report)
 
