@@ -41,3 +41,19 @@ def run_cluster_script(path: Path, text: str, timeout: float) -> Any:
     stdout = run_python([str(path)], env, timeout)
     [line] = [x for x in stdout.splitlines() if x.startswith(RESULT)]
     return json.loads(line[len(RESULT) :])
+
+
+def start_cli(argv: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """`raymesh *argv` started in a subprocess on this session's Ray (without warm procs), its
+    output going to the file `log` (a full pipe would block it); the caller waits or kills."""
+    from raymesh._src import backend
+
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "raymesh.cli.main", *argv],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )

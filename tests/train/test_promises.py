@@ -10,8 +10,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from raymesh.examples import mlp
 from raymesh.testing import kill
 from raymesh.train.checkpoint import export_state_dict
 
+from ..scripts import start_cli
 from ..waiting import alive, wait_for
 from .weights import equal
 
@@ -90,7 +89,6 @@ def test_ranks_see_the_torch_distributed_env_and_cpus_per_worker_threads(tmp_pat
 def test_train_resume_after_the_controller_was_sigkilled_ends_with_the_uninterrupted_weights(
     tmp_path, capsys
 ):
-    from raymesh._src import backend
     from raymesh.cli.main import main
 
     run, gate = tmp_path / "run", tmp_path / "gate"
@@ -101,15 +99,7 @@ def test_train_resume_after_the_controller_was_sigkilled_ends_with_the_uninterru
         f'params = {{dir = "{run}", gate = "{gate}", hold_after = 8}}\n'
         f'[checkpoint]\ndir = "{run}"\nevery = 4\n'
     )
-    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
-    log = (tmp_path / "controller.log").open("w")  # a file: a full pipe would block it
-    controller = subprocess.Popen(
-        [sys.executable, "-m", "raymesh.cli.main", "train", str(job)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    controller = start_cli(["train", str(job)], tmp_path / "controller.log", cwd=ROOT)
     # The ranks hold at step 9, once step 8's checkpoint is committed: SIGKILL the controller
     # mid-run then.
     deadline = time.monotonic() + 150
@@ -121,7 +111,6 @@ def test_train_resume_after_the_controller_was_sigkilled_ends_with_the_uninterru
     finally:
         controller.send_signal(signal.SIGKILL)
         controller.wait(timeout=30)
-        log.close()
     # Every proc of the killed job (ranks, with their monitors, and the spare) ends with it.
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     procs = {

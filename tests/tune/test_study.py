@@ -5,11 +5,8 @@ controller is SIGKILLed resumes, and the results are written."""
 from __future__ import annotations
 
 import csv
-import os
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +14,8 @@ import optuna
 import pytest
 
 from raymesh import train, tune
-from raymesh._src import backend
 from raymesh.testing import kill
+from tests.scripts import start_cli
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
@@ -152,14 +149,7 @@ def test_a_study_whose_controller_is_sigkilled_resumes_without_rerunning_finishe
 
     db = tmp_path / "runs" / "study.db"
     job = _job(tmp_path, db)
-    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
-    log = (tmp_path / "controller.log").open("w")  # a file: a full pipe would block it
-    controller = subprocess.Popen(
-        [sys.executable, "-m", "raymesh.cli.main", "tune", str(job)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    controller = start_cli(["tune", str(job)], tmp_path / "controller.log")
     # SIGKILL it once a trial is complete and the running one has a committed checkpoint (by
     # their folders: reading the database this often would slow the controller down).
     deadline = time.monotonic() + 120
@@ -175,7 +165,6 @@ def test_a_study_whose_controller_is_sigkilled_resumes_without_rerunning_finishe
     finally:
         controller.send_signal(signal.SIGKILL)
         controller.wait(timeout=30)
-        log.close()
     left = [t for t in _trials(db) if t.state == optuna.trial.TrialState.RUNNING]
     assert len(left) == 1, (tmp_path / "controller.log").read_text()[-3000:]
     running = left[0]
