@@ -5,23 +5,58 @@ same way: `ServerThread` binds (loopback unless told otherwise), returns once th
 known or raises what stopped it (OSError when the port is taken), and `stop()` ends the
 server and its loop. uvicorn is imported here, when a server starts, so that importing raymesh
 needs none of the HTTP extras.
+
+Every server gets the same limits against slow or greedy clients: at most `max_connections`
+open at once (uvicorn answers 503 beyond), idle keep-alive connections closed after
+`keep_alive_s`, and a request's headers bounded by h11's incomplete-event size. With `tls`
+(a certificate and key file, as `Tls`) it serves HTTPS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ServerThread", "url_of"]
+__all__ = ["ServerThread", "Tls", "url_of"]
 
 
-def url_of(host: str, port: int) -> str:
+@dataclass(frozen=True, kw_only=True)
+class Tls:
+    """HTTPS for a server: a PEM certificate (chain) and its private key, as uvicorn's
+    `ssl_certfile` / `ssl_keyfile`. Both files must exist when the config is made."""
+
+    cert: str
+    key: str
+
+    def __post_init__(self) -> None:
+        for name, path in (("cert", self.cert), ("key", self.key)):
+            if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+                raise ValueError(
+                    f"tls.{name}={path!r} is not a file: give the path of a PEM "
+                    f"{'certificate' if name == 'cert' else 'private key'}"
+                )
+
+    @classmethod
+    def of(cls, cert: str | None, key: str | None) -> Tls | None:
+        """`Tls` from two optional paths (a CLI's --tls-cert/--tls-key): both or neither."""
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            missing = "tls_cert" if cert is None else "tls_key"
+            raise ValueError(f"{missing} is missing: HTTPS needs both a certificate and its key")
+        return cls(cert=str(cert), key=str(key))
+
+
+def url_of(host: str, port: int, *, tls: bool = False) -> str:
     """The URL a local client reaches `host:port` at (a wildcard bind is reached on loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class ServerThread:
@@ -31,6 +66,9 @@ class ServerThread:
         (raymesh.serve's router starts and stops there, on the loop its requests run on).
     graceful_s: how long open requests (streams) get at `stop()` before the loop ends.
     uvloop: run on uvloop when it is installed (the serving path; others need no speed).
+    tls: serve HTTPS with this certificate and key.
+    max_connections: connections open at once; uvicorn answers 503 to more.
+    keep_alive_s: an idle keep-alive connection is closed after this long.
     """
 
     def __init__(
@@ -45,11 +83,23 @@ class ServerThread:
         before: Callable[[], Awaitable[None]] | None = None,
         after: Callable[[], Awaitable[None]] | None = None,
         uvloop: bool = False,
+        tls: Tls | None = None,
+        max_connections: int = 1024,
+        keep_alive_s: float = 5.0,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
-        self._args = (app, host, port, graceful_s, before, after, uvloop)
+        self._uvloop = uvloop
+        self._args = (app, host, port, graceful_s, before, after)
+        self._limits = {
+            "limit_concurrency": max_connections,
+            "timeout_keep_alive": keep_alive_s,
+            "h11_max_incomplete_event_size": 64 * 1024,
+        }
+        if tls is not None:
+            self._limits.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         started: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
@@ -61,7 +111,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return url_of(self.host, self.port)
+        return url_of(self.host, self.port, tls=self.tls is not None)
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the server's loop; RuntimeError once the server has stopped."""
@@ -79,7 +129,7 @@ class ServerThread:
 
     def _run(self, started: concurrent.futures.Future[int]) -> None:
         loop: asyncio.AbstractEventLoop | None = None
-        if self._args[-1]:
+        if self._uvloop:
             try:
                 import uvloop
 
@@ -99,7 +149,7 @@ class ServerThread:
     async def _main(self, started: concurrent.futures.Future[int]) -> None:
         import uvicorn
 
-        app, host, port, graceful_s, before, after, _ = self._args
+        app, host, port, graceful_s, before, after = self._args
         if before is not None:
             await before()
         try:
@@ -111,6 +161,7 @@ class ServerThread:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=graceful_s,
+                **self._limits,
             )
             self._server = server = uvicorn.Server(config)
             serving = asyncio.ensure_future(server.serve())
