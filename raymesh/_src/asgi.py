@@ -93,7 +93,7 @@ class ServerThread:
         self._server: Any = None
         self._uvloop = uvloop
         self._args = (app, host, port, graceful_s, before, after)
-        self._limits = {
+        self._limits: dict[str, Any] = {
             "limit_concurrency": max_connections,
             "timeout_keep_alive": keep_alive_s,
             "h11_max_incomplete_event_size": 64 * 1024,
