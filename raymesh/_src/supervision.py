@@ -17,6 +17,7 @@ owner reads `ProcMesh.failure` instead (raymesh.train's controller, which heals 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import types
@@ -67,6 +68,12 @@ class FrontModule(types.ModuleType):
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), "unhandled_fault_hook"})
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # By reference, as pickle does a plain module: an actor class defined in a user's
+        # __main__ is pickled by value with its methods' globals, which hold `raymesh` itself
+        # when the script does `import raymesh` (cloudpickle only knows `types.ModuleType`).
+        return importlib.import_module, (self.__name__,)
 
 
 def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) -> None:

@@ -283,3 +283,59 @@ def test_the_counters_example_runs_as_a_user_runs_it_with_every_adverb_and_a_sup
     assert hello and all(p == r for p, _, r in hello), out
     # "no procs left": neither the killed proc nor the ones that said hello
     assert not any(alive(p) for p in {killed, *(int(pid) for _, pid, _ in hello)})
+
+
+MODULE_STYLE = """
+import json
+
+import raymesh
+import raymesh.actor as ra
+
+
+class Who(raymesh.Actor):  # pickled by value with a method whose globals hold `raymesh`
+    @raymesh.endpoint
+    def rank(self) -> int:
+        return raymesh.current_rank().rank
+
+
+class Ten(ra.Actor):  # and one over `raymesh.actor`, Monarch's style with its module
+    @ra.endpoint
+    def rank(self) -> int:
+        return ra.current_rank().rank * 10
+
+
+def scaled(by):  # a closure over the module, passed as an argument
+    return lambda: raymesh.current_rank().rank * by
+
+
+class Calls(raymesh.Actor):
+    @raymesh.endpoint
+    def run(self, fn) -> int:
+        return fn()
+
+
+procs = raymesh.this_host().spawn_procs(per_host={"procs": 2})
+result = {
+    "who": procs.spawn("who", Who).rank.call().get(timeout=60).values(),
+    "ten": procs.spawn("ten", Ten).rank.call().get(timeout=60).values(),
+    "closure": procs.spawn("calls", Calls).run.call(scaled(3)).get(timeout=60).values(),
+}
+procs.stop()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_a_script_written_as_import_raymesh_spawns_its_actors(tmp_path):
+    from raymesh._src import backend
+
+    # The user's other style: `import raymesh` and `raymesh.Actor` in __main__ (the README's
+    # imports names, which always worked); the session's Ray, as counters' test does.
+    script = tmp_path / "who.py"
+    script.write_text(MODULE_STYLE)
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=100
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    assert json.loads(line[len("RESULT ") :]) == {"who": [0, 1], "ten": [0, 10], "closure": [0, 3]}
