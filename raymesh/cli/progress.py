@@ -29,8 +29,9 @@ class ProgressBar:
         filled = int(self.width * done)
         bar = "#" * filled + "." * (self.width - filled)
         ranks = " ".join(f"r{r['rank']}:{r['loss']:.3f}" for r in p["ranks"])
+        loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"  # a failed chunk's: unknown
         line = (
-            f"step {step}/{steps} [{bar}] {done:4.0%} loss {p['loss']:.4f} "
+            f"step {step}/{steps} [{bar}] {done:4.0%} loss {loss} "
             f"{p['samples_per_s']:.0f} samples/s ETA {_fmt_eta(p['eta_s'])} | {ranks}"
         )
         if "data_workers" in p:  # a pipeline: the ranks' wait for batches, its procs

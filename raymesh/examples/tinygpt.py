@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     print(result.decision.reason)
     every = max(1, len(result.history) // 10)
     for i, h in enumerate(result.history):
-        if i % every == 0 or i == len(result.history) - 1:
+        if h["loss"] is not None and (i % every == 0 or i == len(result.history) - 1):
             print(f"step {int(h['step']):5d}  loss {h['loss']:.3f}")
     model = TinyGPT()
     model.load_state_dict(result.state_dict())

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ def figure(result: Result, title: str = "") -> Any:
     fig = Figure(figsize=(9, 6), layout="constrained")
     loss_ax, time_ax = fig.subplots(2, 1, sharex=True)
     steps = [h["step"] for h in result.history]
-    loss_ax.plot(steps, [h["loss"] for h in result.history], color="tab:blue", lw=1.2)
+    losses = [math.nan if h["loss"] is None else h["loss"] for h in result.history]
+    loss_ax.plot(steps, losses, color="tab:blue", lw=1.2)  # a failed chunk's rows: a gap
     loss_ax.set_ylabel("loss (mean of ranks)")
     ranks = max((len(t) for t in result.rank_step_s), default=0)
     for r in range(ranks):

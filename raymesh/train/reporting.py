@@ -31,9 +31,10 @@ __all__ = ["Event", "Progress", "Report", "ReportSink", "RunFolder", "TensorBoar
 class Report:
     """One reported chunk of training."""
 
-    # One row per step of the chunk: step (1-based), loss (mean of ranks), samples_per_s,
-    # end (wall time the step was complete on every rank).
-    rows: tuple[dict[str, float], ...]
+    # One row per step of the chunk: step (1-based), loss (mean of the world's ranks; None in
+    # a failed chunk's rows, which carry partial_loss and the ranks reported instead),
+    # samples_per_s, end (wall time the step was complete on every rank).
+    rows: tuple[dict[str, Any], ...]
     steps: int  # the job's total steps
     samples_per_s: float  # over the chunk
     eta_s: float  # the time the remaining steps take at the chunk's pace
@@ -143,7 +144,8 @@ class TensorBoard(ReportSink):
 
     def on_report(self, report: Report) -> None:
         for row in report.rows:
-            self.writer.add_scalar("loss", row["loss"], int(row["step"]))
+            if row["loss"] is not None:  # a failed chunk's row: the world's mean is unknown
+                self.writer.add_scalar("loss", row["loss"], int(row["step"]))
             self.writer.add_scalar("samples_per_s", report.samples_per_s, int(row["step"]))
         self.writer.flush()
 

@@ -132,7 +132,9 @@ class RunLog:
         and the pipeline's figures `data` (`data_workers`, `data_samples_per_s`). `spares`:
         the warm spares ready now, for the report. `reported`: which ranks of the world
         `per_rank` are, in rank order, when not every rank reported (a chunk that failed);
-        the report's per-rank figures are None for the others."""
+        the report's per-rank figures are None for the others, and so is each row's `loss`,
+        which is always the mean of the whole world's ranks: such a row has the mean of the
+        ranks that did report as `partial_loss`, and those ranks as `reported`."""
         n = len(per_rank[0])
         if n == 0:
             return None
@@ -147,11 +149,20 @@ class RunLog:
         seconds = sum(m.step_s for m in per_rank[0])
         self.step_times.extend(m.step_s for m in per_rank[0])
         rate = global_batch_size * n / seconds if seconds > 0 else 0.0
+        partial = reported is not None and not all(reported)
         rows = []
         for i in range(n):
             loss = sum(r[i].loss for r in per_rank) / len(per_rank)
             end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
-            row = {"step": per_rank[0][i].step, "loss": loss, "samples_per_s": rate, "end": end}
+            row: dict[str, Any] = {"step": per_rank[0][i].step, "loss": loss}
+            if partial:  # a lost rank's figure is gone: the world's mean is unknown
+                assert reported is not None
+                row.update(
+                    loss=None,
+                    partial_loss=loss,
+                    reported=[r for r, ok in enumerate(reported) if ok],
+                )
+            row.update(samples_per_s=rate, end=end)
             if data is not None:
                 waits = [r[i].data_wait_s or 0.0 for r in per_rank]
                 row["data_wait"] = sum(

@@ -42,7 +42,7 @@ from raymesh.train.estimate import (
 )
 from raymesh.train.hooks import RankHooks
 from raymesh.train.monitor import mark
-from raymesh.train.parallelize import parallelize
+from raymesh.train.parallelize import parallelize, settle_buckets
 from raymesh.train.protocol import (
     ChunkResult,
     Feeders,
@@ -288,9 +288,17 @@ class TrainWorker(Actor):
         )
 
     @endpoint
-    def set_state(self, state: ReplicaState) -> int:
-        """Load a peer's state (tensors arrive as read-only shared memory: copy them first)."""
+    def set_state(self, state: ReplicaState, settle: bool = False) -> int:
+        """Load a peer's state (tensors arrive as read-only shared memory: copy them first).
+        `settle` (COLLECTIVE, every rank of the new world): first lay out the new DDP's
+        buckets as the uninterrupted run's are after its first step (`settle_buckets`), so
+        the healed run reduces in the same order and stays bitwise equal to it."""
         assert self.task is not None
+        if settle and self.model is not None:
+            task, model = self.task, self.model
+            self.current = state.done
+            first = self._micro(state.done)[0]
+            settle_buckets(model, lambda: task.loss_fn(model, self._batch(first)))
         self.task.model.load_state_dict(_clone(state.model))
         self.optimizer.load_state_dict(_clone(state.optim))
         self.done = state.done

@@ -66,6 +66,7 @@ class World:
         self.decision: StrategyDecision | None = None  # the strategy now
         self.base: StrategyDecision | None = None  # the one decided at the start (resized)
         self.step = 0  # steps the world has completed (the data position)
+        self.first_step = 0  # where the job's first world started (0, or a resumed position)
         self.generation = 0
 
     @property
@@ -102,7 +103,7 @@ class World:
         self.base = decision
         self.decision = decision.resized(len(self.ranks))
         start = self.gather([r.worker.prepare.call_one(self.decision, resume) for r in self.ranks])
-        self.step = start[0]
+        self.step = self.first_step = start[0]
         return self.step
 
     def decide(self, *, world: int, lost: int, replacements: int) -> FailureDecision:
@@ -206,7 +207,10 @@ class World:
                 else:
                     calls.append([r.worker.reform.call_one(rdv[i])])
             self.converge(calls, state)
-            self.converge([[r.worker.set_state.call_one(state)] for r in ranks], state)
+            # Past the job's first step, the uninterrupted run's DDP has rebuilt its buckets:
+            # the new one must reduce in the same layout (see parallelize.settle_buckets).
+            settle = state.done > self.first_step
+            self.converge([[r.worker.set_state.call_one(state, settle)] for r in ranks], state)
             self.step = state.done
         else:
             path = latest_checkpoint(cfg)

@@ -333,6 +333,8 @@ def _trial(study, trial, fn, config, constants, metric, folder, warm) -> None:
     cfg = dataclasses.replace(config, **overrides)
 
     def report(p: dict[str, Any]) -> None:
+        if p[metric] is None:  # a failed chunk's loss: not every rank's figure is known
+            return
         trial.report(float(p[metric]), int(p["step"]))
         trial.set_user_attr("step", int(p["step"]))
         if trial.should_prune():

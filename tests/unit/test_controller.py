@@ -154,7 +154,7 @@ class FakeRank:
     def ep_get_state(self) -> ReplicaState:
         return ReplicaState(model={}, optim={}, done=self.done)
 
-    def ep_set_state(self, state: ReplicaState) -> int:
+    def ep_set_state(self, state: ReplicaState, settle: bool = False) -> int:
         self.done = state.done
         return self.done
 
