@@ -16,6 +16,11 @@ promise each run is checked against:
   the newest checkpoint, resharded, and the final weights are bitwise the fault-free run's.
 - data: a pipeline (random augmentation on 2 preprocessing procs) whose procs are SIGKILLed at
   random moments: bitwise the same pipeline's run without kills.
+- elastic (full campaign only, ~1 min a run): a 3-node local cluster (`ray.cluster_utils`)
+  loses a node with 2 of 4 ranks at a random step; the job shrinks to 2 and grows back to 4
+  when a node joins: every step in the history once, the weights equal to the fault-free run's
+  to float precision (the reductions ran at other world sizes in between). The script is
+  tests/train/test_elastic.py's, there at one fixed step.
 The training jobs are the example MLP (raymesh.examples.mlp:build), 16 steps of 48 samples,
 reported every 2 steps, in procs kept warm across the runs of a suite (`train.WarmRanks`, as a
 user's sweep would), on the local Ray that raymesh starts. Progress goes to stderr; one JSON
@@ -245,15 +250,45 @@ def kill_preprocessing(
                 pass
 
 
+def elastic_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
+    from tests.scripts import run_cluster_script
+    from tests.train.test_elastic import ELASTIC
+
+    rng = random.Random(seed)
+    steps = 120
+    with tempfile.TemporaryDirectory(prefix="raymesh-chaos-") as tmp:
+        for i in range(count):
+            run_seed = replay if replay is not None else rng.randrange(1 << 30)
+            at = random.Random(run_seed).randint(8, 80)
+            script = ELASTIC.replace("STEPS", str(steps)).replace("REMOVE_AT", str(at))
+            run = Run("elastic", "3 nodes, workers=(2, 4)", run_seed, [f"node lost at step {at}"])
+            log(f"elastic seed={run_seed}: {run.faults[0]}")
+            t0 = time.monotonic()
+            got = run_cluster_script(Path(tmp) / f"elastic-{i}.py", script, timeout=400)
+            worlds = [w for _, w in got["worlds"]]
+            run.failures = len([f for f in got["failures"] if f[1] != "stuck"])
+            run.healed = run.failures
+            run.held = (
+                got["steps"] == list(range(1, steps + 1))
+                and got["differ"] == []
+                and 2 in worlds
+                and worlds[-1] == 4
+            )
+            run.detail = "" if run.held else json.dumps({k: got[k] for k in ("worlds", "differ")})
+            run.seconds = round(time.monotonic() - t0, 2)
+            yield run
+
+
 SUITES: dict[str, Callable[[int, int, int | None], Iterator[Run]]] = {
     "ddp": ddp_runs,
     "fsdp": lambda seed, n, replay: sharded_runs("fsdp", seed, n, replay),
     "hsdp": lambda seed, n, replay: sharded_runs("hsdp", seed, n, replay),
     "data": data_runs,
+    "elastic": elastic_runs,
 }
-# Runs per suite: the full campaign has 40 + 8 + 8 = 56 faulted training runs.
-FULL = {"ddp": 40, "fsdp": 8, "hsdp": 8, "data": 4}
-QUICK = {"ddp": 4, "fsdp": 1, "hsdp": 1, "data": 1}
+# Runs per suite: the full campaign has 40 + 8 + 8 + 4 + 2 = 62 faulted training runs.
+FULL = {"ddp": 40, "fsdp": 8, "hsdp": 8, "data": 4, "elastic": 2}
+QUICK = {"ddp": 4, "fsdp": 1, "hsdp": 1, "data": 1, "elastic": 0}
 
 
 def table(runs: list[Run]) -> list[dict[str, Any]]:

@@ -165,7 +165,7 @@ def test_an_elastic_fsdp_job_starts_with_the_room_there_is_and_grows_when_room_a
 
 
 # Node loss on a real 3-node Ray cluster (head without CPUs, two 2-CPU nodes): 4 ranks, one per
-# CPU. At step 20 one node is removed, taking 2 ranks with it; no node has room for
+# CPU. At step 20 (REMOVE_AT) one node is removed, taking 2 ranks with it; no node has room for
 # replacements, so the job continues with 2 (min). Then a node joins, and the job grows back to
 # 4. A sleep in the loss keeps the run long enough for that, and does not change the math: the
 # weights must match a failure-free run at 4 ranks (allclose: the reductions ran at other world
@@ -235,7 +235,7 @@ ELASTIC = textwrap.dedent(
 
     def progress(p):
         worlds.append((p["step"], p["world_size"]))
-        if p["step"] >= 20 and not events:
+        if p["step"] >= REMOVE_AT and not events:
             events.append("removed")
             cluster.remove_node(doomed, allow_graceful=False)
         # The node joins only once the job has shrunk: joining while the heal still waits
@@ -277,7 +277,7 @@ ELASTIC = textwrap.dedent(
 
 def test_node_loss_shrinks_to_what_fits_and_a_new_node_grows_it_back(tmp_path):
     steps = 120
-    script = ELASTIC.replace("STEPS", str(steps))
+    script = ELASTIC.replace("STEPS", str(steps)).replace("REMOVE_AT", "20")
     got = run_cluster_script(tmp_path / "elastic.py", script, timeout=280)
     assert got["events"] == ["removed", "added"], got
     worlds = [w for _, w in got["worlds"]]
