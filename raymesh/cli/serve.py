@@ -1,5 +1,11 @@
 """`raymesh serve job.toml`: serve a trained checkpoint over HTTP until Ctrl-C (or SIGTERM);
-`raymesh serve reload --checkpoint NEW`: roll a running server to another checkpoint."""
+`raymesh serve reload --checkpoint NEW`: roll a running server to another checkpoint.
+
+    RAYMESH_SERVE_ADMIN_TOKEN=$(openssl rand -hex 16) raymesh serve job.toml \
+        --checkpoint-root runs --tls-cert cert.pem --tls-key key.pem
+    RAYMESH_SERVE_ADMIN_TOKEN=... raymesh serve reload --checkpoint runs/job-v2 \
+        --url https://127.0.0.1:8000 --tls-cert cert.pem
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,14 @@ import argparse
 import json
 import os
 import signal
+import ssl
 import sys
 import threading
 import urllib.error
 import urllib.request
 from typing import Any
 
-from raymesh.cli.args import count_or_range
+from raymesh.cli.args import add_tls_arguments, count_or_range
 
 __all__ = ["add_parser", "run"]
 
@@ -33,6 +40,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--token", help="require this bearer token (default: $RAYMESH_SERVE_TOKEN if set)"
     )
+    p.add_argument(
+        "--admin-token",
+        dest="admin_token",
+        help="the token POST /admin/reload needs, and reload sends (default: "
+        "$RAYMESH_SERVE_ADMIN_TOKEN; neither: reload is off)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        dest="checkpoint_root",
+        help="POST /admin/reload loads only from under this folder (needed with an admin token)",
+    )
+    add_tls_arguments(p)  # reload: --tls-cert is the certificate to trust
     p.add_argument("--max-batch-size", type=int, dest="max_batch_size")
     p.add_argument("--batch-wait-ms", type=float, dest="batch_wait_ms")
     p.add_argument("--backend", choices=["raymesh", "ray-serve"])
@@ -50,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from raymesh.serve.jobfile import load_serving
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from raymesh._src.asgi import Tls
+
     overrides = {
         k: getattr(args, k)
         for k in (
@@ -58,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             "host",
             "port",
             "token",
+            "admin_token",
+            "checkpoint_root",
             "max_batch_size",
             "batch_wait_ms",
             "backend",
@@ -67,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        overrides["tls"] = Tls.of(args.tls_cert, args.tls_key)
         model, config = load_serving(args.job, **overrides)
         app = serve.deploy(config=config, **model)
     except ValueError as e:  # a user mistake: one clear line, no traceback
@@ -87,21 +111,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _reload(args: argparse.Namespace) -> int:
-    if not args.checkpoint:
-        print("raymesh serve reload: give --checkpoint NEW", file=sys.stderr)
+    from raymesh.serve.config import ADMIN_TOKEN_ENV
+
+    def refuse(why: str) -> int:
+        print(f"raymesh serve reload: {why}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get("RAYMESH_SERVE_TOKEN")
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+
+    if not args.checkpoint:
+        return refuse("give --checkpoint NEW")
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        return refuse(f"give the server's admin token: --admin-token or ${ADMIN_TOKEN_ENV}")
+    if args.tls_key:
+        return refuse("--tls-key is the server's; reload takes --tls-cert, the cert to trust")
+    https = args.url.startswith("https://")
+    if args.tls_cert and not https:
+        return refuse(f"--tls-cert trusts an HTTPS server: give its https:// URL, not {args.url}")
+    # The server's own certificate (a self-signed one) or its CA, else the system's CAs.
+    context = ssl.create_default_context(cafile=args.tls_cert) if https else None
     request = urllib.request.Request(
         args.url.rstrip("/") + "/admin/reload",
         data=json.dumps({"checkpoint": os.path.abspath(args.checkpoint)}).encode(),
-        headers=headers,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(request, timeout=600, context=context) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]

@@ -18,6 +18,7 @@ try:
 except ImportError as e:  # pragma: no cover (the dev install has them)
     raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
 
+from raymesh._src.asgi import Tls
 from raymesh.serve.app import App, Reply, deploy
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.config import ServeConfig
@@ -36,6 +37,7 @@ __all__ = [
     "ReplicaScale",
     "Reply",
     "ServeConfig",
+    "Tls",
     "Unavailable",
     "deploy",
 ]

@@ -17,9 +17,10 @@ from typing import Any
 from raymesh._src.asgi import ServerThread, url_of
 from raymesh.actor import host_mesh
 from raymesh.serve.config import ServeConfig
-from raymesh.serve.front import make_app
+from raymesh.serve.front import guard_of, make_app
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelSpec
+from raymesh.serve.replica import ReplicaProc, spawn_replica
 from raymesh.serve.router import Router
 
 __all__ = ["App", "Reply", "deploy"]
@@ -49,13 +50,14 @@ def deploy(
         request's input, checked by the front (422 when wrong; from the task's first sample
         when a build function is given).
     config, or its fields as keywords (replicas=(1, 4), max_batch_size=32, batch_wait_ms=5,
-        port=0, host, token, ...): see `ServeConfig`. backend="ray-serve" deploys the same
-        model as a Ray Serve deployment instead.
+        port=0, host, token, admin_token, checkpoint_root, tls, ...): see `ServeConfig`.
+        backend="ray-serve" deploys the same model as a Ray Serve deployment instead.
     Raises ValueError for a bad argument (naming it) before starting anything.
     """
     if config is not None and fields:
         raise ValueError(f"give config= or its fields {sorted(fields)} as keywords, not both")
     config = config or ServeConfig(**fields)
+    config.admin()  # an admin token from the environment that cannot be used: ValueError now
     spec = ModelSpec(
         model=model,
         build=build,
@@ -75,6 +77,7 @@ def deploy(
         handle = serving.deploy(
             functools.partial(LoadedModel, spec),
             check_input,
+            guard_of(config),  # the same token check and body limits as raymesh's front
             host=config.host,
             port=config.port,
             max_batch_size=config.max_batch_size,
@@ -121,11 +124,17 @@ class App:
     max_tokens, temperature, seed)` (the whole text),
     `reload(checkpoint)`, `stats()`, `stop()`; a context manager that stops it."""
 
-    def __init__(self, spec: ModelSpec, config: ServeConfig) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: ServeConfig,
+        *,
+        start_replica: Callable[..., ReplicaProc] = spawn_replica,
+    ) -> None:
         self.spec = spec
         self.config = config
         self.metrics = Metrics(config.max_batch_size)
-        self.router = Router(spec, config, self.metrics)
+        self.router = Router(spec, config, self.metrics, start_replica=start_replica)
         self.predict = _Endpoint(self, "predict")
         self.generate = _Endpoint(self, "generate")
         self._server: ServerThread | None = None
@@ -133,7 +142,7 @@ class App:
 
     @property
     def url(self) -> str:
-        return url_of(self.config.host, self.port)
+        return url_of(self.config.host, self.port, tls=self.config.tls is not None)
 
     def _start(self) -> None:
         # The HTTP front and the router share the server's loop: the router starts there
@@ -148,6 +157,9 @@ class App:
             before=self.router.start,
             after=self.router.stop,
             uvloop=True,
+            tls=self.config.tls,
+            max_connections=self.config.max_connections,
+            keep_alive_s=self.config.keep_alive_s,
         )
         self.port = self._server.port
         logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))
@@ -165,7 +177,8 @@ class App:
 
     def reload(self, checkpoint: str) -> str:
         """Move every replica to `checkpoint` with no failed request (see Router.reload);
-        returns the step folder now served."""
+        returns the step folder now served. From Python, the process's owner speaks:
+        `checkpoint_root` and the admin token guard POST /admin/reload only."""
         future = self._submit(self.router.reload(checkpoint))
         return str(future.result(self.config.start_timeout_s * max(1, len(self.router.slots))))
 

@@ -8,14 +8,26 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from raymesh._src.asgi import Tls
 from raymesh.serve.batching import BatchConfig
 from raymesh.serve.scaling import AutoscalePolicy
 
-__all__ = ["TOKEN_ENV", "ServeConfig"]
+__all__ = ["ADMIN_TOKEN_ENV", "TOKEN_ENV", "ServeConfig"]
 
-# The bearer token when `token` is not given (so it stays out of shell history and `ps`).
+# The tokens when `token` / `admin_token` are not given (so they stay out of shell history and
+# `ps`).
 TOKEN_ENV = "RAYMESH_SERVE_TOKEN"
+ADMIN_TOKEN_ENV = "RAYMESH_SERVE_ADMIN_TOKEN"
 BACKENDS = ("raymesh", "ray-serve")
+# What Ray Serve's proxy, not raymesh, decides for backend="ray-serve": a field set to
+# anything but its default there is refused, rather than silently not applied.
+_RAYMESH_FRONT_ONLY = {
+    "admin_token": "Ray Serve serves no /admin/reload (reload is Serve's business there)",
+    "checkpoint_root": "Ray Serve serves no /admin/reload (reload is Serve's business there)",
+    "tls": "Ray Serve's proxy serves the HTTP (HTTPS is set on Serve's own http_options)",
+    "max_connections": "Ray Serve's proxy holds the connections",
+    "keep_alive_s": "Ray Serve's proxy holds the connections (its keep_alive_timeout_s)",
+}
 
 
 def _bad(field: str, value: object, fix: str) -> ValueError:
@@ -45,8 +57,16 @@ class ServeConfig:
     # The HTTP front.
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000  # 0: any free port (read it from App.url)
-    token: str | None = None  # bearer token for /v1 and /admin; None: $RAYMESH_SERVE_TOKEN
+    token: str | None = None  # bearer token for /v1 and /metrics; None: $RAYMESH_SERVE_TOKEN
+    # Bearer token for POST /admin/reload; None: $RAYMESH_SERVE_ADMIN_TOKEN; neither: the
+    # route is off (403). It needs checkpoint_root, and must differ from `token`.
+    admin_token: str | None = None
+    checkpoint_root: str | None = None  # /admin/reload loads only from under this folder
+    tls: Tls | None = None  # HTTPS: serve.Tls(cert=..., key=...); {cert = ..., key = ...} in TOML
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0  # a body not all in by then is a 408 (slow clients)
+    max_connections: int = 1024  # open at once; uvicorn answers 503 beyond
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     request_timeout_s: float = 30.0  # a request not answered by then is a 504
     max_retries: int = 3  # resends of a request whose replica died before answering
     max_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
@@ -80,9 +100,27 @@ class ServeConfig:
             raise _bad("port", self.port, "give a TCP port 0..65535 (0: any free port)")
         if not isinstance(self.host, str) or not self.host:
             raise _bad("host", self.host, 'give an address to bind, e.g. "127.0.0.1"')
-        if self.token is not None and (not isinstance(self.token, str) or not self.token):
-            raise _bad("token", "<hidden>", "give a non-empty string, or None for no token")
-        for name in ("request_timeout_s", "start_timeout_s"):
+        for name in ("token", "admin_token"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(name, "<hidden>", "give a non-empty string, or None for no token")
+        root = self.checkpoint_root
+        if root is not None:
+            if isinstance(root, os.PathLike):
+                object.__setattr__(self, "checkpoint_root", root := os.fspath(root))
+            if not isinstance(root, str) or not os.path.isdir(root):
+                raise _bad(
+                    "checkpoint_root", root, "give the folder the checkpoints to reload are under"
+                )
+        if isinstance(self.tls, dict):  # from TOML: {cert = ..., key = ...}
+            unknown = sorted(set(self.tls) - {"cert", "key"})
+            if unknown:
+                raise _bad("tls", self.tls, f"unknown key(s) {unknown}; give cert and key")
+            object.__setattr__(self, "tls", Tls.of(self.tls.get("cert"), self.tls.get("key")))
+        if self.tls is not None and not isinstance(self.tls, Tls):
+            raise _bad("tls", self.tls, 'give Tls(cert=..., key=...) or {"cert": ..., "key": ...}')
+        _int("max_connections", self.max_connections, 1)
+        for name in ("request_timeout_s", "start_timeout_s", "body_timeout_s", "keep_alive_s"):
             _seconds(name, getattr(self, name))
         cpus = self.cpus_per_replica
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
@@ -91,6 +129,20 @@ class ServeConfig:
             raise _bad("gpus", self.gpus, "give true (one GPU per replica) or false")
         if self.backend not in BACKENDS:
             raise _bad("backend", self.backend, f"give one of {BACKENDS}")
+        if self.backend == "ray-serve":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name, why in _RAYMESH_FRONT_ONLY.items():
+                value = getattr(self, name)
+                if value != defaults[name]:
+                    shown = "<hidden>" if name == "admin_token" else value
+                    raise _bad(
+                        name,
+                        shown,
+                        f'backend="ray-serve" cannot apply it ({why}): leave it out, or '
+                        'serve with backend="raymesh"',
+                    )
+        elif self.admin_token is not None:
+            self.check_reload(self.admin_token)
         self.batch()  # checks the batching fields
         self.autoscale()  # checks the autoscaling fields and min <= max
 
@@ -105,6 +157,36 @@ class ServeConfig:
     def bearer(self) -> str | None:
         """The token requests must carry: `token`, else $RAYMESH_SERVE_TOKEN, else None."""
         return self.token if self.token is not None else (os.environ.get(TOKEN_ENV) or None)
+
+    def admin(self) -> str | None:
+        """The token POST /admin/reload needs: `admin_token`, else $RAYMESH_SERVE_ADMIN_TOKEN,
+        else None (the route is off). Raises ValueError when it is set but cannot be used (no
+        `checkpoint_root`, or the same as the bearer token)."""
+        if self.backend != "raymesh":
+            return None  # no reload route to open
+        token = self.admin_token
+        if token is None:
+            token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        if token is not None:
+            self.check_reload(token)
+        return token
+
+    def check_reload(self, admin_token: str) -> None:
+        """ValueError unless an admin token can open POST /admin/reload with this config."""
+        if self.checkpoint_root is None:
+            raise _bad(
+                "checkpoint_root",
+                None,
+                "an admin token (admin_token, --admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) "
+                "turns on POST /admin/reload, which loads only from under checkpoint_root: "
+                "set it to the folder your checkpoints are in",
+            )
+        if admin_token == self.bearer():
+            raise _bad(
+                "admin_token",
+                "<hidden>",
+                "give a token of its own: a client that may predict must not be able to reload",
+            )
 
     def batch(self) -> BatchConfig:
         return BatchConfig(

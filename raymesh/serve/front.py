@@ -9,21 +9,24 @@
     GET  /readyz        200 once a replica is ready, else 503
     GET  /metrics       Prometheus text format
     POST /admin/reload  {"checkpoint": "runs/job"}         -> {"checkpoint": <step folder>}
+                        with the admin token only (none set: 403, the route is off), and only
+                        from under `checkpoint_root` (403 naming it otherwise)
 
-Errors are JSON, `{"error": {"type": ..., "message": ..., "field": ...}}`: 400 malformed JSON,
-401 missing or wrong bearer token (when one is set; /healthz and /readyz need none), 413 body
-over `max_body_bytes`, 422 a field of the wrong kind or shape (named), 500 the model raised
-(its exception's type; the replica keeps serving), 503 queue full or no replica (with
-Retry-After), 504 not answered within `request_timeout_s`.
+Errors are JSON, `{"error": {"type": ..., "message": ..., "field": ...}}`: 400 malformed JSON
+(NaN, Infinity and numbers that overflow to it included), 401 missing or wrong bearer token
+(when one is set; /healthz and /readyz need none), 403 reload off or outside the root, 408 body
+not in within `body_timeout_s`, 413 body over `max_body_bytes`, 422 a field of the wrong kind
+or shape (named), 500 the model raised (its exception's type; the replica keeps serving), 503
+queue full or no replica (with Retry-After), 504 not answered within `request_timeout_s`.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -34,34 +37,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.config import ServeConfig
+from raymesh.serve.guard import Guard, HTTPError
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import check_input
 from raymesh.serve.router import ModelError, Router, Unavailable
 
-__all__ = ["make_app"]
+__all__ = ["guard_of", "make_app"]
 
 logger = logging.getLogger("raymesh.serve")
-
-
-class HTTPError(Exception):
-    def __init__(
-        self,
-        status: int,
-        type_name: str,
-        message: str,
-        field: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body: dict[str, Any] = {"type": type_name, "message": message}
-        if field is not None:
-            self.body["field"] = field
-        self.headers = headers
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _field_error(message: str) -> HTTPError:
@@ -84,10 +67,30 @@ def _as_http(e: Exception) -> HTTPError:
     return HTTPError(500, type(e).__name__, str(e)[:500])
 
 
+def guard_of(config: ServeConfig) -> Guard:
+    """The token check and body reader of /v1 and /metrics (the Ray Serve backend's too)."""
+    return Guard(
+        token=config.bearer(),
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+    )
+
+
 def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
-    token = config.bearer()
-    expected = f"Bearer {token}".encode() if token else None
-    limit = config.max_body_bytes
+    guard = guard_of(config)
+    admin_token = config.admin()
+    admin = (
+        None
+        if admin_token is None
+        else Guard(
+            token=admin_token,
+            max_body_bytes=config.max_body_bytes,
+            body_timeout_s=config.body_timeout_s,
+            what="the admin token",
+        )
+    )
+    root = None if config.checkpoint_root is None else Path(config.checkpoint_root)
+    authorize, read_json = guard.authorize, guard.read_json
     counters: dict[tuple[str, int], Any] = {}
     latencies = {
         route: metrics.latency.labels(route) for route in ("predict", "generate", "reload")
@@ -98,41 +101,6 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         if child is None:
             child = counters[(route, code)] = metrics.requests.labels(route, str(code))
         child.inc()
-
-    def authorize(scope: Scope) -> None:
-        if expected is None:
-            return
-        if not hmac.compare_digest(_header(scope, b"authorization"), expected):
-            raise HTTPError(
-                401, "Unauthorized", "give the server's token: Authorization: Bearer <token>"
-            )
-
-    async def read_json(scope: Scope, receive: Receive) -> dict[str, Any]:
-        length = _header(scope, b"content-length")
-        if length.isdigit() and int(length) > limit:
-            raise HTTPError(
-                413, "TooLarge", f"the body has {int(length)} bytes; the limit is {limit}"
-            )
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HTTPError(400, "Disconnected", "the client left before sending its body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, "TooLarge", f"the body is over the limit of {limit} bytes")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        try:
-            body = json.loads(b"".join(chunks), parse_constant=_no_constants)
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise HTTPError(400, "MalformedJSON", f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise HTTPError(
-                422, "ValidationError", f"the body must be a JSON object, not {type(body).__name__}"
-            )
-        return body
 
     def failed(route: str, e: Exception) -> Response:
         error = _as_http(e)
@@ -230,13 +198,23 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
 
     async def reload(request: Request) -> Response:
         try:
-            authorize(request.scope)
-            body = await read_json(request.scope, request.receive)
+            if admin is None:
+                raise HTTPError(
+                    403,
+                    "Forbidden",
+                    "POST /admin/reload is off: start the server with an admin token "
+                    "(admin_token, --admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) and "
+                    "checkpoint_root to turn it on",
+                )
+            admin.authorize(request.scope)
+            body = await admin.read_json(request.scope, request.receive)
             checkpoint = body.get("checkpoint")
             if not isinstance(checkpoint, str) or not checkpoint:
                 raise _field_error('checkpoint: give a checkpoint folder, e.g. "runs/job"')
             try:
-                loaded = await router.reload(checkpoint)
+                loaded = await router.reload(checkpoint, root=root)
+            except PermissionError as e:  # outside checkpoint_root
+                raise HTTPError(403, "Forbidden", str(e), field="checkpoint") from None
             except (ValueError, RuntimeError) as e:
                 raise HTTPError(422, "ReloadFailed", str(e), field="checkpoint") from None
         except Exception as e:
@@ -273,13 +251,6 @@ class _ASGI:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.fn(scope, receive, send)
-
-
-def _header(scope: Scope, name: bytes) -> bytes:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return b""
 
 
 def _json(payload: Any) -> bytes:

@@ -10,6 +10,10 @@ with an optional `[serve]` table of deploy's arguments and ServeConfig's fields:
     replicas = [1, 4]                                  # autoscale between 1 and 4
     max_batch_size = 32
     batch_wait_ms = 5
+    checkpoint_root = "runs"                 # POST /admin/reload loads only from under it
+    tls = {cert = "cert.pem", key = "key.pem"}         # HTTPS
+
+Tokens are best left out of the file: $RAYMESH_SERVE_TOKEN and $RAYMESH_SERVE_ADMIN_TOKEN.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ A model is one of:
 - a plain callable `predict(batch) -> outputs`, called on the stacked batch.
 The checkpoint is a raymesh.train checkpoint folder (its newest committed step that verifies)
 or one step's folder; its weights are read with `export_state_dict` (checksums verified,
-tensors only).
+tensors only, DCP's `.metadata` by an unpickler that refuses anything but DCP's metadata: no
+checkpoint file runs code in a replica).
 
 `generate`, when given, serves POST /v1/generate: `generate(model, prompt, max_tokens,
 temperature, seed)` yields text pieces (one token each), which the front streams.
@@ -29,7 +30,14 @@ from raymesh.train import Context, Task
 from raymesh.train.api import resolve_build
 from raymesh.train.checkpoint import MANIFEST, Checkpointer, export_state_dict
 
-__all__ = ["LoadedModel", "ModelInfo", "ModelSpec", "check_input", "resolve_checkpoint"]
+__all__ = [
+    "LoadedModel",
+    "ModelInfo",
+    "ModelSpec",
+    "check_input",
+    "check_under_root",
+    "resolve_checkpoint",
+]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
@@ -47,6 +55,27 @@ def resolve_checkpoint(path: str | Path) -> Path:
             "`raymesh train job.toml`, or give a step-XXXXXXXX folder)"
         )
     return latest
+
+
+def check_under_root(path: str | Path, root: str | Path, *, files: bool = False) -> Path:
+    """`path` with every symlink resolved, if it lies under `root` (resolved too); with
+    `files`, every file and folder under it must resolve under `root` as well (a link inside a
+    checkpoint that points out of the root counts as out). PermissionError naming the root
+    otherwise. Nothing outside the root is read to decide: only the links on the way."""
+    real_root = Path(root).resolve()
+    real = Path(path).resolve()
+    outside = None if real.is_relative_to(real_root) else real
+    if outside is None and files and real.is_dir():
+        outside = next(
+            (p for p in real.rglob("*") if not p.resolve().is_relative_to(real_root)), None
+        )
+    if outside is not None:
+        shown = "it" if outside == real else f"{str(outside)!r} in it"
+        raise PermissionError(
+            f"checkpoint={str(path)!r}: {shown} is outside checkpoint_root={str(root)!r} "
+            f"(resolved: {str(real_root)!r}); reloads load only from under it"
+        )
+    return real
 
 
 @dataclass(frozen=True, kw_only=True)

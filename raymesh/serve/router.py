@@ -9,7 +9,9 @@ It runs on one asyncio event loop (the HTTP server's) and owns:
   back to the front of the queue and are sent again, at most `max_retries` times each, and a
   replacement starts. So a replica SIGKILLed under load fails no request;
 - the replica count: `AutoscalePolicy` decides from the queue, latency and busy share, once per
-  `cooldown_s`, and each decision is logged with its reason and kept (`decisions`).
+  `cooldown_s`, and each decision is logged with its reason and kept (the last
+  `KEPT_DECISIONS`, in `decisions`). The latencies it reads are the last `LATENCY_SAMPLES` of
+  the window, so a server whose policy never decides (a fixed replica count) holds no more.
 
 Starting and stopping procs blocks, so it runs on a thread pool; the loop never blocks on a
 replica. Every wait is bounded: a request that nothing answers in `request_timeout_s` is a
@@ -25,16 +27,17 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from raymesh.actor import ActorError, Channel, Future
 from raymesh.serve.batching import BatchQueue, Overloaded
 from raymesh.serve.config import ServeConfig
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.model import ModelInfo, ModelSpec
+from raymesh.serve.model import ModelInfo, ModelSpec, check_under_root
 from raymesh.serve.replica import ReplicaProc, spawn_replica
 from raymesh.serve.scaling import ReplicaScale
 
@@ -43,6 +46,10 @@ logger = logging.getLogger("raymesh.serve")
 __all__ = ["ModelError", "Router", "Unavailable"]
 
 TICK_S = 0.1  # how often the router looks at its replicas (replacements, autoscaling)
+# The latencies a p99 is taken over: the newest this many since the last decision. Bounded, as
+# a window is kept for as long as no decision ends it (forever, with a fixed replica count).
+LATENCY_SAMPLES = 4096
+KEPT_DECISIONS = 256  # scaling decisions kept for stats() (oldest dropped)
 
 
 class ModelError(Exception):
@@ -90,7 +97,9 @@ class _Window:
     """What happened since the policy last looked."""
 
     start: float
-    latencies: list[float] = field(default_factory=list)
+    latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LATENCY_SAMPLES)
+    )
     busy_s: float = 0.0
 
 
@@ -99,8 +108,18 @@ async def _wait(future: Future[Any]) -> Any:
 
 
 class Router:
-    def __init__(self, spec: ModelSpec, config: ServeConfig, metrics: Metrics) -> None:
+    """start_replica: how a replica starts, `spawn_replica`'s signature (tests pass a fake)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: ServeConfig,
+        metrics: Metrics,
+        *,
+        start_replica: Callable[..., ReplicaProc] = spawn_replica,
+    ) -> None:
         self.spec = spec
+        self._start_replica = start_replica
         self.config = config
         self.metrics = metrics
         self.policy = config.autoscale()
@@ -108,7 +127,7 @@ class Router:
         self.slots: list[_Slot] = []
         self.target = config.min_replicas
         self.info: ModelInfo | None = None
-        self.decisions: list[ReplicaScale] = []
+        self.decisions: collections.deque[ReplicaScale] = collections.deque(maxlen=KEPT_DECISIONS)
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.retried = 0  # requests resent after their replica died
         self.replaced = 0  # replicas lost and replaced
@@ -130,8 +149,10 @@ class Router:
         self._timer: asyncio.TimerHandle | None = None
         self._window = _Window(time.monotonic())
         self._last_decision = time.monotonic()
-        # The controller's channel mailbox starts on first use: here, not on the first stream.
-        await self._loop.run_in_executor(self._pool, Channel.open)
+        if self.spec.generate is not None:
+            # The controller's channel mailbox starts on first use: here, not on the first
+            # stream (a model without `generate` streams nothing, so it needs none).
+            await self._loop.run_in_executor(self._pool, Channel.open)
         await asyncio.gather(*(self._start_one(raise_error=True) for _ in range(self.target)))
         self._spawn(self._maintain())
 
@@ -186,6 +207,8 @@ class Router:
         """The generated text, a token at a time. A replica lost mid-stream is replaced by
         another that continues from the text already sent (the prompt plus it), so the caller
         sees one unbroken stream."""
+        if self.info is not None and not self.info.generates:
+            raise ModelError("ValueError", "this model has no generate function")
         pieces: list[str] = []
         tries = 0
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -381,7 +404,7 @@ class Router:
             replica = await self._loop.run_in_executor(
                 self._pool,
                 functools.partial(
-                    spawn_replica,
+                    self._start_replica,
                     name,
                     spec,
                     cpus=self.config.cpus_per_replica,
@@ -458,16 +481,20 @@ class Router:
             victim.retiring = victim.held = True
 
     # ---- reload ----------------------------------------------------------------------------
-    async def reload(self, checkpoint: str) -> str:
+    async def reload(self, checkpoint: str, root: Path | None = None) -> str:
         """Move every replica to `checkpoint`, one at a time, each out of rotation while it
         loads (the others keep serving). Returns the step folder loaded. Raises ValueError,
-        with every replica back on the old weights, if the new checkpoint does not load."""
+        with every replica back on the old weights, if the new checkpoint does not load.
+
+        root: load only from under this folder (HTTP's checkpoint_root): PermissionError,
+        before anything is read, for a path outside it, and before anything is loaded when
+        the step folder found, or a file in it, links out of it."""
         if self._reloading:
             raise RuntimeError("a reload is already in progress; wait for it")
         self._reloading = True
         try:
             new = await self._loop.run_in_executor(
-                self._pool, dataclasses.replace(self.spec, checkpoint=checkpoint).resolved
+                self._pool, functools.partial(self._resolve, checkpoint, root)
             )
             old, self.spec = self.spec, new
             done: list[_Slot] = []
@@ -487,6 +514,16 @@ class Router:
             return str(new.checkpoint)
         finally:
             self._reloading = False
+
+    def _resolve(self, checkpoint: str, root: Path | None) -> ModelSpec:
+        if root is not None:
+            checkpoint = str(check_under_root(checkpoint, root))
+        new = dataclasses.replace(self.spec, checkpoint=checkpoint).resolved()
+        if root is not None and new.checkpoint is not None:
+            # The replicas load the real path checked here, not a link that could be moved.
+            real = check_under_root(new.checkpoint, root, files=True)
+            new = dataclasses.replace(new, checkpoint=str(real))
+        return new
 
     async def _reload_slot(self, slot: _Slot, spec: ModelSpec) -> None:
         slot.held = True

@@ -25,11 +25,15 @@ Guarantees:
   `export_state_dict()` raise `CheckpointError` instead of loading it.
 - Resharded: the checkpoint holds each tensor's global shape (DCP), so a save at one world size
   and strategy (DDP, FSDP or HSDP via FSDP2's `fully_shard`, a plain module) loads at another.
-- weights_only: DCP reads tensors with `torch.load(weights_only=True)`; raymesh's load planner
-  also reads DCP's non-tensor entries (optimizer hyperparameters) with `weights_only=True`, where
-  DCP's default would unpickle them freely. DCP's own `.metadata` index is a pickle by DCP's
-  design; it is only read after its checksum matched the manifest (a guard against corruption,
-  not against someone who can rewrite both).
+- No code runs from a checkpoint: DCP reads tensors with `torch.load(weights_only=True)`;
+  raymesh's load planner also reads DCP's non-tensor entries (optimizer hyperparameters) with
+  `weights_only=True`, where DCP's default would unpickle them freely; and DCP's own `.metadata`
+  index, a pickle by DCP's design, is read by `_MetadataUnpickler`, which builds DCP's metadata
+  types and the torch and pathlib values they hold, and refuses anything else unread
+  (CheckpointError naming it). Every read here goes through `_MetadataReader`.
+- Checksums are not proof of origin: the manifest's sha256s catch corruption and partial
+  writes, not someone who can write the folder (they can rewrite the manifest too). A checkpoint
+  from such a source cannot run code when loaded, but its weights are whatever they wrote.
 
 Requirements: `dir` must be one filesystem that every rank sees (rank 0 hashes and renames the
 files the other ranks wrote). `save` and `load` are collective over the default process group,
@@ -47,6 +51,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -64,7 +69,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -350,6 +355,7 @@ class Checkpointer:
             dcp.load(
                 state,
                 checkpoint_id=path,
+                storage_reader=_MetadataReader(path),
                 planner=_WeightsOnlyLoadPlanner(),
                 process_group=self._pg(),
                 no_dist=not _distributed(),
@@ -397,7 +403,7 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     _verify(path)
-    reader = FileSystemReader(path)
+    reader = _MetadataReader(path)
     prefix = f"{_MODEL}."
     state: dict[str, Any] = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
@@ -441,6 +447,86 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: a global is found only if it is one of
+    DCP's metadata types or a value they hold (a torch dtype, `torch.Size`, a layout, a path).
+    Anything else (a function to call, a class whose construction has effects) is refused
+    before it is looked up, so no `.metadata`, however it was written, can run code; the
+    objects it can build only hold data."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",  # an Enum: how TensorProperties pickles a memory format
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},  # a layout by name, from torch's own table
+        "torch": {"Size"},  # and the dtypes, checked by type below
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def __init__(self, file: Any, where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"{self.where} refers to {module}.{name}, which is not one of DCP's metadata "
+            "types: refused unread (this file was not written by torch.distributed.checkpoint, "
+            "or was altered after)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.where} holds a persistent reference: not DCP metadata")
+
+
+def _read_metadata(file: Any, where: str) -> Metadata:
+    """DCP's Metadata from an open `.metadata` file, by `_MetadataUnpickler` (CheckpointError
+    for anything else in it, and for a file that is not a pickle)."""
+    try:
+        metadata = _MetadataUnpickler(file, where).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or not a pickle: what pickle raises varies
+        raise CheckpointError(f"{where} is not DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class _MetadataReader(FileSystemReader):
+    """DCP's FileSystemReader, but `.metadata` is read by `_read_metadata` (DCP's own reader
+    unpickles it with `pickle.load`, which runs whatever the file says). The rest of what DCP's
+    `read_metadata` does is repeated as it is."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path: Any
+        if hasattr(self, "_get_metadata_path"):  # torch >= 2.6 (rank-specific metadata)
+            path = self._get_metadata_path(rank)
+        else:
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _read_metadata(file, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -465,7 +551,8 @@ def _committed(dir: Path) -> list[tuple[int, Path]]:
 
 def _verify(path: Path) -> Manifest:
     """The manifest of the checkpoint at `path` if every file it lists is there with its
-    checksum; CheckpointError naming the first problem otherwise."""
+    checksum and its `.metadata` holds DCP metadata only; CheckpointError naming the first
+    problem otherwise."""
     try:
         text = (path / MANIFEST).read_text()
     except FileNotFoundError:
@@ -496,6 +583,10 @@ def _verify(path: Path) -> Manifest:
                 f"file {rel!r} fails its checksum (sha256 {actual[:12]}..., "
                 f"manifest {expected[:12]}...): corrupt"
             )
+    # Its checksum matching proves nothing about who wrote it: read it as DCP will, refusing
+    # anything but metadata, so that a checkpoint that would be refused is never `latest()`.
+    with open(path / ".metadata", "rb") as stream:
+        _read_metadata(stream, ".metadata")
     return manifest
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,21 @@ def mlp_outputs(dir: Path, xs: list[list[float]]) -> list[list[float]]:
 
 
 class Client:
-    """Keep-alive HTTP/1.1 to one server; `post` returns (status, headers, JSON body)."""
+    """Keep-alive HTTP/1.1 (HTTPS for an https:// URL, trusting `cafile`) to one server;
+    `post` returns (status, headers, JSON body)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, timeout: float = 30, cafile: Path | None = None
+    ) -> None:
         parsed = urlparse(url)
-        self.conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+        self.conn: http.client.HTTPConnection
+        if parsed.scheme == "https":
+            context = ssl.create_default_context(cafile=None if cafile is None else str(cafile))
+            self.conn = http.client.HTTPSConnection(
+                parsed.hostname, parsed.port, timeout=timeout, context=context
+            )
+        else:
+            self.conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
         self.headers = {"Content-Type": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -122,3 +133,45 @@ def load(url: str, token: str | None, bodies: list[Any], clients: int) -> list[t
         for f in [pool.submit(work, k) for k in range(clients)]:
             f.result(timeout=120)
     return out
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file

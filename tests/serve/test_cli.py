@@ -7,11 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import torch
 
 from tests.serve.helpers import Client, mlp_checkpoint, mlp_outputs
+from tests.waiting import wait_for
 
 
 def test_raymesh_serve_serves_a_job_file_until_interrupted(ray_cluster, tmp_path):
@@ -38,12 +38,12 @@ def test_raymesh_serve_serves_a_job_file_until_interrupted(ray_cluster, tmp_path
             env=env,
         )
     try:
-        deadline = time.monotonic() + 120
-        while not (found := re.search(r"serving (http://\S+)", log.read_text())):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        url = found.group(1)
+
+        def serving() -> re.Match[str] | None:
+            assert proc.poll() is None, log.read_text()  # it died: say why, do not wait on
+            return re.search(r"serving (http://\S+)", log.read_text())
+
+        url = wait_for(serving, 120, what="raymesh serve's URL", interval=0.2).group(1)
         x = [0.1] * 32
         status, _, body = Client(url, "from-env").post("/v1/predict", {"x": x})
         assert status == 200, body
@@ -69,3 +69,25 @@ def test_raymesh_serve_without_a_checkpoint_says_how_to_make_one(tmp_path, capsy
     assert "no committed checkpoint there" in err and "raymesh train" in err
     assert main(["serve", "reload"]) == 2
     assert "give --checkpoint NEW" in capsys.readouterr().err
+
+
+def test_raymesh_serve_refuses_an_admin_token_without_a_root_and_half_a_tls_pair(
+    tmp_path, capsys, monkeypatch
+):
+    from raymesh.cli.main import main
+    from raymesh.serve.config import ADMIN_TOKEN_ENV
+
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    job = tmp_path / "job.toml"
+    job.write_text(f'build = "raymesh.examples.mlp:build"\n[checkpoint]\ndir = "{checkpoint}"\n')
+    assert main(["serve", str(job), "--admin-token", "a"]) == 2  # nothing starts
+    assert "checkpoint_root=None: an admin token" in capsys.readouterr().err
+    assert main(["serve", str(job), "--tls-cert", str(job)]) == 2
+    assert "tls_key is missing" in capsys.readouterr().err
+    argv = ["serve", "reload", "--checkpoint", str(checkpoint)]
+    assert main(argv) == 2
+    assert ADMIN_TOKEN_ENV in capsys.readouterr().err
+    assert main([*argv, "--admin-token", "a", "--tls-cert", str(job)]) == 2  # an http:// URL
+    assert "give its https:// URL" in capsys.readouterr().err

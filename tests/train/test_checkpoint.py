@@ -367,3 +367,59 @@ def test_bad_arguments_raise_value_errors_that_name_the_value(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"missing field"):
         Manifest.from_json('{"step": 1}')
     assert list(tmp_path.iterdir()) == []
+
+
+class Plant:
+    """Unpickled, it opens `path` for writing, which creates the file: a stand-in for any code a
+    planted pickle could run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def plant_metadata(step: Path, payload: Any) -> None:
+    """Replace the checkpoint's `.metadata` with `payload` pickled, and its checksum in the
+    manifest to match: what someone who can write the folder can do."""
+    import hashlib
+    import pickle
+
+    data = pickle.dumps(payload)
+    (step / ".metadata").write_bytes(data)
+    manifest = Manifest.from_json((step / "manifest.json").read_text())
+    files = {**manifest.files, ".metadata": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(Manifest(**{**manifest.__dict__, "files": files}).to_json())
+
+
+@pytest.mark.parametrize("where", ["alone", "inside DCP's own metadata"])
+def test_a_pickle_planted_in_metadata_never_runs_and_the_checkpoint_is_refused(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from raymesh.train.checkpoint import _MetadataReader
+
+    model, opt = _fresh()
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, model, opt, world_size=1, strategy="none", config={}, data_position=0, rank=0)
+    step = tmp_path / "ck" / "step-00000001"
+    marker = tmp_path / "planted-code-ran"
+    payload: Any = Plant(marker)
+    if where != "alone":  # a real index with the plant deep inside one of its fields
+        payload = FileSystemReader(step).read_metadata()
+        payload.planner_data = {"model.0.weight": [payload.planner_data, Plant(marker)]}
+    plant_metadata(step, payload)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"io\.open, which is not one of DCP's metadata"):
+        export_state_dict(step)
+    with pytest.raises(CheckpointError, match=r"cannot load .*not one of DCP's metadata types"):
+        ck.load(step, model, opt)
+    with pytest.raises(CheckpointError, match=r"refused unread"):  # what dcp.load reads with
+        _MetadataReader(step).read_metadata()
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        assert ck.latest() is None  # skipped, with its reason
+    assert "io.open" in caplog.text
+    assert not marker.exists()
+    _assert_same(before, model.state_dict())

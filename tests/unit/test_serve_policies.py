@@ -141,6 +141,14 @@ def test_an_idle_server_sends_at_once_and_a_resent_request_goes_first():
         ({"cpus_per_replica": 0}, "cpus_per_replica=0"),
         ({"backend": "triton"}, "backend='triton'"),
         ({"busy_down": 2}, "busy_down=2"),
+        ({"admin_token": ""}, "admin_token="),
+        ({"body_timeout_s": 0}, "body_timeout_s=0"),
+        ({"keep_alive_s": -1}, "keep_alive_s=-1"),
+        ({"max_connections": 0}, "max_connections=0"),
+        ({"tls": {"cert": "c.pem"}}, "tls_key is missing"),
+        ({"tls": {"cert": "c.pem", "key": "k.pem", "ca": "x"}}, "give cert and key"),
+        ({"tls": "c.pem"}, "tls='c.pem': give Tls(cert=..., key=...)"),
+        ({"checkpoint_root": "/no/such/folder"}, "checkpoint_root='/no/such/folder'"),
     ],
 )
 def test_a_bad_serve_config_names_the_field_and_the_fix(fields, named):
@@ -230,3 +238,53 @@ def test_the_serve_table_of_a_job_file_and_training_ignoring_it(tmp_path):
     job.write_text('build = "raymesh.examples.tinygpt:build"\n[serve]\nreplica = 2\n')
     with pytest.raises(ValueError, match=r"job.toml: \[serve\] has unknown key"):
         load_serving(job)
+
+
+@pytest.fixture
+def pem(tmp_path):
+    """Two files that stand for a certificate and its key (Tls checks that they exist)."""
+    (tmp_path / "cert.pem").write_text("cert")
+    (tmp_path / "key.pem").write_text("key")
+    return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+
+
+@pytest.mark.parametrize(
+    "field", ["admin_token", "checkpoint_root", "tls", "max_connections", "keep_alive_s"]
+)
+def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem, tmp_path):
+    from raymesh._src.asgi import Tls
+    from raymesh.serve import ServeConfig
+
+    value = {
+        "admin_token": "admin",
+        "checkpoint_root": str(tmp_path),
+        "tls": Tls(cert=pem[0], key=pem[1]),
+        "max_connections": 10,
+        "keep_alive_s": 60.0,
+    }[field]
+    fields = {field: value}
+    if field == "admin_token":
+        fields["checkpoint_root"] = str(tmp_path)  # which it needs
+    ServeConfig(**fields)  # fine with raymesh's own front
+    with pytest.raises(ValueError, match=rf'{field}=.*: backend="ray-serve" cannot apply it'):
+        ServeConfig(backend="ray-serve", **fields)
+    # The token and the body's limits hold there too: the deployment checks them (Guard).
+    config = ServeConfig(backend="ray-serve", token="t", max_body_bytes=10, body_timeout_s=1)
+    assert config.bearer() == "t" and config.admin() is None
+
+
+def test_tls_and_the_reload_fields_from_a_job_file_and_the_command_line(pem, tmp_path):
+    from raymesh._src.asgi import Tls
+    from raymesh.serve.jobfile import load_serving
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'build = "raymesh.examples.mlp:build"\n'
+        f'[serve]\ncheckpoint_root = "{tmp_path}"\n'
+        f'tls = {{cert = "{pem[0]}", key = "{pem[1]}"}}\n'
+    )
+    _, config = load_serving(job, admin_token="from-cli")
+    assert config.tls == Tls(cert=pem[0], key=pem[1])
+    assert config.checkpoint_root == str(tmp_path) and config.admin() == "from-cli"
+    _, config = load_serving(job, tls=Tls(cert=pem[1], key=pem[0]))  # --tls-cert/--tls-key
+    assert config.tls == Tls(cert=pem[1], key=pem[0]) and config.admin() is None

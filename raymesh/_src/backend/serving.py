@@ -1,13 +1,18 @@
 """Ray Serve: a model served as a Ray Serve deployment (`raymesh serve --backend ray-serve`),
 for users who already run Serve. Ray Serve owns the HTTP proxy, the replicas and the batching
-(`@serve.batch`); raymesh gives it the model loader and the input check, so it answers the
-same requests as raymesh's own front: POST /v1/predict {"x": ...} -> {"y": ...}, 400 for
-malformed JSON, 422 for a wrong input, 500 with the model's error type."""
+(`@serve.batch`); raymesh gives it the model loader, the input check and the request guard
+(raymesh.serve's `Guard`), so it answers the same requests as raymesh's own front: POST
+/v1/predict {"x": ...} -> {"y": ...}, 401 without the bearer token (when one is set), 400 for
+malformed JSON or a number that is not finite, 408 for a body not in within its deadline, 413
+for a body over the limit, 422 for a wrong input, 500 with the model's error type.
+
+What it enforces is enforced in the deployment's replica, after Serve's proxy has passed the
+request on: the proxy's connections, keep-alive and TLS are Serve's own settings, which is why
+ServeConfig refuses raymesh's for this backend."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import socket
 from collections.abc import Callable
@@ -64,6 +69,7 @@ def _free_port(host: str) -> int:
 def deploy(
     load: Callable[[Any], Any],
     check: Callable[[Any, Any, bool], str | None],
+    guard: Any,
     *,
     host: str,
     port: int,
@@ -77,7 +83,11 @@ def deploy(
     """Deploy `load(device)` (a raymesh.serve LoadedModel) as the Serve app "raymesh" on
     route prefix "/v1" (so it sits beside apps on "/"); returns once it answers. Starts Serve's
     HTTP proxy on host:port (port 0: a free one) unless Serve is already running, whose proxy
-    is then used as it is."""
+    is then used as it is.
+
+    guard: every request passes `guard.authorize(scope)` and `await guard.read_json(scope,
+    receive)` first (raymesh.serve.guard.Guard), whose refusals carry `status`, `body` and
+    `headers`."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
@@ -109,10 +119,16 @@ def deploy(
             if not request.url.path.rstrip("/").endswith("/predict") or request.method != "POST":
                 return _error(404, "NotFound", "POST /v1/predict is the route served")
             try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                return _error(400, "MalformedJSON", f"the body is not valid JSON: {e}")
-            if not isinstance(body, dict) or "x" not in body:
+                guard.authorize(request.scope)
+                body = await guard.read_json(request.scope, request.receive)
+            except Exception as e:
+                refusal: Any = e
+                if not isinstance(getattr(refusal, "status", None), int):
+                    raise  # not a refusal: Serve answers 500
+                return JSONResponse(
+                    {"error": refusal.body}, refusal.status, headers=refusal.headers
+                )
+            if "x" not in body:
                 return _error(422, "ValidationError", 'x: missing; send {"x": <one input>}', "x")
             why = check(body["x"], self.info.input_shape, self.info.input_dtype == "int64")
             if why is not None:

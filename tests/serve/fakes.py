@@ -1,0 +1,161 @@
+"""Replicas without Ray, so that the front and the router run for real (uvicorn, the router's
+loop, real HTTP) in a test that starts no proc: `Fakes.start` has `spawn_replica`'s signature
+and is passed to `App(start_replica=...)`, as Ray Train v2's tests swap in a fake worker group.
+
+A fake replica's "weights" are its checkpoint folder's name: folder `w3` answers 3 * x for each
+input x (no checkpoint: 1 * x), so an answer says which weights computed it. An input of -1
+hangs until the replica is killed, as a hung model does; while `gate` is clear, every batch
+waits (a replica busy for as long as the test says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raymesh.actor import ActorError
+from raymesh.serve import ModelSpec, ServeConfig
+from raymesh.serve.app import App
+from raymesh.serve.model import ModelInfo
+from raymesh.serve.replica import ReplicaProc
+
+HANG = -1
+
+
+def weight_of(checkpoint: str | None) -> float:
+    return 1.0 if checkpoint is None else float(Path(checkpoint).name.lstrip("w"))
+
+
+def fake_checkpoint(folder: Path) -> Path:
+    """A folder `resolve_checkpoint` takes as a step folder (it has a manifest.json)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text("{}")
+    return folder
+
+
+class _Endpoint:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def call_one(self, *args: Any) -> Any:
+        return self.fn(*args)  # a coroutine: the router awaits it as it awaits a Future
+
+
+class FakeReplica:
+    def __init__(self, fakes: Fakes, name: str, spec: ModelSpec, pid: int) -> None:
+        self.fakes, self.name, self.spec, self.pid = fakes, name, spec, pid
+        self.killed = False
+        self.held: list[Any] = []  # inputs of the batch it is computing
+        self.predict = _Endpoint(self._predict)
+        self.reload = _Endpoint(self._reload)
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            input_shape=None,
+            input_dtype="float32",
+            generates=True,
+            checkpoint=self.spec.checkpoint,
+            device="cpu",
+        )
+
+    async def _predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, Any], float]:
+        self.held = inputs
+        try:
+            while HANG in inputs or not self.fakes.gate.is_set():
+                if self.killed:
+                    raise RuntimeError(f"{self.name}'s proc died")  # as a SupervisionError
+                await asyncio.sleep(0.005)
+            if self.killed:
+                raise RuntimeError(f"{self.name}'s proc died")
+            w = weight_of(self.spec.checkpoint)
+            if self.fakes.reloading:  # another replica is swapping its weights right now
+                self.fakes.served_during_reload += len(inputs)
+            return [w * x for x in inputs], {}, 0.0
+        finally:
+            self.held = []
+
+    async def _reload(self, spec: ModelSpec) -> ModelInfo:
+        self.fakes.reloading += 1
+        try:
+            await asyncio.sleep(self.fakes.reload_s)  # loading takes a while: requests overlap
+            self.fakes.reloads.append((self.name, spec.checkpoint))
+            if self.fakes.fail_reload(self, spec):
+                raise ActorError(
+                    mesh_name=self.name,
+                    rank=0,
+                    endpoint="reload",
+                    remote_type="raymesh.train.checkpoint.CheckpointError",
+                    remote_message=f"{spec.checkpoint} failed to load on {self.name}",
+                    remote_traceback="",
+                )
+            self.spec = spec
+            return self.info()
+        finally:
+            self.fakes.reloading -= 1
+
+
+class _Procs:
+    def __init__(self, replica: FakeReplica) -> None:
+        self.replica = replica
+
+    def kill(self) -> None:
+        self.replica.killed = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.replica.killed = True
+
+
+class Fakes:
+    """The fake replicas of one app, and the knobs a test turns."""
+
+    def __init__(self, *, reload_s: float = 0.0) -> None:
+        self.replicas: list[FakeReplica] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.reload_s = reload_s
+        self.reloads: list[tuple[str, str | None]] = []  # (replica, checkpoint) per reload call
+        self.reloading = 0  # replicas loading weights now
+        self.served_during_reload = 0  # inputs answered while a replica was loading
+        self._pids = itertools.count(100_000)
+
+    def fail_reload(self, replica: FakeReplica, spec: ModelSpec) -> bool:
+        """Whether `replica` fails to load `spec` (a test replaces it)."""
+        return False
+
+    def start(
+        self, name: str, spec: ModelSpec, *, cpus: float, gpus: bool, timeout: float
+    ) -> ReplicaProc:
+        replica = FakeReplica(self, name, spec, next(self._pids))
+        self.replicas.append(replica)
+        return ReplicaProc(name, _Procs(replica), replica, replica.info(), replica.pid)  # type: ignore[arg-type]
+
+    def live(self) -> list[FakeReplica]:
+        return [r for r in self.replicas if not r.killed]
+
+
+def spec_of(checkpoint: Path | None) -> ModelSpec:
+    return ModelSpec(
+        model=torch.nn.Identity(), checkpoint=None if checkpoint is None else str(checkpoint)
+    ).resolved()
+
+
+@contextlib.contextmanager
+def fake_app(
+    checkpoint: Path | None = None, fakes: Fakes | None = None, **fields: Any
+) -> Iterator[tuple[App, Fakes]]:
+    """A real server (uvicorn, router, HTTP on a free port) over fake replicas."""
+    fakes = fakes or Fakes()
+    app = App(spec_of(checkpoint), ServeConfig(port=0, **fields), start_replica=fakes.start)
+    app._start()
+    try:
+        yield app, fakes
+    finally:
+        fakes.gate.set()
+        app.stop()

@@ -1,0 +1,310 @@
+"""raymesh.serve's front and router over real HTTP (uvicorn on a free port), with fake replicas
+(tests/serve/fakes.py): no Ray, no proc. What a request must pass (the tokens, the admin route
+and its checkpoint root, the body's size and deadline, finite numbers, TLS) and what the router
+does with its replicas (a reload that fails half-way, a hung replica, a full queue, a latency
+window that stays bounded)."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from raymesh import serve
+from raymesh.serve.config import ADMIN_TOKEN_ENV
+from tests.serve.fakes import HANG, Fakes, fake_app, fake_checkpoint, weight_of
+from tests.serve.helpers import Client, mlp_checkpoint, self_signed
+from tests.waiting import wait_for
+
+TOKEN, ADMIN = "user-token", "admin-token"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A checkpoint_root holding two fake step folders: w2 (weights 2) and w3 (weights 3)."""
+    fake_checkpoint(tmp_path / "root" / "w2")
+    fake_checkpoint(tmp_path / "root" / "w3")
+    return tmp_path / "root"
+
+
+def _guarded(root: Path, **fields: Any) -> Any:
+    return fake_app(
+        root / "w2", token=TOKEN, admin_token=ADMIN, checkpoint_root=str(root), **fields
+    )
+
+
+def test_every_guarded_route_is_401_without_its_own_token(root: Path) -> None:
+    with _guarded(root) as (app, fakes):
+        routes = [
+            ("POST", "/v1/predict", {"x": 1.0}, TOKEN),
+            ("POST", "/v1/generate", {"prompt": "a"}, TOKEN),
+            ("POST", "/v1/generate", {"prompt": "a", "stream": True}, TOKEN),
+            ("GET", "/metrics", None, TOKEN),
+            ("POST", "/admin/reload", {"checkpoint": str(root / "w3")}, ADMIN),
+        ]
+        for method, path, body, right in routes:
+            other = ADMIN if right == TOKEN else TOKEN  # the other token opens nothing here
+            for token in (None, "wrong", other):
+                client = Client(app.url, token)
+                client.headers["Accept"] = "text/event-stream"
+                status, _, answer = client.request(method, path, body)
+                assert status == 401, (path, token, status, answer)
+                assert answer["error"]["type"] == "Unauthorized", answer
+        assert fakes.reloads == [] and app.stats()["checkpoint"] == str(root / "w2")
+        user, admin = Client(app.url, TOKEN), Client(app.url, ADMIN)
+        assert user.post("/v1/predict", {"x": 1.0})[2] == {"y": 2.0}
+        status, _, body = admin.post("/admin/reload", {"checkpoint": str(root / "w3")})
+        assert status == 200 and body["checkpoint"] == str((root / "w3").resolve())
+        assert user.post("/v1/predict", {"x": 1.0})[2] == {"y": 3.0}
+
+
+def test_reload_is_off_without_an_admin_token_and_an_admin_token_needs_a_root(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    with fake_app(root / "w2") as (app, fakes):
+        status, _, body = Client(app.url, "any").post(
+            "/admin/reload", {"checkpoint": str(root / "w3")}
+        )
+        assert status == 403 and "POST /admin/reload is off" in body["error"]["message"]
+        assert "admin_token" in body["error"]["message"] and fakes.reloads == []
+    with pytest.raises(ValueError, match=r"checkpoint_root=None: an admin token .* set it"):
+        serve.ServeConfig(admin_token=ADMIN)
+    with pytest.raises(ValueError, match=r"admin_token='<hidden>': give a token of its own"):
+        serve.ServeConfig(admin_token=TOKEN, token=TOKEN, checkpoint_root=str(root))
+    with pytest.raises(ValueError, match=r"checkpoint_root='.*nothing': give the folder"):
+        serve.ServeConfig(admin_token=ADMIN, checkpoint_root=str(root / "nothing"))
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    with pytest.raises(ValueError, match=r"checkpoint_root=None: an admin token"):
+        serve.deploy(lambda x: x, port=0)  # refused before anything starts
+    with fake_app(root / "w2", checkpoint_root=str(root)) as (app, fakes):  # the env's token
+        assert Client(app.url).post("/admin/reload", {"checkpoint": str(root / "w3")})[0] == 401
+        status, _, _ = Client(app.url, ADMIN).post("/admin/reload", {"checkpoint": str(root)})
+        assert status == 422  # under the root, but no checkpoint there: refused as before
+        reply = Client(app.url, ADMIN).post("/admin/reload", {"checkpoint": str(root / "w3")})
+        assert reply[0] == 200
+
+
+def test_reload_loads_only_from_under_the_checkpoint_root(tmp_path: Path, root: Path) -> None:
+    outside = fake_checkpoint(tmp_path / "outside" / "w9")
+    (root / "link").symlink_to(outside)  # a link in the root to a step folder outside it
+    real = mlp_checkpoint(tmp_path / "outside-job", seed=1)  # a checkpoint that verifies
+    (root / "job").mkdir()
+    (root / "job" / "step-00000001").symlink_to(real / "step-00000001")  # its newest step: out
+    fake_checkpoint(root / "w4")
+    (outside / "secret").write_text("not weights")
+    (root / "w4" / "__0_0.distcp").symlink_to(outside / "secret")  # one file in it links out
+    with _guarded(root) as (app, fakes):
+        admin = Client(app.url, ADMIN)
+        for checkpoint in (
+            str(outside),
+            str(root / ".." / "outside" / "w9"),
+            os.path.relpath(outside),
+            str(root / "link"),
+            str(root / "job"),
+            str(root / "w4"),
+        ):
+            status, _, body = admin.post("/admin/reload", {"checkpoint": checkpoint})
+            assert status == 403, (checkpoint, body)
+            assert body["error"]["field"] == "checkpoint"
+            assert f"outside checkpoint_root={str(root)!r}" in body["error"]["message"], body
+        assert fakes.reloads == [] and app.stats()["checkpoint"] == str(root / "w2")
+        assert admin.post("/admin/reload", {"checkpoint": str(root / "w3")})[0] == 200
+
+
+def test_a_reload_that_fails_on_one_replica_rolls_back_and_fails_no_request(root: Path) -> None:
+    new, old = str((root / "w3").resolve()), str(root / "w2")
+
+    def second_to_load_new_fails(replica: Any, spec: Any) -> bool:
+        return spec.checkpoint == new and [c for _, c in fakes.reloads].count(new) == 2
+
+    fakes = Fakes(reload_s=0.2)
+    fakes.fail_reload = second_to_load_new_fails  # type: ignore[method-assign]
+    answers: list[tuple[int, Any]] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        client = Client(app.url, TOKEN)
+        while not stop.is_set():
+            status, _, body = client.post("/v1/predict", {"x": 1.0})
+            answers.append((status, body))
+
+    with _guarded(root, fakes=fakes, replicas=3) as (app, _):
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: len(answers) >= 20, 30, what="requests answered before the reload")
+            status, _, body = Client(app.url, ADMIN).post("/admin/reload", {"checkpoint": new})
+            after = len(answers)
+            wait_for(lambda: len(answers) >= after + 20, 30, what="requests after the reload")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        assert status == 422 and body["error"]["type"] == "ReloadFailed", body
+        assert "did not load" in body["error"]["message"] and old in body["error"]["message"]
+        first, second = fakes.reloads[0][0], fakes.reloads[1][0]
+        assert fakes.reloads == [(first, new), (second, new), (first, old)]  # moved, then back
+        assert [weight_of(r.spec.checkpoint) for r in fakes.live()] == [2.0, 2.0, 2.0]
+        assert app.stats()["checkpoint"] == old
+    assert fakes.served_during_reload > 0  # requests really overlapped the swaps
+    assert {status for status, _ in answers} == {200}
+    # While it ran, the replica moved first answered with the new weights; once it failed,
+    # the old ones only (each client thread may still hold one answer from before).
+    assert {body["y"] for _, body in answers} <= {2.0, 3.0}
+    assert {body["y"] for _, body in answers[after + len(threads) :]} == {2.0}
+
+
+def test_a_hung_replica_is_a_504_and_is_replaced() -> None:
+    with fake_app(request_timeout_s=0.5) as (app, fakes):
+        client = Client(app.url)
+        status, _, body = client.post("/v1/predict", {"x": HANG})
+        assert status == 504 and body["error"]["type"] == "Timeout", body
+        hung = fakes.replicas[0]
+        wait_for(lambda: hung.killed and len(fakes.live()) == 1, 10, what="a replacement")
+        assert app.stats()["replaced"] == 1
+        assert client.post("/v1/predict", {"x": 2.0})[2] == {"y": 2.0}
+
+
+def test_a_full_queue_is_503_with_retry_after_and_what_it_took_is_answered() -> None:
+    with fake_app(replicas=2, max_batch_size=4, max_queue=8, batch_wait_ms=1) as (app, fakes):
+        fakes.gate.clear()  # the replicas hold every batch until the test opens the gate
+        got: list[tuple[int, dict[str, str], Any]] = []
+        lock = threading.Lock()
+
+        def one() -> None:
+            reply = Client(app.url).post("/v1/predict", {"x": 1.0})
+            with lock:
+                got.append(reply)
+
+        threads = [threading.Thread(target=one) for _ in range(40)]
+        for t in threads:
+            t.start()
+
+        def held() -> int:
+            return sum(len(r.held) for r in fakes.replicas)
+
+        refused = wait_for(
+            lambda: (n := len(got)) + held() + app.stats()["queue_depth"] == 40 and n,
+            30,
+            what="every request computed, queued or refused",
+        )
+        # At most a full queue and a batch per replica were taken; the rest was refused.
+        assert app.stats()["queue_depth"] <= 8 and 1 <= held() <= 8
+        assert refused >= 40 - (8 + 2 * 4)
+        assert all(status == 503 for status, _, _ in got)
+        assert all(int(headers["retry-after"]) >= 1 for _, headers, _ in got)
+        fakes.gate.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(status for status, _, _ in got) == [200] * (40 - refused) + [503] * refused
+
+
+@pytest.mark.parametrize("replicas", [1, (1, 2)], ids=["fixed", "autoscaled"])
+def test_the_latency_window_stays_bounded_however_many_requests(
+    replicas: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raymesh.serve import router
+
+    monkeypatch.setattr(router, "LATENCY_SAMPLES", 50)
+    # cooldown_s: the autoscaled window is never closed by a decision during the test either
+    with fake_app(replicas=replicas, cooldown_s=3600) as (app, _):
+        replies = [app.predict.call_one(float(i)) for i in range(300)]
+        assert [r.get(timeout=30) for r in replies] == [float(i) for i in range(300)]
+        assert len(app.router._window.latencies) == 50
+
+
+@pytest.fixture(scope="module")
+def plain() -> Any:
+    with fake_app(token=TOKEN) as (app, _):
+        yield app
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"x": 1e400}',
+        b'{"x": -1e400}',
+        b'{"x": [1.0, 2E999]}',
+        b'{"x": 1' + b"0" * 400 + b".5}",
+        b'{"x": NaN}',
+        b'{"x": -Infinity}',
+    ],
+)
+def test_numbers_that_are_not_finite_are_malformed_json(plain: Any, raw: bytes) -> None:
+    status, _, body = Client(plain.url, TOKEN).post("/v1/predict", raw=raw)
+    assert status == 400 and body["error"]["type"] == "MalformedJSON", body
+
+
+def test_finite_numbers_pass_and_a_non_finite_temperature_is_refused(plain: Any) -> None:
+    client = Client(plain.url, TOKEN)
+    assert client.post("/v1/predict", raw=b'{"x": 1e300}')[2] == {"y": 1e300}
+    status, _, _ = client.post("/v1/generate", raw=b'{"prompt": "a", "temperature": 1e400}')
+    assert status == 400
+
+
+def _raw_request(url: str, head: bytes) -> socket.socket:
+    parsed = urlparse(url)
+    s = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
+    s.sendall(head)
+    return s
+
+
+def test_a_body_slower_than_its_deadline_is_a_408_and_the_connection_closes() -> None:
+    # keep_alive_s: an idle connection closed by the keep-alive timer is not mistaken for this
+    with fake_app(body_timeout_s=0.5, keep_alive_s=60) as (app, _):
+        head = (
+            b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 200\r\n\r\n"
+        )
+        body = b'{"x": ' + b" " * 192 + b"1}"
+        with _raw_request(app.url, head) as s:  # a byte every 50 ms: 10 s for the body
+            reply, sent = b"", 0
+            while not reply and sent < len(body):
+                s.sendall(body[sent : sent + 1])
+                sent += 1
+                if select.select([s], [], [], 0.05)[0]:
+                    reply = s.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 408"), reply
+            assert sent < len(body)  # answered while the body was still coming
+            assert b"body_timeout_s=0.5" in reply
+            s.settimeout(10)
+            while chunk := s.recv(65536):  # and the server hangs up, not the client
+                reply += chunk
+            assert b"connection: close" in reply.lower()
+        with _raw_request(app.url, head) as s:  # the headers, then nothing at all
+            assert s.recv(65536).startswith(b"HTTP/1.1 408")
+        assert Client(app.url).post("/v1/predict", {"x": 1.0})[2] == {"y": 1.0}
+
+
+def test_https_with_tls_and_raymesh_serve_reload_reaches_it(
+    tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raymesh._src.asgi import Tls
+    from raymesh.cli.main import main
+
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+
+    cert, key = self_signed(tmp_path)
+    with _guarded(root, tls=Tls(cert=str(cert), key=str(key))) as (app, _):
+        assert app.url.startswith("https://127.0.0.1:")
+        assert Client(app.url, TOKEN, cafile=cert).post("/v1/predict", {"x": 1.0})[2] == {"y": 2.0}
+        with pytest.raises(OSError):  # plain HTTP to it gets no answer
+            Client(app.url.replace("https", "http"), TOKEN).post("/v1/predict", {"x": 1.0})
+        base = ["serve", "reload", "--checkpoint", str(root / "w3"), "--url", app.url]
+        assert main([*base, "--admin-token", ADMIN]) == 1  # the system's CAs do not trust it
+        assert "CERTIFICATE_VERIFY_FAILED" in capsys.readouterr().err
+        assert main([*base, "--admin-token", TOKEN, "--tls-cert", str(cert)]) == 1
+        assert "HTTP 401" in capsys.readouterr().err
+        assert main([*base, "--tls-cert", str(cert)]) == 2
+        assert ADMIN_TOKEN_ENV in capsys.readouterr().err
+        assert main([*base, "--admin-token", ADMIN, "--tls-cert", str(cert)]) == 0
+        assert "serve " + str((root / "w3").resolve()) in capsys.readouterr().out
+        assert Client(app.url, TOKEN, cafile=cert).post("/v1/predict", {"x": 1.0})[2] == {"y": 3.0}
