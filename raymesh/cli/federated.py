@@ -1,12 +1,22 @@
-"""`raymesh federated job.toml`: a federated run from a job file (raymesh.federated.jobfile),
-with a line per round: clients sampled, responded and dropped, accuracy, loss, epsilon.
-`raymesh federated client --server URL --token T --client module:fn`: an edge client."""
+"""`raymesh federated job.toml [--tls-cert C --tls-key K]`: a federated run from a job file
+(raymesh.federated.jobfile), with a line per round: clients sampled, responded and dropped,
+accuracy, loss, epsilon. With an [edge] table and no token in it, the token is
+$RAYMESH_FL_TOKEN, or else one generated and written to a file only its owner can read, whose
+path is printed (the token itself is never printed nor logged).
+`raymesh federated client --server URL --token T --client module:fn [--ca-file PEM]`: an edge
+client."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import secrets
 import sys
+import tempfile
 from typing import Any, TextIO
+
+from raymesh.cli.args import add_tls_arguments
 
 __all__ = ["RoundBar", "add_parser", "run"]
 
@@ -21,6 +31,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--client", help="client: module:function building this device's client")
     p.add_argument("--timeout", type=float, default=60.0, help="client: seconds per request")
     p.add_argument("--threads", type=int, help="client: torch threads")
+    p.add_argument("--ca-file", help="client: PEM certificate(s) to trust for an https:// server")
+    p.add_argument("--device", help="client: this device's id for enrolment (default: host-pid)")
+    add_tls_arguments(p)  # the job's edge server
 
 
 class RoundBar:
@@ -70,17 +83,20 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from raymesh import federated as fl
+    from raymesh._src.asgi import Tls
     from raymesh.federated.jobfile import load_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        job = load_job(args.job, rounds=args.rounds, clients=args.clients)
+        tls = Tls.of(args.tls_cert, args.tls_key)
+        job = load_job(args.job, tls=tls, rounds=args.rounds, clients=args.clients)
+        config = _with_token(job.config)
         result = fl.run(
             job.client_fn,
             job.strategy,
             evaluate_fn=job.evaluate_fn,
-            on_round=RoundBar(job.config.rounds),
-            **{f: getattr(job.config, f) for f in job.config.__dataclass_fields__},
+            on_round=RoundBar(config.rounds),
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
         )
     except (ValueError, TypeError) as e:  # a user mistake: one clear line, no traceback
         print(f"raymesh federated: {e}", file=sys.stderr)
@@ -94,3 +110,24 @@ def run(args: argparse.Namespace) -> int:
         line += f", epsilon {result.epsilon:.3f}"
     print(line)
     return 0
+
+
+def _with_token(config: Any) -> Any:
+    """`config` with its edge server's token settled: the job's, $RAYMESH_FL_TOKEN, or a new
+    one written to a file of a new private folder (0600 in 0700), whose path is printed."""
+    edge = config.edge
+    if edge is None or edge.token is not None:
+        return config
+    token = os.environ.get("RAYMESH_FL_TOKEN")
+    if not token:
+        token = secrets.token_urlsafe(24)
+        path = os.path.join(tempfile.mkdtemp(prefix="raymesh-federated-"), "edge-token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        print(
+            f"raymesh federated: edge clients' token generated into {path} (only you can read "
+            f"it): RAYMESH_FL_TOKEN=$(cat {path}) raymesh federated client --server ...",
+            file=sys.stderr,
+        )
+    return dataclasses.replace(config, edge=dataclasses.replace(edge, token=token))

@@ -5,8 +5,10 @@ where they live (thousands multiplexed onto a few procs, or edge devices over HT
 applies the strategy to their mean update; with `secure_aggregation=True` the controller sees
 only masked updates and their exact sum, and with `dp=DP(...)` updates are clipped, noised and
 accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) are usable alone.
+`EdgeConfig(tls=Tls(cert=..., key=...))` serves edge devices over HTTPS.
 """
 
+from raymesh._src.asgi import Tls
 from raymesh.federated.client import Client
 from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
 from raymesh.federated.partition import dirichlet_partition
@@ -32,6 +34,7 @@ __all__ = [
     "SecAggError",
     "SecAggServer",
     "Strategy",
+    "Tls",
     "Update",
     "clip_update",
     "dirichlet_partition",

@@ -1,6 +1,7 @@
-"""The edge client: one real device taking part in a federated run over HTTP.
+"""The edge client: one real device taking part in a federated run over HTTP(S).
 
-    raymesh federated client --server http://HOST:PORT --token T --client mymodule:client_fn
+    raymesh federated client --server https://HOST:PORT --token T --client mymodule:client_fn \
+        [--ca-file server-cert.pem] [--device DEVICE-ID]
 
 or, on a device with only torch, NumPy, cryptography and PyCryptodome installed (no Ray, no
 raymesh), with this file and its siblings client.py, protocol.py, privacy.py and secagg.py
@@ -12,7 +13,12 @@ copied into one folder:
 `train_fn`, e.g. raymesh.federated.Client); its data never leaves the device. The client
 joins, then long-polls for the round's messages and answers each (with secure aggregation on,
 only its masked update leaves the device), until the server says the run is over. It speaks
-only HTTP(S) with the standard library (urllib).
+only HTTP(S) with the standard library (urllib); `--ca-file` trusts a server whose certificate
+is self-signed (or from a private CA), and a certificate that does not verify ends the client at
+once rather than being retried. `--device` is this device's id for enrolment (one enrolment per
+device id; default: host name and process id). A message it cannot answer (a share it cannot
+decrypt is skipped, not fatal) is logged and left unanswered: the server drops this client from
+that round and the next round is answered as usual.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import importlib.util
 import json
 import logging
 import os
+import socket
+import ssl
 import sys
 import time
 import types
@@ -51,6 +59,10 @@ class ServerGone(RuntimeError):
     """The server did not answer for `give_up_s` seconds."""
 
 
+class Untrusted(RuntimeError):
+    """The server's certificate does not verify (give --ca-file for a self-signed one)."""
+
+
 def load(spec: str) -> Callable[[int], Any]:
     """`module:function` or `path/to/file.py:function`."""
     where, _, name = spec.rpartition(":")
@@ -71,7 +83,9 @@ def load(spec: str) -> Callable[[int], Any]:
 
 
 class EdgeClient:
-    """Joins `server` with `token` and answers its messages until Done."""
+    """Joins `server` with `token` as device `device` and answers its messages until Done.
+    `ca_file`: a PEM file of certificates to trust for an https:// server (default: the
+    system's)."""
 
     def __init__(
         self,
@@ -81,12 +95,20 @@ class EdgeClient:
         *,
         timeout_s: float = 60.0,
         give_up_s: float = 120.0,
+        ca_file: str | None = None,
+        device: str | None = None,
     ) -> None:
         self.server, self.token = server.rstrip("/"), token
         self.client_fn, self.timeout_s, self.give_up_s = client_fn, timeout_s, give_up_s
+        self.device = device or f"{socket.gethostname()}-{os.getpid()}"
         self.cid: int | None = None
         self._key = ""
         self.rounds = 0
+        self._tls: ssl.SSLContext | None = None
+        if self.server.startswith("https://"):
+            self._tls = ssl.create_default_context(cafile=ca_file)
+        elif ca_file is not None:
+            raise ValueError(f"--ca-file {ca_file}: the server {server} is not https://")
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """One HTTP request, retried while the server cannot be reached (up to give_up_s)."""
@@ -98,23 +120,32 @@ class EdgeClient:
         while True:
             req = urllib.request.Request(self.server + path, data, headers, method=method)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    raw = resp.read()
-                    return resp.status, json.loads(raw) if raw else None
+                with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._tls) as r:
+                    raw = r.read()
+                    return r.status, json.loads(raw) if raw else None
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if e.code in (401, 403, 404):
                     raise PermissionError(f"{method} {path}: HTTP {e.code}: {detail}") from None
                 return e.code, {"error": detail}
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-                if time.monotonic() > deadline:
-                    msg = f"{self.server} unreachable for {self.give_up_s:g} s: {e}"
-                    raise ServerGone(msg) from None
-                time.sleep(1.0)
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, ssl.SSLCertVerificationError):  # retrying cannot help
+                    raise Untrusted(
+                        f"{self.server}: its certificate does not verify ({e.reason.verify_message}"
+                        "): give --ca-file with the server's certificate"
+                    ) from None
+                self._wait(deadline, e)
+            except (ConnectionError, TimeoutError) as e:
+                self._wait(deadline, e)
+
+    def _wait(self, deadline: float, error: Exception) -> None:
+        if time.monotonic() > deadline:
+            raise ServerGone(f"{self.server} unreachable for {self.give_up_s:g} s: {error}")
+        time.sleep(1.0)
 
     def run(self) -> int:
         """Returns the number of messages answered."""
-        status, joined = self._request("POST", "/v1/join", {})
+        status, joined = self._request("POST", "/v1/join", {"device": self.device})
         if status != 200:
             raise RuntimeError(f"join refused: HTTP {status}: {joined}")
         self.cid, self._key = int(joined["client"]), joined["key"]
@@ -128,11 +159,15 @@ class EdgeClient:
                 continue
             if status != 200:
                 raise RuntimeError(f"polling failed: HTTP {status}: {body}")
-            msg = decode(body)
-            if isinstance(msg, Done):
-                logger.info("raymesh edge client %d: %s", self.cid, msg.reason)
-                return answered
-            reply = participant.handle(msg)
+            try:
+                msg = decode(body)
+                if isinstance(msg, Done):
+                    logger.info("raymesh edge client %d: %s", self.cid, msg.reason)
+                    return answered
+                reply = participant.handle(msg)
+            except Exception as e:  # unanswerable: the server drops us from this round only
+                logger.warning("raymesh edge client %d: cannot answer: %r", self.cid, e)
+                continue
             status, body = self._request(
                 "POST", f"/v1/reply?client={self.cid}", {"reply": encode(reply)}
             )
@@ -155,6 +190,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--threads", type=int, help="torch threads (default torch's; 1 when devices share cores)"
     )
+    add_client_options(ap)
+
+
+def add_client_options(ap: argparse.ArgumentParser) -> None:
+    """--ca-file and --device (shared with `raymesh federated client`)."""
+    ap.add_argument("--ca-file", help="PEM certificate(s) to trust for an https:// server")
+    ap.add_argument("--device", help="this device's id for enrolment (default: host-pid)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -166,10 +208,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    edge = EdgeClient(args.server, args.token, load(args.client), timeout_s=args.timeout)
     try:
+        edge = EdgeClient(
+            args.server,
+            args.token,
+            load(args.client),
+            timeout_s=args.timeout,
+            ca_file=args.ca_file,
+            device=args.device,
+        )
         answered = edge.run()
-    except (PermissionError, ServerGone, RuntimeError) as e:
+    except (PermissionError, ServerGone, RuntimeError, ValueError, OSError) as e:
         print(f"raymesh federated client: {e}", file=sys.stderr)
         return 1
     print(f"edge client {edge.cid}: answered {answered} messages")

@@ -4,15 +4,21 @@ The controller holds the global model as one flat float32 vector. Each round it 
 clients (the strategy), sends each proc one message for all the clients it hosts and each edge
 client its own, waits at most `timeout_s` per step, and applies the strategy's step to the mean
 update. A client that raises, is not started within the step's time, or sends an answer that
-fails its checks is dropped from the round with the reason recorded; a proc that dies or does
-not answer drops all its clients for that round and is replaced before the next. A round with
-fewer than `min_clients` updates is not applied.
+fails its checks (raymesh.federated.checks: every field, every step) is dropped from the round
+with the reason recorded; a proc that dies or does not answer drops all its clients for that
+round and is replaced before the next. No answer, however formed, ends the run: at worst its
+round is not applied, with the reason in its record. A round with fewer than `min_clients`
+updates is not applied, nor one whose new weights would not be finite.
 
 With secure aggregation, each client masks (its update times its example count, then the
 count) and the controller only ever holds masked vectors and their exact sum; dropped clients'
-masks are removed from the survivors' shares (raymesh.federated.secagg). With DP, clients clip
-their updates, every update counts once, and the controller adds Gaussian noise to the sum
-before dividing by the number sampled (DP-FedAvg); Opacus's accountant gives epsilon per round.
+masks are removed from the survivors' shares (raymesh.federated.secagg), each rebuilt seed
+verified before use. A round whose decoded sum is not finite, whose decoded count differs from
+the counts the clients reported, or (with DP) whose sum is longer than the clipped updates can
+add up to, is not applied. With DP, clients are Poisson-sampled, clip their updates (and the
+controller clips each update it sees in the clear), every update counts once, and the
+controller adds Gaussian noise to the sum before dividing by the expected number sampled
+(DP-FedAvg); Opacus's accountant gives epsilon per round (raymesh.federated.privacy).
 """
 
 from __future__ import annotations
@@ -29,30 +35,22 @@ import numpy as np
 import torch
 
 from raymesh.actor import host_mesh
+from raymesh.federated.checks import BadUpdate, Checks
 from raymesh.federated.client import Layout
 from raymesh.federated.host import HostProc, spawn_host
-from raymesh.federated.privacy import DP, PrivacyAccountant
+from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
 from raymesh.federated.protocol import (
     FIXED,
     Advertise,
-    Adverts,
     Combine,
     Fit,
     Fitted,
     Message,
-    Shares,
     ShareSeeds,
     Unmask,
-    Unmasked,
 )
-from raymesh.federated.secagg import (
-    SecAggError,
-    SecAggServer,
-    combine,
-    default_degree,
-    neighbours,
-)
-from raymesh.federated.server import BadUpdate, EdgeConfig, EdgeServer
+from raymesh.federated.secagg import SecAggError, SecAggServer, default_degree, neighbours
+from raymesh.federated.server import EdgeConfig, EdgeServer
 from raymesh.federated.strategy import Strategy, Update
 
 __all__ = ["Federation", "Result", "RoundRecord", "RunConfig", "run"]
@@ -67,7 +65,9 @@ class RunConfig:
     """How a federated run is laid out. `clients`: simulated clients, ids 0..clients-1 (edge
     clients get the ids after); `hosts`: procs carrying them (default: one per free CPU, at
     most 8); `keep_clients`: clients a proc keeps built; `timeout_s`: the most one step of a
-    round waits; `degree`: secure aggregation's neighbours per client (default O(log n))."""
+    round waits; `degree`: secure aggregation's neighbours per client (default O(log n));
+    `max_examples`: the largest example count one client may report (its weight in the mean:
+    a client reporting more is dropped, so no client outweighs this many examples)."""
 
     clients: int
     rounds: int
@@ -80,6 +80,7 @@ class RunConfig:
     degree: int | None = None
     seed: int = 0
     edge: EdgeConfig | None = None
+    max_examples: int = 1_000_000
 
     def __post_init__(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -103,12 +104,22 @@ class RunConfig:
             raise bad("degree", "give an even neighbour count >= 2, or None for O(log n)")
         if self.dp is not None and not isinstance(self.dp, DP):
             raise bad("dp", "give raymesh.federated.DP(clip=..., noise_multiplier=...)")
+        if self.edge is not None and not isinstance(self.edge, EdgeConfig):
+            raise bad("edge", "give raymesh.federated.EdgeConfig(...)")
+        if (
+            isinstance(self.max_examples, bool)
+            or not isinstance(self.max_examples, int)
+            or not 1 <= self.max_examples < 2**31
+        ):
+            raise bad("max_examples", "give the largest count one client may report, 1..2**31-1")
 
 
 @dataclass(frozen=True)
 class RoundRecord:
     """What one round did. `dropped[cid]` says why a sampled client is not in the update;
-    `metrics` are the evaluation's and the clients' mean figures ("loss")."""
+    `ignored[cid]` why a client whose update is in it had a later answer refused (its shares
+    for removing masks went unused); `reason` why the round was not applied; `metrics` are
+    the evaluation's and the clients' mean figures ("loss")."""
 
     round: int
     sampled: int
@@ -120,6 +131,7 @@ class RoundRecord:
     epsilon: float | None = None
     replaced_hosts: int = 0
     reason: str = ""
+    ignored: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -160,56 +172,22 @@ class _Edge:
 Target = HostProc | _Edge
 
 
-class _Checks:
-    """What a valid answer to each step looks like; a failure raises BadUpdate(reason)."""
+@dataclass
+class _Outcome:
+    """What a round's steps gathered: `total` (the summed update, `weight` its divisor) or,
+    when None, the `fitted` answers for the strategy to aggregate; `reason` when the round
+    must not be applied; `ignored` as in RoundRecord."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __call__(self, msg: Message, clients: Sequence[int], reply: Any) -> None:
-        expected = {Advertise: Adverts, ShareSeeds: Shares, Fit: Fitted, Unmask: Unmasked}
-        if not isinstance(reply, expected[type(msg)]):
-            raise BadUpdate(f"answered {type(msg).__name__} with {type(reply).__name__}")
-        mine = set(clients)
-        if isinstance(reply, Adverts):
-            for a in reply.adverts:
-                if a.client not in mine or len(a.c_public) != 32 or len(a.s_public) != 32:
-                    raise BadUpdate(f"a key advert for client {a.client} is not valid")
-        elif isinstance(reply, Shares):
-            if not set(reply.outgoing) <= mine:
-                raise BadUpdate("shares sent for clients it does not hold")
-        elif isinstance(reply, Fitted):
-            self._fitted(msg, mine, reply)
-        elif isinstance(reply, Unmasked) and not set(reply.answers) <= mine:
-            raise BadUpdate("shares revealed for clients it does not hold")
-
-    def _fitted(self, msg: Message, mine: set[int], reply: Fitted) -> None:
-        assert isinstance(msg, Fit)
-        if reply.round != msg.round:
-            raise BadUpdate(f"an update for round {reply.round}, not {msg.round}")
-        if not set(reply.examples) <= mine:
-            raise BadUpdate("updates for clients it does not hold")
-        for c, n in reply.examples.items():
-            if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
-                raise BadUpdate(f"client {c}: num_examples={n!r} is not an int > 0")
-        if msg.secure:
-            m = reply.masked
-            if not isinstance(m, np.ndarray) or m.dtype != np.uint64 or m.shape != (self.size + 1,):
-                got = f"{m.dtype}{list(m.shape)}" if isinstance(m, np.ndarray) else type(m).__name__
-                raise BadUpdate(f"masked update is {got}, not uint64[{self.size + 1}]")
-            return
-        if set(reply.deltas) != set(reply.examples):
-            raise BadUpdate("an update count does not match the updates")
-        for c, d in reply.deltas.items():
-            if not isinstance(d, np.ndarray) or d.dtype != np.float32 or d.shape != (self.size,):
-                got = f"{d.dtype}{list(d.shape)}" if isinstance(d, np.ndarray) else type(d).__name__
-                raise BadUpdate(f"client {c}: update is {got}, not float32[{self.size}]")
-            if not np.all(np.isfinite(d)):
-                raise BadUpdate(f"client {c}: the update holds NaN or Inf values")
+    total: np.ndarray | None
+    weight: float
+    fitted: list[Fitted]
+    reason: str = ""
+    ignored: dict[int, str] = field(default_factory=dict)
 
 
 class Federation:
-    """The procs, the edge server and the global model of one run; `run_round` is one round."""
+    """The procs, the edge server and the global model of one run; `run_round` is one round,
+    `run` all of them. Tests put clients in this process by overriding `_spawn`."""
 
     def __init__(
         self,
@@ -229,9 +207,8 @@ class Federation:
         self.template = {k: v.detach().clone() for k, v in state.items()}
         self.layout = Layout.of(state)
         self.weights = self.layout.flatten(state)
-        self._check = _Checks(self.layout.size)
+        self._check = Checks(self.layout.size, config.max_examples)
         self.accountant = PrivacyAccountant(config.dp) if config.dp else None
-        self._noise = np.random.default_rng([config.seed, 7])
         self.hosts: list[HostProc] = []
         self._lost: set[int] = set()
         self.edge: EdgeServer | None = None
@@ -242,12 +219,16 @@ class Federation:
                     self.hosts = list(pool.map(self._spawn, range(min(n, config.clients))))
             if config.edge is not None:
                 self.edge = EdgeServer(config.edge, first_cid=config.clients)
-                shown = "<your token>" if config.edge.token else self.edge.token
+                if config.edge.token is None:  # never its value: logs are read by many
+                    logger.info(
+                        "raymesh.federated: no edge token was given, so one was generated; "
+                        "read it from Federation.edge.token (it is not logged)"
+                    )
                 logger.info(
                     "raymesh.federated: edge clients connect with `raymesh federated client "
-                    "--server %s --token %s --client module:client_fn`",
+                    "--server %s --token <the token> --client module:client_fn%s`",
                     self.edge.url,
-                    shown,
+                    " --ca-file <the server's certificate>" if config.edge.tls else "",
                 )
         except BaseException:
             self.stop()
@@ -307,7 +288,8 @@ class Federation:
         self, msgs: Mapping[Target, tuple[Message, Sequence[int]]], dropped: dict[int, str]
     ) -> dict[Target, Any]:
         """Send each target its message; return the valid answers that came in time. A target
-        that fails drops its clients (`dropped`); a failed proc is replaced after the round."""
+        that fails or answers wrongly drops its clients (`dropped`, with the reason); a proc
+        that failed is replaced after the round. Raises nothing for any answer."""
         deadline = time.monotonic() + self.config.timeout_s
         sent = {}
         for t, (msg, clients) in msgs.items():
@@ -318,12 +300,17 @@ class Federation:
             msg, clients = msgs[t]
             try:
                 reply = waiting.get(timeout=max(0.0, deadline - time.monotonic()))
-                if isinstance(t, HostProc):
-                    self._check(msg, clients, reply)
+                if not isinstance(t, _Edge):  # the edge server checked it before accepting it
+                    try:
+                        self._check(msg, clients, reply)
+                    except BadUpdate:
+                        raise
+                    except Exception as e:  # Checks raises only BadUpdate; be sure of it here
+                        raise BadUpdate(f"{type(e).__name__}: {str(e)[:200]}") from None
                 out[t] = reply
             except BadUpdate as e:
-                reason = f"refused: {e}"
-                logger.warning("raymesh.federated: %s: %s", t, reason)
+                reason = f"refused: {str(e)[:300]}"
+                logger.warning("raymesh.federated: %s: %s", t, reason[:200])
                 dropped.update(dict.fromkeys(clients, reason))
             except Exception as e:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -340,43 +327,33 @@ class Federation:
     def run_round(self, r: int) -> RoundRecord:
         started = time.monotonic()
         population = self.population()
-        sampled = self.strategy.sample(r, population, self.config.seed)
+        if self.accountant is not None:  # the accountant's analysis assumes Poisson sampling
+            sampled = self.accountant.sample(population, self.strategy.fraction)
+        else:
+            sampled = self.strategy.sample(r, population, self.config.seed)
         dropped: dict[int, str] = {}
         groups = self._assign(sampled)
         config = self.strategy.client_config(r)
         if self.config.secure_aggregation:
-            total, weight, fitted = self._secure(r, groups, config, dropped)
+            out = self._secure(r, groups, config, dropped)
         else:
-            total, weight, fitted = self._plain(r, groups, config, dropped)
-        responded = sum(len(f.examples) for f in fitted)
-        applied, reason = False, ""
-        if responded < self.strategy.min_clients:
+            out = self._plain(r, groups, config, dropped)
+        responded = sum(len(f.examples) for f in out.fitted)
+        reason = out.reason
+        if not reason and responded < self.strategy.min_clients:
             reason = f"{responded} of {len(sampled)} clients answered, min_clients is "
             reason += f"{self.strategy.min_clients}: the round is not applied"
-        elif total is not None:
-            if self.config.dp is not None:
-                assert self.accountant is not None
-                total = total + self.accountant.noise(total.shape, self._noise)
-                weight = float(len(sampled))
-            mean = self.layout.unflatten((total / weight).astype(np.float32))
-            current = self.layout.unflatten(self.weights)
-            self.weights = self.layout.flatten(self.strategy.apply(current, mean))
-            applied = True
-        elif fitted:
-            updates = [
-                Update(c, self.layout.unflatten(f.deltas[c]), f.examples[c])
-                for f in fitted
-                for c in f.examples
-            ]
-            current = self.layout.unflatten(self.weights)
-            self.weights = self.layout.flatten(self.strategy.aggregate(current, updates))
-            applied = True
+        applied = False
+        if not reason:
+            reason, weights = self._step(out, len(population))
+            if weights is not None:
+                self.weights, applied = weights, True
         if reason:
             logger.warning("raymesh.federated: round %d: %s", r, reason)
         epsilon = None
-        if self.accountant is not None:
-            epsilon = self.accountant.step(sample_rate=len(sampled) / max(1, len(population)))
-        metrics = self._metrics(fitted)
+        if self.accountant is not None:  # spent whether or not the round is applied
+            epsilon = self.accountant.step(sample_rate=self.strategy.fraction)
+        metrics = self._metrics(out.fitted)
         replaced = self._replace_lost()
         return RoundRecord(
             round=r,
@@ -389,7 +366,31 @@ class Federation:
             epsilon=epsilon,
             replaced_hosts=replaced,
             reason=reason,
+            ignored=out.ignored,
         )
+
+    def _step(self, out: _Outcome, population: int) -> tuple[str, np.ndarray | None]:
+        """The next global weights from the round's outcome, or the reason there are none."""
+        current = self.layout.unflatten(self.weights)
+        if out.total is None:
+            updates = [
+                Update(c, self.layout.unflatten(f.deltas[c]), f.examples[c])
+                for f in out.fitted
+                for c in f.examples
+            ]
+            weights = self.layout.flatten(self.strategy.aggregate(current, updates))
+        else:
+            total, weight = out.total, out.weight
+            if self.accountant is not None:
+                total = total + self.accountant.noise(total.shape)
+                # The expected number sampled, not who answered: the divisor must not
+                # depend on the clients (DP-FedAvg's fixed-denominator estimator).
+                weight = self.strategy.fraction * population
+            mean = self.layout.unflatten((total / weight).astype(np.float32))
+            weights = self.layout.flatten(self.strategy.apply(current, mean))
+        if not np.all(np.isfinite(weights)):
+            return "the new weights would not be finite: the round is not applied", None
+        return "", weights
 
     def _fit(
         self, r: int, clients: Sequence[int], config: dict[str, Any], inbox: Mapping[int, Any]
@@ -404,13 +405,8 @@ class Federation:
             clip=self.config.dp.clip if self.config.dp else None,
             budget_s=self.config.timeout_s * 0.8,
             inbox={c: inbox[c] for c in clients if c in inbox},
+            max_examples=self.config.max_examples,
         )
-
-    @staticmethod
-    def _collect_fitted(replies: Mapping[Target, Fitted], dropped: dict[int, str]) -> list[Fitted]:
-        for f in replies.values():
-            dropped.update(f.failed)
-        return list(replies.values())
 
     def _plain(
         self,
@@ -418,16 +414,20 @@ class Federation:
         groups: Mapping[Target, list[int]],
         config: dict[str, Any],
         dropped: dict[int, str],
-    ) -> tuple[np.ndarray | None, float, list[Fitted]]:
+    ) -> _Outcome:
         msgs = {t: (self._fit(r, cs, config, {}), cs) for t, cs in groups.items()}
-        fitted = self._collect_fitted(self._exchange(msgs, dropped), dropped)
+        fitted = list(self._exchange(msgs, dropped).values())
+        for f in fitted:
+            dropped.update(f.failed)
         if self.config.dp is None:
-            return None, 0.0, fitted  # the strategy sees every update
+            return _Outcome(None, 0.0, fitted)  # the strategy sees every update
+        clip = self.config.dp.clip
         total = np.zeros(self.layout.size, np.float64)
         for f in fitted:
             for d in f.deltas.values():
-                total += d
-        return total, float(sum(len(f.deltas) for f in fitted)), fitted
+                # Clipped here too: an edge client runs whatever code it likes.
+                total += clip_update({"u": d}, clip)["u"]
+        return _Outcome(total, float(sum(len(f.deltas) for f in fitted)), fitted)
 
     def _secure(
         self,
@@ -435,13 +435,13 @@ class Federation:
         groups: Mapping[Target, list[int]],
         config: dict[str, Any],
         dropped: dict[int, str],
-    ) -> tuple[np.ndarray | None, float, list[Fitted]]:
+    ) -> _Outcome:
         replies = self._exchange(
             {t: (Advertise(r, tuple(cs)), cs) for t, cs in groups.items()}, dropped
         )
         adverts = [a for rep in replies.values() for a in rep.adverts]
         if len(adverts) < 2:
-            return None, 0.0, []
+            return _Outcome(None, 0.0, [], f"{len(adverts)} clients advertised keys: too few")
         ids = [a.client for a in adverts]
         degree = self.config.degree or default_degree(len(ids))
         graph = neighbours(ids, degree, seed=self.config.seed * 1_000_003 + r)
@@ -463,51 +463,108 @@ class Federation:
         inbox = server.route(outgoing)
         alive = {t: [c for c in cs if c in outgoing] for t, cs in alive.items() if t in shares}
         fits = self._exchange(
-            {t: (self._fit(r, cs, config, inbox), cs) for t, cs in alive.items()}, dropped
+            {t: (self._fit(r, cs, config, inbox), cs) for t, cs in alive.items() if cs}, dropped
         )
-        fitted = self._collect_fitted(fits, dropped)
-        for f in fits.values():
-            if f.examples:
+        for t, f in list(fits.items()):
+            dropped.update(f.failed)
+            if not f.examples:
+                continue
+            try:
                 server.add(f.examples, f.masked)
+            except SecAggError as e:
+                dropped.update(dict.fromkeys(f.examples, f"refused: {e}"))
+                del fits[t]
+        fitted = list(fits.values())
         if len(server.survivors) < self.strategy.min_clients:
-            return None, 0.0, fitted
+            return _Outcome(None, 0.0, fitted)  # run_round gives the reason
         holders = {t: list(f.examples) for t, f in fits.items() if f.examples}
         unmask = Unmask(r, tuple(server.dropped))
+        refused: dict[int, str] = {}  # their updates count; their shares do not
         answers: dict[int, Any] = {}
-        for rep in self._exchange({t: (unmask, cs) for t, cs in holders.items()}, {}).values():
+        msgs = {t: (unmask, cs) for t, cs in holders.items()}
+        for rep in self._exchange(msgs, refused).values():
             answers.update(rep.answers)
         try:
-            jobs = server.needed(answers)
-            seeds = self._combine(jobs)
-            total = FIXED.decode(server.finish(answers, seeds))
+            total = FIXED.decode(server.finish(answers, self._combine(server.needed(answers))))
         except SecAggError as e:
-            logger.warning("raymesh.federated: round %d: %s", r, e)
-            for f in fitted:
-                dropped.update(dict.fromkeys(f.examples, f"secure aggregation failed: {e}"))
-            return None, 0.0, []
-        return total[:-1], float(total[-1]), fitted
+            return _Outcome(None, 0.0, fitted, f"secure aggregation failed: {e}", refused)
+        problem, ignored = self._sum_problem(total, fitted), {**server.ignored, **refused}
+        return _Outcome(total[:-1], float(total[-1]), fitted, problem, ignored)
 
-    def _combine(self, jobs: Mapping[tuple[str, int], list[Any]]) -> dict[tuple[str, int], bytes]:
-        """Rebuild the round's Shamir secrets on the procs, in parallel (PyCryptodome's
-        combine is pure Python, a few ms each); the controller redoes what a proc failed."""
+    def _sum_problem(self, total: np.ndarray, fitted: Sequence[Fitted]) -> str:
+        """Why a decoded secure sum (the weighted updates, then the weights) must not be
+        applied, or "". Each check catches a client that masked something other than what it
+        reported, or shares that rebuilt a wrong seed."""
+        if not np.all(np.isfinite(total)):
+            return "the decoded sum is not finite: the round is not applied"
+        dp = self.config.dp
+        counts = [n for f in fitted for n in f.examples.values()]
+        reported = float(len(counts)) if dp is not None else float(sum(counts))
+        if total[-1] != reported:
+            what = "clients" if dp is not None else "examples reported"
+            return (
+                f"the decoded weight {total[-1]:g} is not the {reported:g} {what}: a client "
+                "masked another vector than it reported; the round is not applied"
+            )
+        if dp is not None:
+            # n clipped updates sum to at most n * clip, give or take fixed point's rounding.
+            bound = len(counts) * (dp.clip + np.sqrt(total.size) * 2.0**-24)
+            norm = float(np.linalg.norm(total[:-1]))
+            if norm > bound:
+                return (
+                    f"the decoded sum's norm {norm:.4g} exceeds {len(counts)} clipped updates' "
+                    f"{bound:.4g}: a client did not clip; the round is not applied"
+                )
+        return ""
+
+    def _combine(self, jobs: Mapping[tuple[str, int], list[Any]]) -> dict[tuple[str, int], Any]:
+        """Candidate Shamir secrets, rebuilt on the procs in parallel (PyCryptodome's combine
+        is pure Python, a few ms each). Unverified: SecAggServer.finish checks each and
+        rebuilds what is missing or wrong."""
         keys = list(jobs)
-        live: list[HostProc | None] = [h for h in self.hosts if h.index not in self._lost]
-        live = live or [None]
+        live = [h for h in self.hosts if h.index not in self._lost]
+        if not keys or not live:
+            return {}
         chunks = [keys[i :: len(live)] for i in range(len(live))]
-        out: dict[tuple[str, int], bytes] = {}
-        waiting = []
-        for h, chunk in zip(live, chunks, strict=True):
-            msg = Combine(tuple(tuple(jobs[k]) for k in chunk))
-            waiting.append((chunk, h.send(msg) if h is not None and chunk else None))
+        waiting = [
+            (chunk, h.send(Combine(tuple(tuple(jobs[k]) for k in chunk))))
+            for h, chunk in zip(live, chunks, strict=True)
+            if chunk
+        ]
+        out: dict[tuple[str, int], Any] = {}
         for chunk, future in waiting:
             try:
-                secrets = future.get(timeout=self.config.timeout_s) if future else None
-            except Exception:
-                secrets = None
-            if secrets is None or len(secrets) != len(chunk):
-                secrets = [combine(jobs[k]) for k in chunk]
-            out.update(zip(chunk, secrets, strict=True))
+                secrets = future.get(timeout=self.config.timeout_s)
+            except Exception as e:  # the controller rebuilds this chunk itself
+                logger.info("raymesh.federated: a proc's Shamir combines failed: %r", e)
+                continue
+            if isinstance(secrets, list) and len(secrets) == len(chunk):
+                out.update(zip(chunk, secrets, strict=True))
         return out
+
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> Result:
+        """All the config's rounds (after waiting for its edge clients), then `stop()`."""
+        history: list[RoundRecord] = []
+        edge = self.config.edge
+        try:
+            if self.edge is not None and edge is not None and edge.wait_for:
+                got = self.edge.wait_for(edge.wait_for, edge.join_timeout_s)
+                if got < edge.wait_for:
+                    logger.warning(
+                        "raymesh.federated: %d of %d edge clients joined within %g s; starting",
+                        got,
+                        edge.wait_for,
+                        edge.join_timeout_s,
+                    )
+            for r in range(1, self.config.rounds + 1):
+                record = self.run_round(r)
+                history.append(record)
+                if on_round is not None:
+                    on_round(record)
+        finally:
+            self.stop()
+        epsilon = self.accountant.epsilon if self.accountant else None
+        return Result(history, epsilon, self.layout, self.weights, self.template)
 
     def _metrics(self, fitted: Sequence[Fitted]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -560,24 +617,4 @@ def run(
     config = RunConfig(
         clients=clients, rounds=rounds, secure_aggregation=secure_aggregation, dp=dp, **options
     )
-    fed = Federation(client_fn, strategy, config, evaluate_fn)
-    history: list[RoundRecord] = []
-    try:
-        if fed.edge is not None and config.edge is not None and config.edge.wait_for:
-            got = fed.edge.wait_for(config.edge.wait_for, config.edge.join_timeout_s)
-            if got < config.edge.wait_for:
-                logger.warning(
-                    "raymesh.federated: %d of %d edge clients joined within %g s; starting",
-                    got,
-                    config.edge.wait_for,
-                    config.edge.join_timeout_s,
-                )
-        for r in range(1, rounds + 1):
-            record = fed.run_round(r)
-            history.append(record)
-            if on_round is not None:
-                on_round(record)
-    finally:
-        fed.stop()
-    epsilon = fed.accountant.epsilon if fed.accountant else None
-    return Result(history, epsilon, fed.layout, fed.weights, fed.template)
+    return Federation(client_fn, strategy, config, evaluate_fn).run(on_round)

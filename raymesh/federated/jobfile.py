@@ -20,6 +20,10 @@ delta = 1e-5
 [edge]                             # optional: accept edge clients (EdgeConfig's fields)
 port = 8765
 wait_for = 4
+
+[edge.tls]                         # optional: serve edge clients over HTTPS (paths
+cert = "server.pem"                # relative to this file's folder)
+key = "server-key.pem"
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from raymesh._src.asgi import Tls
 from raymesh.federated.federation import RunConfig
 from raymesh.federated.privacy import DP
 from raymesh.federated.server import EdgeConfig
@@ -68,9 +73,10 @@ def _build(path: Path, table: str, cls: type, data: Any) -> Any:
         raise ValueError(f"{path}: [{table}] {e}") from None
 
 
-def load_job(path: str | Path, **overrides: Any) -> FederatedJob:
+def load_job(path: str | Path, *, tls: Tls | None = None, **overrides: Any) -> FederatedJob:
     """The job's functions, strategy and RunConfig, with `overrides` (None skipped) on top of
-    the file's top-level keys. Raises ValueError naming the file and the field."""
+    the file's top-level keys and `tls` (when given) on its [edge]. Raises ValueError naming
+    the file and the field."""
     path = Path(path)
     data = read_toml(path)
     if "client_fn" not in data:
@@ -86,7 +92,18 @@ def load_job(path: str | Path, **overrides: Any) -> FederatedJob:
     if "dp" in data:
         data["dp"] = _build(path, "dp", DP, data["dp"])
     if "edge" in data:
-        data["edge"] = _build(path, "edge", EdgeConfig, data["edge"])
+        edge = data["edge"]
+        if isinstance(edge, dict) and isinstance(edge.get("tls"), dict):
+            # Relative paths are the job file's, wherever it is run from.
+            files = {
+                k: str(path.parent / v) if isinstance(v, str) else v for k, v in edge["tls"].items()
+            }
+            edge = {**edge, "tls": _build(path, "edge.tls", Tls, files)}
+        data["edge"] = _build(path, "edge", EdgeConfig, edge)
+    if tls is not None:
+        if not isinstance(data.get("edge"), EdgeConfig):
+            raise ValueError(f"{path}: --tls-cert/--tls-key are for edge clients: add [edge]")
+        data["edge"] = dataclasses.replace(data["edge"], tls=tls)
     data.update({k: v for k, v in overrides.items() if v is not None})
     config = _build(path, "the top level", RunConfig, data)
     return FederatedJob(client_fn, evaluate_fn, strategy, config)

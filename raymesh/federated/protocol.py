@@ -6,7 +6,12 @@ answers them for the clients it holds, so a simulated client and an edge client 
 code. This module needs only NumPy, torch and the crypto libraries (no Ray, no raymesh).
 
 A round is `Advertise` -> `Share` -> `Fit` -> `Unmask` with secure aggregation, and `Fit` alone
-without it. Each message names the round; an answer to another round is refused.
+without it. Each message and each answer names the round; an answer to another round is refused
+(raymesh.federated.checks says what else a valid answer is).
+
+A `Participant` never lets one client's failure fail the others it answers for: a client whose
+code raises, whose count is out of range, or whose secure-aggregation step fails is listed in
+the answer's `failed` with the reason, and a share it cannot decrypt is skipped.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 
 from .client import Layout, train_locally
 from .privacy import clip_update
-from .secagg import FixedPoint, KeyAdvert, SecAggClient, SecAggError, Share
+from .secagg import FixedPoint, KeyAdvert, Revealed, SecAggClient, Share
 
 __all__ = [
     "Advertise",
@@ -65,7 +70,8 @@ class Fit:
     """Step 3: train `clients` from `weights` (flat float32 in `layout`'s order) and answer
     with their updates. `secure`: masked and summed, with the shares in `inbox`; `clip`: the
     DP bound on each update's L2 norm (updates then count equally, not by examples);
-    `budget_s`: a client not started within this many seconds is dropped as timed out."""
+    `budget_s`: a client not started within this many seconds is dropped as timed out;
+    `max_examples`: a client reporting more examples than this is dropped."""
 
     round: int
     clients: tuple[int, ...]
@@ -76,6 +82,7 @@ class Fit:
     clip: float | None
     budget_s: float
     inbox: dict[int, dict[int, bytes]] = field(default_factory=dict)
+    max_examples: int = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,16 @@ class Done:
 
 @dataclass(frozen=True)
 class Adverts:
+    round: int
     adverts: tuple[KeyAdvert, ...]
 
 
 @dataclass(frozen=True)
 class Shares:
+    """`outgoing[c]`: client c's encrypted shares, recipient -> ciphertext (one for each of
+    its neighbours); `failed[c]`: why client c could not share."""
+
+    round: int
     outgoing: dict[int, dict[int, bytes]]
     failed: dict[int, str]
 
@@ -128,7 +140,10 @@ class Fitted:
 
 @dataclass(frozen=True)
 class Unmasked:
-    answers: dict[int, dict[int, tuple[str, int, bytes]]]
+    """`answers[c]`: what client c reveals, owner -> (which seed, Shamir index, share)."""
+
+    round: int
+    answers: dict[int, dict[int, Revealed]]
 
 
 Message = Advertise | ShareSeeds | Fit | Unmask | Combine | Done
@@ -146,9 +161,7 @@ class Participant:
 
     def handle(self, msg: Message) -> Any:
         if isinstance(msg, Combine):
-            from Crypto.Protocol.SecretSharing import Shamir
-
-            return [Shamir.combine(list(job)) for job in msg.jobs]
+            return [_combine(job) for job in msg.jobs]
         if isinstance(msg, Done):
             return None
         if msg.round < self._round:
@@ -157,22 +170,24 @@ class Participant:
             self._round, self._secagg, self._contributed = msg.round, {}, ()
         if isinstance(msg, Advertise):
             self._secagg = {c: SecAggClient(c, msg.round) for c in msg.clients}
-            return Adverts(tuple(s.advertise() for s in self._secagg.values()))
+            return Adverts(msg.round, tuple(s.advertise() for s in self._secagg.values()))
         if isinstance(msg, ShareSeeds):
             return self._share(msg)
         if isinstance(msg, Fit):
             return self._fit(msg)
+        # unmask skips a share it cannot decrypt (SecAggClient.skipped), so one bad peer
+        # cannot fail the answer of every client on this proc.
         answers = {c: self._secagg[c].unmask(msg.dropped) for c in self._contributed}
-        return Unmasked(answers)
+        return Unmasked(msg.round, answers)
 
     def _share(self, msg: ShareSeeds) -> Shares:
         outgoing, failed = {}, {}
         for c, peers in msg.peers.items():
             try:
                 outgoing[c] = self._secagg[c].share(peers, msg.threshold)
-            except (KeyError, SecAggError) as e:
-                failed[c] = f"{type(e).__name__}: {e}"
-        return Shares(outgoing, failed)
+            except Exception as e:  # this client cannot share: it drops, the others go on
+                failed[c] = _reason(e)
+        return Shares(msg.round, outgoing, failed)
 
     def _fit(self, msg: Fit) -> Fitted:
         started = time.monotonic()
@@ -191,6 +206,10 @@ class Participant:
             try:
                 config = {**msg.config, "round": msg.round, "client": c}
                 delta, n, figs = train_locally(self._client_for(c), msg.layout, msg.weights, config)
+                if n > msg.max_examples:
+                    raise ValueError(
+                        f"num_examples={n} is over the run's max_examples={msg.max_examples}"
+                    )
                 weight = float(n)
                 if msg.clip is not None:
                     delta = clip_update({"u": delta}, msg.clip)["u"].astype(np.float32)
@@ -204,11 +223,26 @@ class Participant:
                 else:
                     deltas[c] = delta
             except Exception as e:  # this client's code failed: drop it, keep the others
-                failed[c] = f"{type(e).__name__}: {str(e)[:300]}"
+                failed[c] = _reason(e)
                 continue
             examples[c], figures[c] = n, figs
         self._contributed = tuple(examples) if msg.secure else ()
         return Fitted(msg.round, examples, figures, failed, masked, deltas)
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _combine(job: tuple[Share, ...]) -> bytes | None:
+    """A Shamir secret, or None when the shares cannot be combined (the server verifies what
+    comes back and rebuilds what does not)."""
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    try:
+        return Shamir.combine(list(job))
+    except Exception:
+        return None
 
 
 # --- JSON for the edge client --------------------------------------------------------------
@@ -257,18 +291,34 @@ def encode(obj: Any) -> Any:
     return obj
 
 
-def decode(data: Any) -> Any:
+MAX_DEPTH = 32  # a message nests about 10 deep; more is refused before it costs anything
+
+
+def decode(data: Any, *, max_depth: int = MAX_DEPTH) -> Any:
     """The inverse of `encode`. Builds only this module's message types and arrays of plain
-    numeric dtypes; anything else raises ValueError."""
+    numeric dtypes. Anything else, nesting deeper than `max_depth`, and a value of the wrong
+    form all raise ValueError (never another exception): what it returns still needs its
+    fields checked (raymesh.federated.checks)."""
+    try:
+        return _decode(data, max_depth)
+    except ValueError:
+        raise
+    except (TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
+        raise ValueError(f"malformed message: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _decode(data: Any, depth: int) -> Any:
+    if depth < 0:
+        raise ValueError(f"the message nests deeper than {MAX_DEPTH} levels")
     if isinstance(data, list):
-        return tuple(decode(v) for v in data)
+        return tuple(_decode(v, depth - 1) for v in data)
     if not isinstance(data, dict):
         return data
     if "$" in data:
         cls = _TYPES.get(data["$"])
         if cls is None:
-            raise ValueError(f"unknown message type {data['$']!r}")
-        fields = {k: decode(v) for k, v in data.items() if k != "$"}
+            raise ValueError(f"unknown message type {str(data['$'])[:60]!r}")
+        fields = {k: _decode(v, depth - 1) for k, v in data.items() if k != "$"}
         if cls is Fit:
             fields["config"] = dict(fields["config"])
         try:
@@ -279,9 +329,10 @@ def decode(data: Any) -> Any:
         return base64.b64decode(data["$b"], validate=True)
     if "$a" in data:
         if data.get("dtype") not in _DTYPES:
-            raise ValueError(f"array dtype {data.get('dtype')!r}: send one of {sorted(_DTYPES)}")
+            got = str(data.get("dtype"))[:20]
+            raise ValueError(f"array dtype {got!r}: send one of {sorted(_DTYPES)}")
         raw = base64.b64decode(data["$a"], validate=True)
         return np.frombuffer(raw, dtype=data["dtype"]).reshape(data["shape"]).copy()
     if "$d" in data:
-        return {decode(k): decode(v) for k, v in data["$d"]}
-    return {k: decode(v) for k, v in data.items()}
+        return {_decode(k, depth - 1): _decode(v, depth - 1) for k, v in data["$d"]}
+    return {k: _decode(v, depth - 1) for k, v in data.items()}

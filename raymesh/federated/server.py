@@ -1,17 +1,25 @@
 """The federated server for edge clients: a Starlette app under uvicorn, on a thread of the
-controller, bound to loopback unless told otherwise.
+controller, bound to loopback unless told otherwise, over HTTPS when given a certificate.
 
-    POST /v1/join              -> {"client": cid, "key": "<session key>"}
-    GET  /v1/next?client=cid   -> the client's next message (raymesh.federated.protocol, as
-                                  JSON), or 204 after `poll_s` with none; Done at the end
-    POST /v1/reply?client=cid  {"reply": <the answer>} -> 200, or 409 / 422 with the reason
-    GET  /healthz              200 while the server runs
+    POST /v1/join  {"device": D}  -> {"client": cid, "key": "<session key>"}
+    GET  /v1/next?client=cid      -> the client's next message (raymesh.federated.protocol, as
+                                     JSON), or 204 after `poll_s` with none; Done at the end
+    POST /v1/reply?client=cid  {"reply": <the answer>} -> 200, or 4xx with the reason
+    GET  /healthz                 200 while the server runs
 
 Every request but /healthz carries `Authorization: Bearer <token>`; /next and /reply also
-`X-Client-Key`, the key /join gave that client, so one device cannot answer for another.
-A refused request (401 no or wrong token, 403 wrong key, 404 unknown client, 409 no message
-waits for this answer, 422 a malformed or invalid answer) is logged with its reason; a client
-whose answer is refused is dropped from that round and the round goes on.
+`X-Client-Key`, the key /join gave that client, so one device cannot answer for another. A
+device enrols once: a second /join for a device id heard from within three poll periods is
+refused (409), and at most `max_clients` devices enrol (403 beyond). A long poll waits on an
+event the round driver sets, so a message goes out as soon as it is queued.
+
+Refusals, each logged with its reason (cut to 200 characters): 401 no token, a wrong one, or a
+non-ASCII token or key; 403 a wrong key, or the server full; 404 an unknown client; 409 no
+message waits for this answer (too late, or already answered: a replay), or a device already
+enrolled; 413 a body over `max_body_bytes`, counted while it streams in, before any decoding;
+400 a body that is not JSON, holds NaN or Infinity, or nests deeper than protocol.MAX_DEPTH;
+422 an answer that does not decode or fails its checks (raymesh.federated.checks). A client
+whose answer is refused (413, 400, 422) is dropped from that round, and the round goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -33,51 +42,76 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from raymesh._src.asgi import ServerThread
-from raymesh.federated.protocol import Done, Message, decode, encode
+from raymesh._src.asgi import ServerThread, Tls
+from raymesh.federated.checks import BadUpdate
+from raymesh.federated.protocol import MAX_DEPTH, Done, Message, decode, encode
 
 __all__ = ["BadUpdate", "EdgeConfig", "EdgeServer"]
 
 logger = logging.getLogger("raymesh.federated")
 
-
-class BadUpdate(ValueError):
-    """An answer that was refused; its message is the reason."""
+_DEVICE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: it travels in a header
+_JOIN_BYTES = 4096  # a join's body is one short device id
 
 
 @dataclass(frozen=True, kw_only=True)
 class EdgeConfig:
-    """Where edge clients connect. `token` authenticates them (one is generated and logged
-    when None); the first round waits up to `join_timeout_s` for `wait_for` of them."""
+    """Where edge clients connect, and the limits they meet."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    wait_for: int = 0
-    join_timeout_s: float = 300.0
-    poll_s: float = 20.0
-    max_body_bytes: int = 256 << 20
+    host: str = "127.0.0.1"  # the address to bind; 0.0.0.0 for every interface
+    port: int = 0  # 0: any free port (EdgeServer.port / .url say which)
+    token: str | None = None  # the bearer token; None: generated (EdgeServer.token), not logged
+    wait_for: int = 0  # the first round waits for this many edge clients to join...
+    join_timeout_s: float = 300.0  # ...for at most this long
+    poll_s: float = 20.0  # a long poll's wait before 204
+    max_body_bytes: int = 256 << 20  # an answer's body limit (413 beyond)
+    max_clients: int = 1000  # devices that may enrol (403 beyond)
+    tls: Tls | None = None  # serve HTTPS with this certificate and key
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"edge.port={self.port!r}: give a TCP port, or 0 for any free one")
-        if self.token is not None and len(self.token) < 8:
-            raise ValueError("edge.token is under 8 characters: give a longer secret")
+        if self.token is not None and (
+            not isinstance(self.token, str)
+            or len(self.token) < 8
+            or not _TOKEN.fullmatch(self.token)
+        ):
+            raise ValueError(
+                "edge.token must be at least 8 printable ASCII characters without spaces: give "
+                "a longer secret (python -c 'import secrets; print(secrets.token_urlsafe())')"
+            )
         if not isinstance(self.wait_for, int) or self.wait_for < 0:
             raise ValueError(f"edge.wait_for={self.wait_for!r}: give a count >= 0")
         for name in ("join_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"edge.{name}={getattr(self, name)!r}: give seconds > 0")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024")
+        if not isinstance(self.max_clients, int) or self.max_clients < 1:
+            raise ValueError(f"edge.max_clients={self.max_clients!r}: give a count >= 1")
+        if self.wait_for > self.max_clients:
+            raise ValueError(
+                f"edge.wait_for={self.wait_for} > edge.max_clients={self.max_clients}: "
+                "raise max_clients or wait for fewer"
+            )
+        if self.tls is not None and not isinstance(self.tls, Tls):
+            raise ValueError(
+                f"edge.tls={self.tls!r}: give raymesh._src.asgi.Tls(cert=..., key=...) "
+                "([edge.tls] cert and key in a job file)"
+            )
 
 
 class _Edge:
-    def __init__(self, cid: int, key: str) -> None:
-        self.cid, self.key = cid, key
+    def __init__(self, cid: int, device: str) -> None:
+        self.cid, self.device = cid, device
+        self.key = secrets.token_urlsafe(16)
         self.message: Message | None = None
         self.answer: concurrent.futures.Future[Any] | None = None
         self.check: Callable[[Any], None] | None = None
         self.told = False  # it has seen Done
         self.seen = time.monotonic()
+        self.wake = asyncio.Event()  # set on the server's loop when a message is queued
 
 
 class Pending:
@@ -87,9 +121,11 @@ class Pending:
         self._future = future
 
     def get(self, timeout: float | None = None) -> Any:
+        """The answer; TimeoutError after `timeout`, after which an answer is refused (409)."""
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
+            self._future.cancel()  # the driver moved on: a later answer is too late
             raise TimeoutError(f"no answer within {timeout:g} s") from None
 
 
@@ -110,33 +146,72 @@ def _settle(
     return True
 
 
+class _Refused(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _depth(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests at most `limit` deep; iterative, so a deep value
+    cannot exhaust the stack."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return True
+
+
 class EdgeServer:
     """Hands messages to edge clients and collects their answers. Thread-safe: the round
     driver calls `send`, the server's loop answers HTTP."""
 
     def __init__(self, config: EdgeConfig, *, first_cid: int) -> None:
         self.config = config
-        self.token = config.token or secrets.token_urlsafe(16)
+        self.token = config.token or secrets.token_urlsafe(24)
+        self._expected = f"Bearer {self.token}".encode()
         self._next_cid = first_cid
         self._edges: dict[int, _Edge] = {}
+        self._devices: dict[str, int] = {}
         self._lock = threading.Lock()
         self._joined = threading.Condition(self._lock)
         self._done: str | None = None
         self._server = ServerThread(
-            self._app(), host=config.host, port=config.port, name="raymesh-federated"
+            self._app(),
+            host=config.host,
+            port=config.port,
+            name="raymesh-federated",
+            tls=config.tls,
         )
         self.port = self._server.port
+        if config.tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "raymesh.federated: edge clients are served over plain HTTP on %s: the token, "
+                "keys and updates cross the network in clear; give edge.tls (--tls-cert/--tls-key)",
+                config.host,
+            )
 
     @property
     def url(self) -> str:
         return self._server.url
 
+    def _recent(self, edge: _Edge) -> bool:
+        return edge.seen > time.monotonic() - 3 * self.config.poll_s
+
     def clients(self) -> list[int]:
         """The edge clients that joined and were heard from within three poll periods (a
         device that went away is not sampled again until it polls)."""
-        recent = time.monotonic() - 3 * self.config.poll_s
         with self._lock:
-            return sorted(c for c, e in self._edges.items() if e.seen > recent)
+            return sorted(c for c, e in self._edges.items() if self._recent(e))
 
     def wait_for(self, n: int, timeout: float) -> int:
         """Blocks until `n` edge clients joined or `timeout` passed; returns how many did."""
@@ -146,6 +221,11 @@ class EdgeServer:
                 self._joined.wait(timeout=max(0.0, deadline - time.monotonic()))
             return len(self._edges)
 
+    def _wake(self, edge: _Edge) -> None:
+        loop = self._server.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(edge.wake.set)
+
     def send(self, cid: int, msg: Message, check: Callable[[Any], None]) -> Pending:
         """Queue `msg` for edge client `cid`; `check(answer)` raises BadUpdate to refuse one."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -154,102 +234,180 @@ class EdgeServer:
             if edge.answer is not None:
                 _settle(edge.answer, error=BadUpdate("superseded by a later message"))
             edge.message, edge.answer, edge.check = msg, future, check
+        self._wake(edge)
         return Pending(future)
 
     def finish(self, reason: str, grace_s: float = 3.0) -> None:
         """Tell polling clients the run is over (Done), then stop serving."""
         with self._lock:
             self._done = reason
-            idle = [e for e in self._edges.values() if e.answer and not e.answer.done()]
-            for e in idle:
-                assert e.answer is not None
-                _settle(e.answer, error=BadUpdate("the run ended"))
+            edges = list(self._edges.values())
+            for e in edges:
+                if e.answer is not None and not e.answer.done():
+                    _settle(e.answer, error=BadUpdate("the run ended"))
+        for e in edges:
+            self._wake(e)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not all(e.told for e in self._edges.values()):
+        live = [e for e in edges if self._recent(e)]
+        while time.monotonic() < deadline and not all(e.told for e in live):
             time.sleep(0.05)  # let each polling client see Done
         self._server.stop(timeout=30)
 
     # --- HTTP --------------------------------------------------------------------------
 
     def _refuse(self, status: int, reason: str, request: Request) -> JSONResponse:
+        # The reason can quote what a client sent: cut it, in the log and in the answer.
+        short = reason if len(reason) <= 200 else reason[:200] + "..."
         logger.warning(
-            "raymesh.federated: refused %s %s from %s: %s",
+            "raymesh.federated: refused %s %s from %s: %d %s",
             request.method,
             request.url.path,
             request.client.host if request.client else "?",
-            reason,
+            status,
+            short,
         )
-        return JSONResponse({"error": reason}, status_code=status)
+        return JSONResponse({"error": reason[:1000]}, status_code=status)
 
     def _authorized(self, request: Request) -> bool:
         got = request.headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        # compare_digest raises TypeError on a non-ASCII str; bytes of it are simply wrong.
+        return got.isascii() and hmac.compare_digest(got.encode(), self._expected)
 
-    def _edge(self, request: Request) -> _Edge | JSONResponse:
+    def _edge(self, request: Request) -> _Edge:
         if not self._authorized(request):
-            return self._refuse(401, "missing or wrong bearer token", request)
-        try:
-            cid = int(request.query_params.get("client", ""))
-        except ValueError:
-            return self._refuse(422, "give ?client=<the id /v1/join returned>", request)
+            raise _Refused(401, "missing or wrong bearer token")
+        text = request.query_params.get("client", "")
+        if not (text.isascii() and text.isdigit() and len(text) < 12):
+            raise _Refused(422, "give ?client=<the id /v1/join returned>")
+        cid = int(text)
         with self._lock:
             edge = self._edges.get(cid)
         if edge is None:
-            return self._refuse(404, f"unknown client {cid}: join first (POST /v1/join)", request)
-        if not hmac.compare_digest(request.headers.get("x-client-key", ""), edge.key):
-            return self._refuse(403, f"wrong X-Client-Key for client {cid}", request)
+            raise _Refused(404, f"unknown client {cid}: join first (POST /v1/join)")
+        key = request.headers.get("x-client-key", "")
+        if not key.isascii():
+            raise _Refused(401, "X-Client-Key is not ASCII")
+        if not hmac.compare_digest(key.encode(), edge.key.encode()):
+            raise _Refused(403, f"wrong X-Client-Key for client {cid}")
         edge.seen = time.monotonic()
         return edge
 
+    async def _json(self, request: Request, limit: int) -> Any:
+        """The body as JSON: counted while it streams in and refused (413) past `limit`
+        before any decoding; 400 unless it is JSON without NaN/Infinity, nesting at most
+        protocol.MAX_DEPTH deep."""
+        length = request.headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and (len(length) > 15 or int(length) > limit):
+            raise _Refused(413, f"the body has {length[:20]} bytes; the limit is {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"the body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+            raise _Refused(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+        if not _depth(body, MAX_DEPTH):
+            raise _Refused(400, f"the body nests deeper than {MAX_DEPTH} levels")
+        return body
+
     async def _join(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return self._refuse(401, "missing or wrong bearer token", request)
+        try:
+            if not self._authorized(request):
+                raise _Refused(401, "missing or wrong bearer token")
+            body = await self._json(request, _JOIN_BYTES)
+            device = body.get("device") if isinstance(body, dict) else None
+            if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+                raise _Refused(
+                    422,
+                    'give {"device": "<this device\'s id>"}: 1 to 128 of A-Z a-z 0-9 . _ : @ -',
+                )
+            edge = self._enrol(device)
+        except _Refused as e:
+            return self._refuse(e.status, e.reason, request)
+        host = request.client.host if request.client else "?"
+        logger.info("raymesh.federated: edge client %d (%s) joined from %s", edge.cid, device, host)
+        return JSONResponse({"client": edge.cid, "key": edge.key})
+
+    def _enrol(self, device: str) -> _Edge:
         with self._joined:
-            cid, self._next_cid = self._next_cid, self._next_cid + 1
-            self._edges[cid] = _Edge(cid, secrets.token_urlsafe(16))
-            key = self._edges[cid].key
+            if self._done is not None:
+                raise _Refused(409, "the run is over")
+            cid = self._devices.get(device)
+            if cid is not None:
+                old = self._edges[cid]
+                if self._recent(old):
+                    raise _Refused(
+                        409,
+                        f"device {device!r} is enrolled already (client {cid}); it may join "
+                        f"again once silent for {3 * self.config.poll_s:g} s",
+                    )
+                if old.answer is not None:  # its key is replaced: nothing it sent counts now
+                    _settle(old.answer, error=BadUpdate("the device enrolled again"))
+            elif len(self._edges) >= self.config.max_clients:
+                raise _Refused(403, f"the run holds its max_clients={self.config.max_clients}")
+            else:
+                cid, self._next_cid = self._next_cid, self._next_cid + 1
+                self._devices[device] = cid
+            edge = self._edges[cid] = _Edge(cid, device)
             self._joined.notify_all()
-        logger.info("raymesh.federated: edge client %d joined from %s", cid, request.client)
-        return JSONResponse({"client": cid, "key": key})
+            return edge
 
     async def _next(self, request: Request) -> Response:
-        edge = self._edge(request)
-        if isinstance(edge, JSONResponse):
-            return edge
+        try:
+            edge = self._edge(request)
+        except _Refused as e:
+            return self._refuse(e.status, e.reason, request)
         deadline = time.monotonic() + self.config.poll_s
-        while time.monotonic() < deadline:
+        while True:
             with self._lock:
+                # Cleared under the lock, before looking: a message queued after the look
+                # sets the event again (on this loop), so the wait below returns at once.
+                edge.wake.clear()
                 if self._done is not None:
                     edge.told = True
                     return JSONResponse(encode(Done(self._done)))
                 answer = edge.answer
                 if edge.message is not None and answer is not None and not answer.done():
                     return JSONResponse(encode(edge.message))
-            await asyncio.sleep(0.005)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Response(status_code=204)
+            try:
+                await asyncio.wait_for(edge.wake.wait(), left)
+            except asyncio.TimeoutError:
+                pass
             edge.seen = time.monotonic()
-        return Response(status_code=204)
 
     async def _reply(self, request: Request) -> Response:
-        edge = self._edge(request)
-        if isinstance(edge, JSONResponse):
-            return edge
-        body = await request.body()
-        if len(body) > self.config.max_body_bytes:
-            return self._refuse(413, f"body over {self.config.max_body_bytes} bytes", request)
-        with self._lock:
-            answer, check = edge.answer, edge.check
-            edge.message = None
-        if answer is None or answer.done() or check is None:
-            return self._refuse(409, f"client {edge.cid}: no message waits for an answer", request)
         try:
-            reply = decode(json.loads(body)["reply"])
-            check(reply)
-        except (BadUpdate, ValueError, KeyError, TypeError) as e:
-            reason = f"client {edge.cid}: {type(e).__name__}: {e}"
-            _settle(answer, error=BadUpdate(reason))
-            return self._refuse(422, reason, request)
-        if not _settle(answer, result=reply):  # the round moved on meanwhile
-            return self._refuse(409, f"client {edge.cid}: the answer came too late", request)
+            edge = self._edge(request)
+            with self._lock:
+                answer, check = edge.answer, edge.check
+            if answer is None or answer.done() or check is None:
+                raise _Refused(409, f"client {edge.cid}: no message waits for an answer")
+            try:
+                body = await self._json(request, self.config.max_body_bytes)
+                if not isinstance(body, dict) or "reply" not in body:
+                    raise _Refused(422, 'give {"reply": <the answer>}')
+                reply = decode(body["reply"])
+                check(reply)
+            except _Refused as e:
+                _settle(answer, error=BadUpdate(f"client {edge.cid}: {e.reason}"))
+                raise
+            except Exception as e:  # decode and check raise ValueError; anything else is too
+                reason = f"client {edge.cid}: {type(e).__name__}: {e}"
+                _settle(answer, error=BadUpdate(reason))
+                raise _Refused(422, reason) from None
+            with self._lock:
+                if edge.answer is answer:
+                    edge.message = None
+            if not _settle(answer, result=reply):  # the round moved on meanwhile
+                raise _Refused(409, f"client {edge.cid}: the answer came too late")
+        except _Refused as e:
+            return self._refuse(e.status, e.reason, request)
         return JSONResponse({"ok": True})
 
     async def _health(self, request: Request) -> Response:

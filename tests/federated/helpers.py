@@ -1,20 +1,29 @@
 """Clients for the federated tests (importable by the client procs): the benchmark's task,
-with clients that fail on purpose."""
+with clients that fail on purpose; FedAvg by hand; client hosts in the test's own process
+(`LocalFederation`, for the tests that need no Ray); a raw HTTP edge client; a certificate."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import pickle
 import signal
 import time
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from raymesh.examples import fedmlp
-from raymesh.federated import Client
+from raymesh.federated import Client, RunConfig
 from raymesh.federated.client import Layout
+from raymesh.federated.federation import Federation
+from raymesh.federated.host import HostProc
+from raymesh.federated.protocol import Participant, decode, encode
 
 RAISES, NAN, KILLS, HANGS = 3, 5, 6, 1  # the cids that misbehave
 
@@ -76,3 +85,203 @@ def by_hand(cids: list[int], round_: int = 1) -> np.ndarray:
         total += out["num_examples"] * layout.flatten(client.model.state_dict()).astype(np.float64)
         n_total += out["num_examples"]
     return total / n_total
+
+
+def fedavg_by_hand(rounds: list[list[int]]) -> np.ndarray:
+    """FedAvg over fedmlp from its initial model, computed here: round r (from 1) is the
+    example-weighted mean of the weights each client of `rounds[r - 1]` reaches by training
+    from the previous round's global weights, kept in float32 as the run keeps them."""
+    model = fedmlp.build_model()
+    layout = Layout.of(model.state_dict())
+    weights = layout.flatten(model.state_dict())
+    for r, cids in enumerate(rounds, start=1):
+        total, n_total = np.zeros(layout.size, np.float64), 0
+        for c in cids:
+            client = fedmlp.client_fn(c)
+            state = client.model.state_dict()
+            for name, value in layout.unflatten(weights).items():
+                state[name].copy_(torch.from_numpy(value))
+            out = client.train_fn(client.model, client.data, {"round": r, "client": c})
+            trained = layout.flatten(client.model.state_dict()).astype(np.float64)
+            total += out["num_examples"] * (trained - weights)
+            n_total += out["num_examples"]
+        weights = (weights + (total / n_total).astype(np.float32)).astype(np.float32)
+    return weights.astype(np.float64)
+
+
+# --- clients in this process, for the tests that need no Ray ---------------------------------
+
+
+class _Answered:
+    """A reply already in hand, read as a raymesh Future is."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def get(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class LocalHost(HostProc):
+    """A client host in the test's own process: the Participant a ClientHost runs, answering
+    at once, each message and answer pickled as Ray would send them."""
+
+    def __init__(self, index: int, client_fn: Callable[[int], Any]) -> None:
+        super().__init__(index, procs=None, actor=None, pid=os.getpid())  # type: ignore[arg-type]
+        self.client_fn = client_fn
+        self.participant = Participant(self.client_fn)
+
+    def send(self, msg: Any) -> _Answered:
+        try:
+            reply = self.participant.handle(pickle.loads(pickle.dumps(msg)))
+            return _Answered(pickle.loads(pickle.dumps(reply)))
+        except Exception as e:
+            return _Answered(error=e)
+
+    def stop(self) -> None:
+        pass
+
+
+class LocalFederation(Federation):
+    """A Federation whose client hosts are LocalHosts (`hosts` of them): no Ray, no procs."""
+
+    host = LocalHost
+
+    def _default_hosts(self) -> int:
+        return 2  # the real one asks Ray for the free CPUs
+
+    def _spawn(self, index: int) -> HostProc:
+        return self.host(index, self.client_fn)
+
+
+def local_run(client_fn: Callable[[int], Any], strategy: Any, **config: Any) -> Any:
+    """`fl.run`'s result, with the clients on LocalHosts."""
+    on_round = config.pop("on_round", None)
+    return LocalFederation(client_fn, strategy, RunConfig(**config)).run(on_round)
+
+
+def final(result: Any) -> np.ndarray:
+    state = result.state_dict()
+    return Layout.of(state).flatten(state).astype(np.float64)
+
+
+# --- speaking to the edge server as a device ---------------------------------------------------
+
+
+class RawEdge:
+    """An edge client speaking raw HTTP, to send what a real one never would."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token, self.key, self.cid = url, token, "", -1
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        key: str | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        return self.http(method, path, data, token=token, key=key)
+
+    def http(
+        self,
+        method: str,
+        path: str,
+        data: Any = None,
+        *,
+        token: str | None = None,
+        key: str | None = None,
+        chunked: bool = False,
+    ) -> tuple[int, Any]:
+        """One request with http.client (urllib refuses non-ASCII headers); `data` may be an
+        iterable of chunks sent with chunked encoding."""
+        parts = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        headers = {
+            "Authorization": f"Bearer {self.token if token is None else token}",
+            "X-Client-Key": self.key if key is None else key,
+        }
+        try:
+            conn.putrequest(method, path, skip_accept_encoding=True)
+            for k, v in headers.items():
+                conn.putheader(k, v.encode("utf-8"))
+            if chunked:
+                conn.putheader("Transfer-Encoding", "chunked")
+                conn.endheaders()
+                for chunk in data:
+                    conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                conn.send(b"0\r\n\r\n")
+            else:
+                if data is not None:
+                    conn.putheader("Content-Length", str(len(data)))
+                conn.endheaders(data)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+        finally:
+            conn.close()
+
+    def join(self, device: str) -> tuple[int, Any]:
+        status, body = self.call("POST", "/v1/join", {"device": device})
+        if status == 200:
+            self.cid, self.key = body["client"], body["key"]
+        return status, body
+
+    def next(self) -> Any:
+        """The next message (waiting through 204s)."""
+        while True:
+            status, body = self.call("GET", f"/v1/next?client={self.cid}")
+            if status == 200:
+                return decode(body)
+            assert status == 204, (status, body)
+
+    def reply(self, answer: Any) -> tuple[int, Any]:
+        return self.call("POST", f"/v1/reply?client={self.cid}", {"reply": encode(answer)})
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file

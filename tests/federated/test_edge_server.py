@@ -1,0 +1,172 @@
+"""The edge server's own promises, over real HTTP(S) and without Ray: late answers, long polls
+woken by their message, enrolment, what its logs leave out, TLS with the edge client."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from raymesh import federated as fl
+from raymesh._src.asgi import Tls
+from raymesh.examples import fedmlp
+from raymesh.federated.checks import BadUpdate
+from raymesh.federated.edge import EdgeClient, Untrusted
+from raymesh.federated.protocol import Advertise, Participant
+from raymesh.federated.server import EdgeConfig, EdgeServer
+from tests.federated import helpers
+from tests.waiting import wait_for
+
+TOKEN = "edge-server-token"
+
+
+@pytest.fixture
+def server():
+    s = EdgeServer(EdgeConfig(token=TOKEN, poll_s=2.0), first_cid=10)
+    yield s
+    s.finish("the test is over", grace_s=0)
+
+
+def _joined(server: EdgeServer, device: str) -> helpers.RawEdge:
+    edge = helpers.RawEdge(server.url, TOKEN)
+    assert edge.join(device)[0] == 200
+    return edge
+
+
+def test_an_answer_after_the_driver_gave_up_is_refused_409_and_so_is_a_replay(server):
+    edge = _joined(server, "late")
+    waiting = server.send(edge.cid, Advertise(1, (edge.cid,)), lambda reply: None)
+    msg = edge.next()
+    with pytest.raises(TimeoutError):
+        waiting.get(timeout=0.05)  # the driver gives up on it
+    answer = Participant(fedmlp.client_fn).handle(msg)
+    status, body = edge.reply(answer)
+    assert status == 409 and "no message waits" in body["error"]
+    waiting = server.send(edge.cid, Advertise(2, (edge.cid,)), lambda reply: None)
+    answer = Participant(fedmlp.client_fn).handle(edge.next())
+    assert edge.reply(answer)[0] == 200 and waiting.get(timeout=5) == answer
+    assert edge.reply(answer)[0] == 409  # the same answer again: a replay
+
+
+def test_a_long_poll_is_woken_by_its_message_and_costs_nothing_while_it_waits(server):
+    """Forty devices wait in long polls: the server spends (almost) no CPU on them (a 5 ms
+    sleep loop spent about 0.12 s a second here, an event 0.002 s), and a message queued for
+    one goes out at once."""
+    edges = [_joined(server, f"poller-{i}") for i in range(40)]
+    got: dict[int, object] = {}
+
+    def poll(edge: helpers.RawEdge) -> None:
+        got[edge.cid] = edge.call("GET", f"/v1/next?client={edge.cid}")
+
+    threads = [threading.Thread(target=poll, args=(e,), daemon=True) for e in edges]
+    for t in threads:
+        t.start()
+    # Settling time, not a condition: a poll that arrives late costs ~1 ms of the budget.
+    time.sleep(0.3)
+    cpu = time.process_time()
+    time.sleep(1.0)
+    idle_cpu = time.process_time() - cpu
+    queued = time.monotonic()
+    server.send(edges[0].cid, Advertise(1, (edges[0].cid,)), lambda reply: None)
+    wait_for(lambda: edges[0].cid in got, 5, what="the woken poll's answer")
+    assert time.monotonic() - queued < 0.5
+    assert got[edges[0].cid][0] == 200 and got[edges[0].cid][1]["$"] == "Advertise"
+    assert idle_cpu < 0.03, f"{idle_cpu:.3f} s of CPU for 1 s of idle long polls"
+    for t in threads:
+        t.join(timeout=5)
+    assert all(got[e.cid][0] == 204 for e in edges[1:])
+
+
+def test_enrolment_is_one_per_device_and_capped():
+    server = EdgeServer(EdgeConfig(token=TOKEN, poll_s=0.2, max_clients=4), first_cid=10)
+    try:
+        first = _joined(server, "phone-1")
+        again = helpers.RawEdge(server.url, TOKEN)
+        status, body = again.join("phone-1")
+        assert status == 409 and "enrolled already (client 10)" in body["error"]
+        for bad in ("", "a b", "é", "x" * 129):
+            assert again.join(bad)[0] == 422
+        assert again.call("POST", "/v1/join", raw=b"not json")[0] == 400
+        assert again.call("POST", "/v1/join", raw=b'{"device": Infinity}')[0] == 400
+        for i in range(3):
+            _joined(server, f"phone-{i + 2}")
+        status, body = again.join("phone-9")
+        assert status == 403 and "max_clients=4" in body["error"]
+        # A device silent for three poll periods (0.6 s) may enrol again: same client, new key.
+        status, body = wait_for(
+            lambda: (got := again.join("phone-1"))[0] == 200 and got, 10, what="a new enrolment"
+        )
+        assert body["client"] == first.cid and body["key"] != first.key
+        assert first.call("GET", f"/v1/next?client={first.cid}")[0] == 403  # the old key
+    finally:
+        server.finish("over", grace_s=0)
+
+
+def test_refusals_are_logged_cut_short_and_a_generated_token_never_is(caplog):
+    caplog.set_level(logging.DEBUG)
+    config = fl.RunConfig(clients=2, rounds=1, edge=EdgeConfig(poll_s=1.0))
+    fed = helpers.LocalFederation(fedmlp.client_fn, fl.FedAvg(fraction=1.0), config)
+    try:
+        assert fed.edge is not None
+        token = fed.edge.token
+        assert "one was generated" in caplog.text and "Federation.edge.token" in caplog.text
+        edge = helpers.RawEdge(fed.edge.url, token)
+        assert edge.join("long-winded")[0] == 200
+        fed.edge.send(edge.cid, Advertise(1, (edge.cid,)), lambda reply: None)
+        edge.next()
+        long_field = {"$": "Adverts", "round": 1, "adverts": [], "Z" * 100_000: 1}
+        status, body = edge.call("POST", f"/v1/reply?client={edge.cid}", {"reply": long_field})
+        assert status == 422 and len(body["error"]) <= 1000
+    finally:
+        assert fed.edge is not None
+        fed.edge.finish("over", grace_s=0)  # the raw client will not poll for Done
+    refusals = [r.getMessage() for r in caplog.records if "refused POST" in r.getMessage()]
+    assert refusals and all(len(m) < 400 for m in refusals), refusals
+    assert token not in caplog.text
+
+
+def test_the_edge_client_joins_over_https_with_the_servers_certificate(tmp_path):
+    """A run's edge server on TLS with a self-signed certificate: the edge client trusts it
+    with --ca-file and trains its round; without it, it stops at once, saying why."""
+    cert, key = helpers.self_signed(tmp_path)
+    tls = Tls(cert=str(cert), key=str(key))
+    config = fl.RunConfig(
+        clients=2,
+        rounds=1,
+        secure_aggregation=True,
+        edge=EdgeConfig(token=TOKEN, wait_for=1, join_timeout_s=30, tls=tls),
+    )
+    fed = helpers.LocalFederation(fedmlp.client_fn, fl.FedAvg(fraction=1.0), config)
+    assert fed.edge is not None and fed.edge.url.startswith("https://127.0.0.1:")
+    started = time.monotonic()
+    with pytest.raises(Untrusted, match="give --ca-file"):
+        EdgeClient(fed.edge.url, TOKEN, fedmlp.client_fn).run()
+    assert time.monotonic() - started < 10  # not retried until give_up_s
+    device = EdgeClient(fed.edge.url, TOKEN, fedmlp.client_fn, ca_file=str(cert))
+    thread = threading.Thread(target=device.run, daemon=True)
+    thread.start()
+    (rec,) = fed.run().history
+    thread.join(timeout=30)
+    assert device.cid == 2 and rec.responded == 3 and rec.dropped == {}
+    np.testing.assert_allclose(
+        fed.weights.astype(np.float64), helpers.fedavg_by_hand([[0, 1, 2]]), atol=1e-6
+    )
+    with pytest.raises(ValueError, match="is not https"):
+        EdgeClient("http://127.0.0.1:1", TOKEN, fedmlp.client_fn, ca_file=str(cert))
+
+
+def test_the_server_refuses_an_answer_that_trips_the_check_whatever_it_raises(server):
+    edge = _joined(server, "odd")
+
+    def check(reply: object) -> None:
+        raise KeyError("a check that raises something unexpected")
+
+    waiting = server.send(edge.cid, Advertise(1, (edge.cid,)), check)
+    answer = Participant(fedmlp.client_fn).handle(edge.next())
+    status, body = edge.reply(answer)
+    assert status == 422 and "KeyError" in body["error"]
+    with pytest.raises(BadUpdate, match="KeyError"):
+        waiting.get(timeout=5)
