@@ -17,6 +17,7 @@ from raymesh.federated.checks import BadUpdate
 from raymesh.federated.edge import EdgeClient, Untrusted
 from raymesh.federated.protocol import Advertise, Participant
 from raymesh.federated.server import EdgeConfig, EdgeServer
+from tests.certs import self_signed
 from tests.federated import helpers
 from tests.waiting import wait_for
 
@@ -131,7 +132,7 @@ def test_refusals_are_logged_cut_short_and_a_generated_token_never_is(caplog):
 def test_the_edge_client_joins_over_https_with_the_servers_certificate(tmp_path):
     """A run's edge server on TLS with a self-signed certificate: the edge client trusts it
     with --ca-file and trains its round; without it, it stops at once, saying why."""
-    cert, key = helpers.self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     tls = Tls(cert=str(cert), key=str(key))
     config = fl.RunConfig(
         clients=2,

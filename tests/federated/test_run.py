@@ -21,6 +21,7 @@ from raymesh._src.asgi import Tls
 from raymesh.examples import fedmlp
 from raymesh.federated.client import Layout
 from raymesh.federated.federation import Federation
+from tests.certs import self_signed
 from tests.federated import helpers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ def test_an_edge_client_without_ray_joins_the_simulated_ones_over_https(ray_clus
     """The edge client runs as a plain file, in a process where `import ray` fails, and trusts
     the server's self-signed certificate through --ca-file. The server binds port 0: the
     client is started once the port is known, so no other process can take it first."""
-    cert, key = helpers.self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     token = "edge-test-token"
     config = fl.RunConfig(
         clients=3,
@@ -182,7 +183,7 @@ def test_the_cli_runs_a_job_file_with_a_line_per_round(ray_cluster, tmp_path):
         + (REPO / "examples" / "federated.toml").read_text().replace("rounds = 10", "rounds = 2")
         + "\n[edge]\npoll_s = 1.0\n"  # no device joins: the run serves them HTTPS all the same
     )
-    cert, key = helpers.self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     env = {**os.environ, "RAYMESH_ADDRESS": backend.address(), "RAYMESH_WARM_PROCS": "0"}
     env.pop("RAYMESH_FL_TOKEN", None)
     env["TMPDIR"] = str(tmp_path)  # where the generated token's folder goes

@@ -18,8 +18,9 @@ import pytest
 
 from raymesh import serve
 from raymesh.serve.config import ADMIN_TOKEN_ENV
+from tests.certs import self_signed
 from tests.serve.fakes import HANG, Fakes, fake_app, fake_checkpoint, weight_of
-from tests.serve.helpers import Client, mlp_checkpoint, self_signed
+from tests.serve.helpers import Client, mlp_checkpoint
 from tests.waiting import wait_for
 
 TOKEN, ADMIN = "user-token", "admin-token"
