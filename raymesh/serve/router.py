@@ -528,7 +528,10 @@ class Router:
     async def _reload_slot(self, slot: _Slot, spec: ModelSpec) -> None:
         slot.held = True
         try:
-            while slot.busy:  # its batch in flight finishes on the old weights
+            # Its batch in flight finishes on the old weights. A replica lost meanwhile leaves
+            # the slots with its batch unfinished (resent elsewhere): its replacement starts
+            # with the new spec, so there is nothing to wait for.
+            while slot.busy and slot in self.slots:
                 await asyncio.sleep(0.001)
             if slot not in self.slots:
                 return

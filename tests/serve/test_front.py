@@ -163,6 +163,34 @@ def test_a_reload_that_fails_on_one_replica_rolls_back_and_fails_no_request(root
     assert {body["y"] for _, body in answers[after + len(threads) :]} == {2.0}
 
 
+def test_a_reload_waiting_for_a_replica_that_dies_mid_batch_goes_on(root: Path) -> None:
+    # Found by bench/chaos.py: a lost replica's slot stayed busy, and the reload waiting for
+    # its batch to end waited forever (start_timeout_s x replicas, then TimeoutError).
+    with fake_app(root / "w2", replicas=2, max_batch_size=1, batch_wait_ms=1) as (app, fakes):
+        fakes.gate.clear()  # every batch is held in flight until the gate opens
+        asked = [
+            threading.Thread(target=Client(app.url).post, args=("/v1/predict", {"x": 1.0}))
+            for _ in range(2)
+        ]
+        for t in asked:
+            t.start()
+        wait_for(lambda: all(r.held for r in fakes.replicas), 10, what="both replicas busy")
+        done: list[str] = []
+        reload = threading.Thread(target=lambda: done.append(app.reload(str(root / "w3"))))
+        reload.start()
+        first = app.router.slots[0]  # the reload takes it out of rotation, then waits
+        wait_for(lambda: first.held, 10, what="the reload waiting for the first replica")
+        first.replica.actor.killed = True  # it dies with its batch in flight
+        wait_for(lambda: app.stats()["replaced"] == 1, 10, what="the dead replica lost")
+        fakes.gate.set()
+        reload.join(timeout=20)
+        assert done, "the reload never finished"
+        for t in asked:
+            t.join(timeout=20)
+        wait_for(lambda: len(fakes.live()) == 2, 10, what="a replacement")
+        assert {weight_of(r.spec.checkpoint) for r in fakes.live()} == {3.0}
+
+
 def test_a_hung_replica_is_a_504_and_is_replaced() -> None:
     with fake_app(request_timeout_s=0.5) as (app, fakes):
         client = Client(app.url)
