@@ -2,8 +2,12 @@
 
     raymesh dashboard runs/                    every run under runs/, at http://127.0.0.1:8266
     raymesh dashboard runs/ --port 0           any free port (the URL is printed)
-    raymesh dashboard runs/ --host 0.0.0.0 --token SECRET
-                                               reachable from other machines, with a token
+    RAYMESH_DASHBOARD_TOKEN=SECRET raymesh dashboard runs/ --host 0.0.0.0 \\
+        --tls-cert cert.pem --tls-key key.pem  reachable from other machines: HTTPS, a token
+
+The token is never printed: the page asks for it (or takes it from `URL#token=SECRET`, a
+fragment browsers never send). `--token SECRET` works too, but a command line is visible to
+every user of the machine (`ps`); the environment is not.
 
 `raymesh train job.toml --dashboard` serves the same page for the job it runs (`serve_for`).
 It reads files only: no Ray is started.
@@ -12,14 +16,18 @@ It reads files only: no Ray is started.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from raymesh.cli.args import add_tls_arguments
 from raymesh.dashboard import DEFAULT_PORT
 
-__all__ = ["DEFAULT_PORT", "add_parser", "run", "serve_for"]
+__all__ = ["DEFAULT_PORT", "TOKEN_ENV", "add_parser", "run", "serve_for"]
+
+TOKEN_ENV = "RAYMESH_DASHBOARD_TOKEN"  # the token, where no --token is given
 
 
 def add_parser(sub: Any) -> None:
@@ -28,12 +36,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("root", help="a folder of run folders (e.g. runs/), or one run folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
-    p.add_argument("--token", help="require this token on every request (the URL carries it)")
+    p.add_argument(
+        "--token",
+        help=f"require this token on every API request (default: ${TOKEN_ENV}, which other "
+        "users cannot see, unlike a command line; the page asks for it; it is never printed)",
+    )
+    add_tls_arguments(p)
 
 
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Serve until Ctrl-C (or until `stop` is set)."""
     from raymesh import dashboard
+    from raymesh._src.asgi import Tls
 
     root = Path(args.root)
     if not root.is_dir():
@@ -44,12 +58,36 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    token_from = "--token" if args.token else f"${TOKEN_ENV}"
+    token = args.token or os.environ.get(TOKEN_ENV) or None
     try:
-        board = dashboard.start(root, host=args.host, port=args.port, token=args.token)
-    except (OSError, ValueError) as e:
+        tls = Tls.of(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
+        board = dashboard.start(root, host=args.host, port=args.port, token=token, tls=tls)
+    except ValueError as e:
+        print(f"raymesh dashboard: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
         print(f"raymesh dashboard: {e} (choose another --port, or 0 for any)", file=sys.stderr)
         return 2
-    print(f"raymesh dashboard: {board.url}  (runs under {root.resolve()}; Ctrl-C to stop)")
+    said = f"raymesh dashboard: {board.url}  (runs under {root.resolve()}; Ctrl-C to stop)"
+    if token is not None:
+        # Never the token itself: a terminal's scrollback, a CI log or a screen share keeps it.
+        said += (
+            f"\nraymesh dashboard: the page asks for the token given in {token_from} (or open "
+            "the URL with #token=<token> after it: browsers never send what follows '#')"
+        )
+    print(said)  # in one write: a reader never sees the first line without the second
+    if args.host not in ("127.0.0.1", "localhost", "::1") and (token is None or tls is None):
+        risk = (
+            "no token is set: anyone who reaches it reads your runs"
+            if token is None
+            else "without --tls-cert/--tls-key its token crosses the network in the clear"
+        )
+        print(
+            f"raymesh dashboard: {args.host} is reachable from other machines and {risk} "
+            f"(set ${TOKEN_ENV}, and --tls-cert/--tls-key)",
+            file=sys.stderr,
+        )
     sys.stdout.flush()
     try:
         (stop or threading.Event()).wait()
@@ -60,15 +98,16 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     return 0
 
 
-def serve_for(run_dir: Path, port: int) -> Any:
+def serve_for(run_dir: Path, port: int, tls: Any = None) -> Any:
     """The dashboard of `run_dir`'s parent for `raymesh train --dashboard` (the runs beside
-    it show too); prints the job's page. Falls back to any free port when `port` is taken."""
+    it show too); prints the job's page. Falls back to any free port when `port` is taken.
+    On 127.0.0.1, without a token (only this machine reaches it); `tls`: serve HTTPS."""
     from raymesh import dashboard
 
     try:
-        board = dashboard.start(run_dir.parent, port=port)
+        board = dashboard.start(run_dir.parent, port=port, tls=tls)
     except OSError:
-        board = dashboard.start(run_dir.parent, port=0)
+        board = dashboard.start(run_dir.parent, port=0, tls=tls)
     print(f"dashboard: {board.run_url(run_dir.name)}")
     sys.stdout.flush()
     return board

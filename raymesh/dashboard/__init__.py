@@ -9,7 +9,8 @@
 
 It reads run folders only (`metrics.jsonl`, `events.jsonl`, a study's `results.csv`), so the
 same page shows a job while it runs, after it ended, and from another process than the job's.
-It binds 127.0.0.1 unless told otherwise; with `token`, every request must carry it.
+It binds 127.0.0.1 unless told otherwise; with `token`, every API request must carry it (the
+page asks for it once per tab; URLs never hold it); with `tls`, it serves HTTPS.
 Needs the `dashboard` extra (Starlette, uvicorn, prometheus_client).
 """
 
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from raymesh._src.asgi import ServerThread
+from raymesh._src.asgi import ServerThread, Tls
 
-__all__ = ["DEFAULT_PORT", "Dashboard", "start"]
+__all__ = ["DEFAULT_PORT", "Dashboard", "Tls", "start"]
 
 DEFAULT_PORT = 8266  # beside Ray's dashboard (8265)
 
@@ -36,13 +37,20 @@ class Dashboard:
 
     @property
     def url(self) -> str:
-        """The runs page (with the token, when there is one)."""
+        """The runs page. Never with the token: a page asks for it (see `login_url`)."""
         return self.page("/")
 
     def page(self, path: str) -> str:
-        """The URL of `path` on this dashboard, with the token."""
-        query = f"?token={quote(self.token)}" if self.token else ""
-        return f"{self._server.url}{path}{query}"
+        """The URL of `path` on this dashboard (without the token)."""
+        return f"{self._server.url}{path}"
+
+    def login_url(self, path: str = "/") -> str:
+        """`page(path)` with the token in its fragment (`#token=...`): opened in a browser, the
+        page takes the token from there into the tab and out of the address bar, and the
+        browser never sends a fragment to a server. It holds the secret: hand it to a browser,
+        not to a log or a terminal. The plain URL when there is no token."""
+        fragment = f"#token={quote(self.token, safe='')}" if self.token else ""
+        return self.page(path) + fragment
 
     def run_url(self, run_id: str) -> str:
         """The page of run `run_id` (its folder relative to the root)."""
@@ -69,13 +77,18 @@ def start(
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
     token: str | None = None,
+    tls: Tls | None = None,
 ) -> Dashboard:
     """Serve the dashboard of the run folders under `root` on a thread of this process.
 
     root: a folder of run folders (e.g. "runs"), or one run folder. It may not exist yet (a
         job about to start); the page says so until it does.
     port: 0 for any free port. OSError when the port is taken.
-    token: when set, every page and API request must carry it (`Dashboard.url` does).
+    token: when set, every API request must carry it (`Authorization: Bearer`); the page asks
+        for it, or takes it from `Dashboard.login_url`'s fragment. Give one whenever the page
+        is reachable from other machines, and `tls` with it there, or the token crosses the
+        network in the clear.
+    tls: serve HTTPS with this certificate and key (`Tls(cert=..., key=...)`).
     """
     try:
         from raymesh.dashboard.app import make_app
@@ -85,6 +98,21 @@ def start(
         ) from None
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}: give a TCP port, 0 to 65535 (0: any free port)")
+    if token is not None and (
+        not isinstance(token, str)
+        or not token.isascii()
+        or not token.isprintable()
+        or token != token.strip()
+        or not token
+    ):
+        raise ValueError(
+            "token: give printable ASCII without spaces at either end (it travels in an HTTP "
+            "header), or None for no token"
+        )
+    if tls is not None and not isinstance(tls, Tls):
+        raise TypeError(
+            f"tls={tls!r}: give raymesh.dashboard.Tls(cert=..., key=...) (PEM files), or None"
+        )
     app = make_app(root, token=token)
-    server = ServerThread(app, host=host, port=port, name="raymesh-dashboard")
+    server = ServerThread(app, host=host, port=port, name="raymesh-dashboard", tls=tls)
     return Dashboard(server, app, token)

@@ -13,9 +13,13 @@
     GET /metrics               Prometheus: each run's step, loss, samples/s, failures, ranks
     GET /static/...            the pages' script and style, and uPlot (vendored, MIT)
 
-With a token, every request but /static carries it: `Authorization: Bearer <token>` or
-`?token=<token>` (the pages pass on the one in their own URL, as EventSource cannot send
-headers). docs/dashboard.md describes the files read and every field.
+With a token, every /api request and /metrics carries it as `Authorization: Bearer <token>`;
+the pages themselves (/, /run/..., /mesh/..., /static) hold no run data and load without it.
+The page gets the token from a form it shows when the API answers 401, or from the URL's
+fragment (`#token=...`, which browsers never send to a server, so no server, proxy or log sees
+it), keeps it in the tab's sessionStorage and takes it out of the address bar. A token in a
+query string (`?token=`) is not accepted: URLs end up in histories, proxies' logs and Referer
+headers. docs/dashboard.md describes the files read and every field.
 """
 
 from __future__ import annotations
@@ -50,28 +54,33 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
     def allowed(request: Request) -> bool:
         if token is None:
             return True
-        given = request.query_params.get("token") or ""
-        auth = request.headers.get("authorization", "")
-        if auth.startswith("Bearer "):
-            given = auth[len("Bearer ") :]
-        return hmac.compare_digest(given.encode(), token.encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        )
 
     def guarded(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
             if not allowed(request):
                 return JSONResponse(
-                    {"error": "this dashboard needs its token: open the URL it printed"},
+                    {
+                        "error": "this dashboard needs its token: the page asks for it; "
+                        "other clients send the header `Authorization: Bearer <token>`"
+                    },
                     status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
                 )
             return await handler(request)
 
         return endpoint
 
     def page(name: str) -> Any:
+        # Not guarded: a page is the same static file for every run, holding no run data; it
+        # must load without the token to ask for it.
         async def handler(request: Request) -> Response:
             return FileResponse(STATIC / name, headers={"Cache-Control": "no-cache"})
 
-        return guarded(handler)
+        return handler
 
     def missing(id: str) -> JSONResponse:
         return JSONResponse(

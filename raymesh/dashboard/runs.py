@@ -10,8 +10,14 @@ Guarantees:
 - reading is incremental and never blocks a writer: each `refresh` reads only what was
   appended since the last, and only whole lines (a line still being written is read next time);
 - a line that is not a JSON object, or a row without a step, is skipped and named in the run's
-  `warnings` (file, line number and why), never an exception; NaN and infinite numbers (a
-  diverged loss) read as None, so that what the API sends is valid JSON;
+  `warnings` (file, line number and why), never an exception; a number that is not finite
+  (NaN, Infinity, a diverged loss, or a literal such as 1e999 or an integer too large for a
+  float, which Python reads as infinite) reads as None, so that what the API sends is always
+  valid JSON and no one row can break the pages, the API or /metrics;
+- a run asked for by id is looked up by name under the root (never outside it: no `..`, no
+  absolute path, no hidden folder, no link that leads out of the root), so an unknown id costs
+  a few `stat` calls, not a walk of the root; the root is walked at most every couple of
+  seconds whatever is asked;
 - a step trained again (after healing from a checkpoint, or a resumed run) replaces the rows
   from that step on, so `rows` is always in step order without repeats.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -67,7 +74,9 @@ class JsonLines:
             if not line.strip():
                 continue
             try:
-                item = json.loads(line, parse_constant=_not_finite)
+                item = json.loads(
+                    line, parse_constant=_not_finite, parse_float=_float, parse_int=_int
+                )
                 if not isinstance(item, dict):
                     raise ValueError(f"a JSON {type(item).__name__}, not an object")
             except ValueError as e:
@@ -178,10 +187,9 @@ class Study:
                 trials = list(csv.DictReader(f))
         except (OSError, csv.Error, UnicodeDecodeError) as e:
             warning = f"{self.path / 'results.csv'}: cannot be read ({e})"
-        by_path = {r.path.resolve(): r.id for r in runs.values()}
+        by_path: dict[Path | None, str] = {r.path.resolve(): r.id for r in runs.values()}
         for t in trials:
-            folder = t.get("dir")
-            t["run"] = by_path.get(Path(folder).resolve()) if folder else None
+            t["run"] = by_path.get(_resolved(t.get("dir")))
         return {
             "id": self.id,
             "name": self.path.name,
@@ -221,14 +229,47 @@ class Runs:
                 self.runs[id] = Run(id, path, study)
 
     def get(self, id: str) -> Run | None:
-        """The run `id`, read up to now; None when there is no such run folder."""
+        """The run `id`, read up to now; None when there is no such run folder. An id not seen
+        yet is looked up by name (`find`): asking for ids that do not exist never walks the
+        root."""
         run = self.runs.get(id)
         if run is None:
-            self.scan(force=True)
-            run = self.runs.get(id)
+            run = self.find(id)
         if run is None or not run.path.is_dir():
             return None
         run.refresh()
+        return run
+
+    def find(self, id: str) -> Run | None:
+        """The run folder `id` under the root, found by its name alone where the walk would
+        find it: each part a visible folder name (no `..`, `.`, empty or hidden part, so no
+        absolute path), at most `_MAX_DEPTH` deep, not inside another run folder, and still
+        under the root once links are resolved. None otherwise."""
+        if _is_run(self.root):  # the root is the one run: its id is its own name
+            if id != _id(self.root, self.root):
+                return None
+            run = self.runs[id] = Run(id, self.root)
+            return run
+        parts = id.split("/")
+        if len(parts) > _MAX_DEPTH or "\0" in id or any(not p or p[0] in "._" for p in parts):
+            return None
+        path, study = self.root, None
+        try:
+            root = self.root.resolve(strict=True)
+            for part in parts[:-1]:
+                path = path / part
+                if not path.is_dir() or _is_run(path):  # the walk stops at a run folder
+                    return None
+                if (path / "results.csv").is_file():
+                    study = _id(self.root, path)
+            path = path / parts[-1]
+            if not path.is_dir() or not _is_run(path):
+                return None
+            if not path.resolve(strict=True).is_relative_to(root):  # a link out of the root
+                return None
+        except (OSError, ValueError, RuntimeError):  # gone meanwhile, a link loop
+            return None
+        run = self.runs[id] = Run(id, path, study)
         return run
 
     def listing(self) -> dict[str, Any]:
@@ -254,7 +295,12 @@ def _is_run(path: Path) -> bool:
 
 def _walk(root: Path) -> list[tuple[Path, str | None]]:
     """Run folders and study folders under `root`, each run with the study it belongs to. A
-    run folder's own subfolders (checkpoints, TensorBoard) are not looked into."""
+    run folder's own subfolders (checkpoints, TensorBoard) are not looked into, nor a link to
+    a folder outside the root (the dashboard shows what is under its root, and nothing else)."""
+    try:
+        resolved = root.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return []
     out: list[tuple[Path, str | None]] = []
     todo: list[tuple[Path, int, str | None]] = [(root, 0, None)]
     while todo:
@@ -268,17 +314,60 @@ def _walk(root: Path) -> list[tuple[Path, str | None]]:
         if depth >= _MAX_DEPTH:
             continue
         try:
-            children = sorted(p for p in path.iterdir() if p.is_dir() and p.name[0] not in "._")
+            children = sorted(
+                p
+                for p in path.iterdir()
+                if p.is_dir() and p.name[0] not in "._" and _inside(p, resolved)
+            )
         except OSError:  # unreadable, or gone meanwhile
             continue
         todo.extend((p, depth + 1, study) for p in reversed(children))
     return out
 
 
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path` (a folder under the resolved `root`, or a link there) stays inside it."""
+    if not path.is_symlink():
+        return True
+    try:
+        return path.resolve(strict=True).is_relative_to(root)
+    except (OSError, RuntimeError):  # gone meanwhile, a link loop
+        return False
+
+
 def _not_finite(name: str) -> None:
     """NaN and +-Infinity (a diverged loss) read as None: JSON has no such numbers, so the
-    browser could not parse a page that passed them on."""
+    browser could not parse a page that passed them on (and Starlette refuses to send them)."""
     return None
+
+
+def _float(text: str) -> float | None:
+    """A JSON number with a fraction or exponent; None where it is not finite (1e999)."""
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _int(text: str) -> int | None:
+    """A JSON integer; None where a float cannot hold it (it would be infinite in the pages,
+    in /metrics, and as a step). Python's own limit on digits still refuses a line of
+    thousands of them, as a line that is not JSON."""
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        return None
+    return value
+
+
+def _resolved(folder: Any) -> Path | None:
+    """A trial's folder as written in results.csv, resolved; None where it names none (empty,
+    or a cell no path can be: a NUL byte, a link loop)."""
+    if not isinstance(folder, str) or not folder:
+        return None
+    try:
+        return Path(folder).resolve()
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def _id(root: Path, path: Path) -> str:

@@ -1,6 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by Selenium) watches a real training job (two gloo ranks on the
-session's Ray) while rank 1 is SIGKILLed and healed.
+session's Ray) while rank 1 is SIGKILLed and healed, on a dashboard with a token (taken from
+the URL's fragment, then kept by the tab: its live stream and later pages carry it).
 
 Skips, naming what to install, where Chromium or its driver is missing (`.ci/run` installs
 both). With RAYMESH_SCREENSHOTS=<folder>, the pages' screenshots are saved there too
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 KILL_STEP = 150
+TOKEN = "s3cret-t0ken"
 
 
 @pytest.fixture
@@ -88,11 +90,12 @@ def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path
     )
     result: list[Any] = []
     job = threading.Thread(target=lambda: result.append(fit(None, config)), daemon=True)
-    with dashboard.start(tmp_path, port=0) as board:
+    with dashboard.start(tmp_path, port=0, token=TOKEN) as board:
         job.start()
         _wait("the run folder", lambda: (run / "metrics.jsonl").exists(), timeout=120)
-        browser.get(board.run_url("job"))
+        browser.get(board.login_url("/run/job"))
         _wait("its first data", lambda: browser.execute_script("return window.dashboard.ready"))
+        assert browser.current_url == board.run_url("job")  # the token left the address bar
         # The curves advance while the job runs: more rows, and more points in the chart.
         first = browser.execute_script("return window.dashboard.rows.length")
         assert browser.find_element("id", "status").text == "running"
@@ -155,6 +158,32 @@ def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path
         assert _errors(browser) == []
     with Image.open(shot) as image:
         assert image.format == "PNG" and image.size[0] >= 1000
+
+
+@pytest.mark.timeout(60)
+def test_a_page_without_the_token_asks_for_it_and_a_wrong_one_is_asked_again(tmp_path, browser):
+    from selenium.webdriver.common.keys import Keys
+
+    from raymesh import dashboard
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with dashboard.start(tmp_path, port=0, token=TOKEN) as board:
+        browser.get(board.url)
+        form = _wait("the token's form", lambda: browser.find_elements("id", "login"))
+        assert "needs its token" in form[0].text
+        browser.find_element("id", "token-input").send_keys("wrong", Keys.ENTER)
+        _wait("it again", lambda: "not accepted" in browser.find_element("id", "login").text)
+        browser.find_element("id", "token-input").send_keys(TOKEN, Keys.ENTER)
+        _wait("the run", lambda: browser.find_elements("css selector", 'tr.run[data-id="a"]'))
+        assert not browser.find_elements("id", "login")
+        browser.get(board.run_url("a"))  # the tab keeps it: no form on the next page
+        _wait("its data", lambda: browser.execute_script("return window.dashboard.ready"))
+        assert TOKEN not in browser.current_url
+        browser.get(board.login_url("/mesh/a"))  # from the fragment, out of the address bar
+        _wait("its procs' page", lambda: browser.execute_script("return window.dashboard.ready"))
+        assert browser.current_url == board.page("/mesh/a")
+        assert _errors(browser) == [] or all("401" in e for e in _errors(browser))
 
 
 @pytest.mark.timeout(60)

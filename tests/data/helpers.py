@@ -53,15 +53,19 @@ def fails_on_seven(sample):
 
 class RecordPid:
     """`augment`, slowed a little, that notes each preprocessing proc it runs in (a file per
-    pid in `folder`): the test SIGKILLs one of them."""
+    pid in `folder`): the test SIGKILLs one of them. With `until` (a file's path), each
+    sample takes 10x longer until that file exists, wherever it is made: a job cannot end
+    before the test has seen what it waits for (a worker up, killed, and replaced), however
+    slowly the machine starts procs. Its values never depend on either."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, until: str | None = None) -> None:
         self.folder = folder
+        self.until = until
 
     def __call__(self, sample):
         if "preprocess" in current_actor_name():
             open(os.path.join(self.folder, str(os.getpid())), "a").close()
-        time.sleep(0.003)
+        time.sleep(0.003 if self.until is None or os.path.exists(self.until) else 0.03)
         return augment(sample)
 
 

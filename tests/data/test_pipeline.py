@@ -4,18 +4,22 @@ train.fit with a pipeline is bitwise the run without one (healing and resuming i
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
-import time
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 import torch
 
 from raymesh import data, train
 from raymesh.data import order
+from raymesh.data.loader import Batches
 
 from ..train.weights import equal
+from ..waiting import wait_for
 from .helpers import Indexed, RecordPid, augment, fails_on_seven, pause, slow, teacher
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
@@ -32,22 +36,42 @@ def _pids(folder) -> list[int]:
     return [int(p) for p in os.listdir(folder)]
 
 
+class _Consumer:
+    """A `data.batches` stream consumed one batch per `next()`; with `check`, each checked
+    against the batch made here for its step (which makes the consumer as slow as the
+    transform: the scaling test, which needs a consumer that never waits itself, does not)."""
+
+    def __init__(self, pipe: data.Pipeline, stream: Batches, batch_size: int, check: bool):
+        self.pipe, self.stream, self.batch_size, self.check = pipe, stream, batch_size, check
+        self.batches: Generator[Any, None, None] = iter(stream)  # type: ignore[assignment]
+        self.step = 0
+
+    def next(self) -> None:
+        batch = next(self.batches)
+        if self.check:
+            expected = _expected(self.pipe, self.step, self.batch_size)
+            assert all(torch.equal(a, b) for a, b in zip(batch, expected)), self.step
+        self.step += 1
+
+    def until(self, done, what: str, timeout: float = 120.0, pace_s: float = 0.0) -> Any:
+        """Take batches (one every `pace_s` at most) until `done()` is true; returns it."""
+        return wait_for(lambda: self.next() or done(), timeout, what=what, interval=pace_s)
+
+    def workers(self) -> list[int]:
+        return [d.workers for d in self.stream.report().decisions]
+
+
 def test_batches_made_on_workers_equal_batches_made_here_through_a_sigkill(tmp_path):
     pipe = data.Pipeline(source=Indexed(64), transform=RecordPid(str(tmp_path)), workers=2)
-    stream = data.batches(pipe, batch_size=8, steps=5000)
-    batches = iter(stream)
-    killed, killed_at = None, 0
-    for step, batch in enumerate(batches):
-        expected = _expected(pipe, step, 8)
-        assert torch.equal(batch[0], expected[0]) and torch.equal(batch[1], expected[1]), step
-        if killed is None and _pids(tmp_path):  # a worker has made a batch: kill it
-            killed, killed_at = _pids(tmp_path)[0], step
-            os.kill(killed, signal.SIGKILL)
-        if killed is not None and step > killed_at + 20 and stream.report().replaced:
-            break
-        time.sleep(0.01)
-    batches.close()  # stops the workers
-    assert killed is not None and killed != os.getpid()
+    stream = data.batches(pipe, batch_size=8, steps=100_000)
+    checked = _Consumer(pipe, stream, 8, check=True)
+    killed = checked.until(lambda: _pids(tmp_path), "a worker making a batch")[0]
+    os.kill(killed, signal.SIGKILL)
+    checked.until(lambda: stream.report().replaced, "the killed worker replaced")
+    for _ in range(20):  # and the batches made since are the same
+        checked.next()
+    checked.batches.close()  # stops the workers
+    assert killed != os.getpid()
     report = stream.report()
     assert report.replaced == 1 and report.workers == 0, report
 
@@ -56,19 +80,14 @@ def test_workers_scale_up_under_a_slow_transform_and_down_when_the_consumer_is_s
     pipe = data.Pipeline(
         source=Indexed(64), transform=slow, workers=(1, 3), prefetch=6, scale_interval_s=0.3
     )
-    stream = data.batches(pipe, batch_size=4, steps=5000)
-    batches = iter(stream)
-    slowed = False
-    for _ in batches:
-        decisions = [d.workers for d in stream.report().decisions]
-        slowed = slowed or decisions[-2:] == [2, 3]
-        if slowed:  # the consumer slows down: the pipeline gets far ahead
-            time.sleep(0.15)
-            if decisions[-1] < 3:
-                break
-    batches.close()
-    decisions = [d.workers for d in stream.report().decisions]
-    assert decisions[:2] == [2, 3] and decisions[-1] == 2, stream.report()
+    stream = data.batches(pipe, batch_size=4, steps=100_000)
+    consumer = _Consumer(pipe, stream, 4, check=False)
+    # A consumer that never waits itself: the trainers' wait adds workers, one at a time.
+    consumer.until(lambda: 3 in consumer.workers(), "scaling up to 3 workers")
+    # Then one that takes 0.15 s a batch: the pipeline gets far ahead, and removes one.
+    consumer.until(lambda: consumer.workers()[-1] < 3, "scaling down", pace_s=0.15)
+    consumer.batches.close()
+    assert consumer.workers()[:2] == [2, 3] and consumer.workers()[-1] == 2, stream.report()
 
 
 def test_a_ray_dataset_and_parquet_files_are_sources_read_on_a_worker(tmp_path):
@@ -115,21 +134,29 @@ def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(t
     """Both runs mix batches made by the ranks (until the workers are up) and by workers."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    pipe = data.Pipeline(source=teacher(), transform=RecordPid(str(pids)), workers=2, prefetch=2)
+    replaced = tmp_path / "replaced"  # the job runs slowly until this file exists
+    transform = RecordPid(str(pids), until=str(replaced))
+    pipe = data.Pipeline(source=teacher(), transform=transform, workers=2, prefetch=2)
     killed: list[int] = []
+    lost = _Heard("preprocessing worker lost")
+    logging.getLogger("raymesh").addHandler(lost)
 
     def kill_one() -> None:
-        deadline = time.monotonic() + 120
-        while not _pids(pids) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if _pids(pids):
-            killed.append(_pids(pids)[0])
+        try:
+            killed.append(wait_for(lambda: _pids(pids), 120, what="a worker making a batch")[0])
             os.kill(killed[0], signal.SIGKILL)
+            lost.heard.wait(timeout=60)  # the pool saw it: the job may go at full speed
+        finally:
+            replaced.touch()
 
     killer = threading.Thread(target=kill_one)
     killer.start()
-    healed = train.fit(BUILD_WITHOUT_DATA, _config(data=pipe))
-    killer.join(timeout=130)
+    try:
+        healed = train.fit(BUILD_WITHOUT_DATA, _config(data=pipe))
+    finally:
+        replaced.touch()
+        logging.getLogger("raymesh").removeHandler(lost)
+        killer.join(timeout=130)
     assert killed, "no preprocessing proc made a batch"
     # A preprocessing proc is not a rank: nothing to heal there; the pool replaced it.
     assert healed.failures == [] and healed.data is not None and healed.data.replaced == 1
@@ -141,6 +168,19 @@ def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(t
     resumed = train.fit(BUILD_WITHOUT_DATA, _config(checkpoint=ckpt, data=augmented))
     assert resumed.resumed_from == 10
     assert equal(healed.state_dict(), resumed.state_dict())
+
+
+class _Heard(logging.Handler):
+    """Sets `heard` once a record saying `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text = text
+        self.heard = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.heard.set()
 
 
 def test_a_transform_that_raises_stops_the_job_naming_the_sample_and_skip_leaves_it_out():

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 
 from raymesh.dashboard.app import make_app
 from raymesh.dashboard.runs import JsonLines
+from tests.certs import self_signed
 
 
 def _row(step: int, loss: float | None = None) -> dict[str, Any]:
@@ -139,6 +140,122 @@ def test_a_diverged_loss_is_served_as_null_not_as_invalid_json(tmp_path, client)
     assert client.get("/api/runs").json()["runs"][0]["loss"] is None
 
 
+def _strict(text: str) -> Any:
+    """JSON as a browser's JSON.parse reads it: NaN and Infinity are errors."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_non_finite_number_in_any_line_cannot_break_a_route(tmp_path, client):
+    good = json.dumps(_row(1))
+    lines = [
+        good,
+        # Numbers Python reads as infinite or NaN, wherever they stand (nested too).
+        '{"step": 2, "loss": 1e999, "samples_per_s": -1e400, "rank_loss": [NaN, Infinity]}',
+        '{"step": 3, "loss": -Infinity, "world_size": 1' + "0" * 400 + ', "end": 2E308}',
+        '{"step": 1e999, "loss": 1.0}',  # a step that is no number: skipped, named
+        '{"step": NaN, "loss": 1.0}',
+        json.dumps(_row(4)),
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    events = [
+        json.dumps(_job(os.getpid())).replace('"steps": 10', '"steps": 1e999'),
+        '{"t": Infinity, "event": "failure", "rank": 1}',  # no usable time: skipped, named
+        '{"t": 1000000002.0, "event": "failure", "rank": 1, "recovery_s": -1e999}',
+        '{"t": 1000000009.0, "event": "end", "state": "Finished", "step": 1e999}',
+    ]
+    (tmp_path / "a" / "events.jsonl").write_text("\n".join(events) + "\n")
+    listing = client.get("/api/runs")
+    assert listing.status_code == 200
+    [summary] = _strict(listing.text)["runs"]
+    assert summary["steps"] is None and summary["step"] == 4 and summary["warnings"] == 3
+    response = client.get("/api/run/a")
+    assert response.status_code == 200
+    run = _strict(response.text)
+    assert [r["step"] for r in run["rows"]] == [1, 2, 3, 4]
+    assert run["rows"][1]["loss"] is None and run["rows"][1]["samples_per_s"] is None
+    assert run["rows"][1]["rank_loss"] == [None, None]
+    assert run["rows"][2]["loss"] is None and run["rows"][2]["world_size"] is None
+    assert run["rows"][2]["end"] is None
+    assert [e["event"] for e in run["events"]] == ["job", "failure", "end"]
+    assert run["events"][1]["recovery_s"] is None
+    warnings = run["warnings"]
+    assert sum("line 4: a row needs a numeric step" in w for w in warnings) == 1
+    assert any("events.jsonl line 2: an event needs its name and time" in w for w in warnings)
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and 'raymesh_run_step{run="a"} 4.0' in metrics.text
+    stream = client.get("/api/stream/a")  # a finished run: its stream sends `end` and stops
+    assert stream.status_code == 200
+    for line in stream.text.splitlines():
+        if line.startswith("data: "):
+            _strict(line[len("data: ") :])
+
+
+def test_an_unknown_run_id_is_looked_up_by_name_and_never_walks_the_root(
+    tmp_path, client, monkeypatch
+):
+    from raymesh.dashboard import runs as runs_module
+
+    _finished_run(tmp_path / "a")
+    walks: list[Path] = []
+    walk = runs_module._walk
+    monkeypatch.setattr(runs_module, "_walk", lambda root: walks.append(root) or walk(root))
+    assert client.get("/api/runs").status_code == 200 and len(walks) == 1
+    for i in range(50):
+        assert client.get(f"/api/run/nope-{i}").status_code == 404
+        assert client.get(f"/api/stream/x/nope-{i}").status_code == 404
+    # A run folder that appeared since is found at once, by its name, with its study.
+    study = tmp_path / "study"
+    (study / "results.csv").parent.mkdir()
+    (study / "results.csv").write_text("number,state,value,dir\n")
+    _finished_run(study / "trials" / "t1", steps=3)
+    run = client.get("/api/run/study/trials/t1").json()
+    assert run["summary"]["study"] == "study" and len(run["rows"]) == 3
+    assert len(walks) == 1, walks
+
+
+def test_a_run_id_cannot_reach_outside_the_root(tmp_path):
+    from raymesh.dashboard.runs import Runs
+
+    root = tmp_path / "root"
+    _finished_run(root / "a")
+    _finished_run(root / "a" / "inner")  # inside a run folder: not a run (the walk agrees)
+    _finished_run(root / ".hidden")
+    _finished_run(root / "x" / "y" / "z" / "w" / "deep")  # deeper than the walk looks
+    _finished_run(tmp_path / "outside")
+    os.symlink(tmp_path / "outside", root / "link-out")
+    os.symlink(root / "a", root / "link-in")  # a link that stays inside is a run like any
+    runs = Runs(root)
+    refused = [
+        "../outside",
+        "a/../../outside",
+        str(tmp_path / "outside"),
+        "/" + str(tmp_path / "outside"),
+        "link-out",
+        ".hidden",
+        "a/inner",
+        "x/y/z/w/deep",
+        "a/",
+        "./a",
+        "a\0",
+        "",
+    ]
+    for id in refused:
+        assert runs.get(id) is None, id
+    assert runs.get("a") is not None and runs.get("link-in") is not None
+    with TestClient(make_app(root)) as c:
+        ids = {r["id"] for r in c.get("/api/runs").json()["runs"]}
+        assert ids == {"a", "link-in"}, ids  # the walk leaves links out of the root out too
+        for path in ("/api/run/..%2Foutside", "/api/run/%2E%2E/outside", "/api/run/link-out"):
+            assert c.get(path).status_code == 404, path
+    # A root that is itself a run folder is the one run, known by its name before any listing.
+    assert Runs(root / "a").get("a") is not None and Runs(root / "a").get("inner") is None
+
+
 def test_steps_trained_again_replace_the_rows_from_there_on(tmp_path, client):
     _write(tmp_path / "a" / "metrics.jsonl", [_row(s) for s in range(1, 7)])
     _write(tmp_path / "a" / "metrics.jsonl", [_row(s, loss=1.0) for s in range(5, 9)])
@@ -201,16 +318,38 @@ def test_the_stream_sends_what_is_appended_and_ends_with_the_run(tmp_path, clien
     assert messages[-1][0] == "end" and messages[-1][1]["status"] == "failed"
 
 
-def test_a_token_is_required_on_every_page_and_api_but_static_files(tmp_path):
+def test_a_token_is_required_in_a_header_on_every_api_route_and_never_in_a_url(tmp_path):
     _finished_run(tmp_path / "a")
     with TestClient(make_app(tmp_path, token="s3cret")) as c:
-        for path in ("/", "/run/a", "/api/runs", "/api/run/a", "/metrics"):
+        for path in ("/api/runs", "/api/run/a", "/api/stream/a", "/metrics"):
             r = c.get(path)
-            assert r.status_code == 401 and "token" in r.json()["error"], path
-        assert c.get("/api/runs?token=wrong").status_code == 401
-        assert c.get("/api/runs?token=s3cret").status_code == 200
-        assert c.get("/api/run/a", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/static/dashboard.css").status_code == 200
+            assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"], path
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            # A token in the query string would end in histories and logs: not accepted.
+            assert c.get(path + "?token=s3cret").status_code == 401, path
+        bearer = {"Authorization": "Bearer s3cret"}
+        assert c.get("/api/runs", headers=bearer).json()["runs"][0]["id"] == "a"
+        assert c.get("/api/run/a", headers=bearer).status_code == 200
+        assert c.get("/metrics", headers=bearer).status_code == 200
+        # The pages hold no run data: they load without the token, and ask for it.
+        for path in ("/", "/run/a", "/mesh/a", "/static/dashboard.css"):
+            assert c.get(path).status_code == 200, path
+    with TestClient(make_app(tmp_path)) as c:  # no token: no header needed
+        assert c.get("/api/runs").status_code == 200
+
+
+def test_a_dashboards_urls_never_hold_its_token_and_a_bad_token_is_refused(tmp_path):
+    from raymesh import dashboard
+
+    with dashboard.start(tmp_path, port=0, token="s3 cr/t") as board:
+        for url in (board.url, board.page("/mesh/a"), board.run_url("a")):
+            assert "s3" not in url and "token" not in url, url
+        assert board.login_url().endswith("/#token=s3%20cr%2Ft")  # only for a browser
+        assert "s3" not in repr(board)
+    for bad in ("", " x", "x\n", "tøken"):
+        with pytest.raises(ValueError, match="printable ASCII") as e:
+            dashboard.start(tmp_path, port=0, token=bad)
+        assert bad not in str(e.value) or not bad  # a secret is never echoed
 
 
 def test_prometheus_gets_each_runs_figures(tmp_path, client):
@@ -233,30 +372,82 @@ def test_the_dashboard_command_names_a_missing_folder_and_the_fix(tmp_path, caps
     assert "is not a folder" in capsys.readouterr().err
 
 
-def test_the_dashboard_command_serves_until_stopped(tmp_path, capsys):
+def _serve_cli(args: list[str], capsys) -> tuple[str, threading.Event, threading.Thread]:
+    """`raymesh dashboard ARGS` (its own parser) on a thread, once it printed what it prints
+    at the start: (that, the event that stops it, the thread)."""
     import argparse
-    import urllib.request
 
     from raymesh.cli import dashboard as cli
 
-    _finished_run(tmp_path / "a")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    parsed = parser.parse_args(["dashboard", *args])
     stop = threading.Event()
-    args = argparse.Namespace(root=str(tmp_path), host="127.0.0.1", port=0, token="t")
-    done: list[int] = []
-    server = threading.Thread(target=lambda: done.append(cli.run(args, stop)))
+    server = threading.Thread(
+        target=cli.run, args=(parsed, stop), name="dashboard-cli", daemon=True
+    )
     server.start()
+    out = ""
     deadline = time.monotonic() + 30
-    while "raymesh dashboard: http" not in (out := capsys.readouterr().out):
+    while "Ctrl-C to stop" not in out:
+        out += capsys.readouterr().out
         assert time.monotonic() < deadline and server.is_alive(), out
         time.sleep(0.05)
-    url = out.split()[2]
-    assert url.startswith("http://127.0.0.1:") and url.endswith("/?token=t"), url
-    base = url.split("/?")[0]
-    with urllib.request.urlopen(f"{base}/api/runs?token=t", timeout=10) as r:
-        assert json.load(r)["runs"][0]["id"] == "a"
-    stop.set()
-    server.join(timeout=30)
-    assert done == [0]
+    return out, stop, server
+
+
+def test_the_dashboard_command_serves_until_stopped_and_never_prints_its_token(
+    tmp_path, capsys, monkeypatch
+):
+    import urllib.error
+    import urllib.request
+
+    _finished_run(tmp_path / "a")
+    monkeypatch.setenv("RAYMESH_DASHBOARD_TOKEN", "from-env-secret")
+    out, stop, server = _serve_cli([str(tmp_path), "--port", "0"], capsys)
+    try:
+        url = out.split()[2]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/"), url
+        assert "from-env-secret" not in out and "$RAYMESH_DASHBOARD_TOKEN" in out, out
+        request = urllib.request.Request(
+            f"{url}api/runs", headers={"Authorization": "Bearer from-env-secret"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert json.load(r)["runs"][0]["id"] == "a"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}api/runs", timeout=10)
+    finally:
+        stop.set()
+        server.join(timeout=30)
+    assert not server.is_alive()
+
+
+def test_the_dashboard_serves_https_with_a_certificate_and_names_a_missing_key(tmp_path, capsys):
+    import ssl
+    import urllib.request
+
+    pytest.importorskip("cryptography")
+    runs = tmp_path / "runs"
+    _finished_run(runs / "a")
+    cert, key = self_signed(tmp_path)
+    out, stop, server = _serve_cli(
+        [str(runs), "--port", "0", "--tls-cert", str(cert), "--tls-key", str(key)], capsys
+    )
+    try:
+        url = out.split()[2]
+        assert url.startswith("https://127.0.0.1:"), url
+        trusted = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"{url}api/runs", timeout=10, context=trusted) as r:
+            assert json.load(r)["runs"][0]["id"] == "a"
+        with pytest.raises(OSError):  # plain HTTP on the HTTPS port: no answer
+            urllib.request.urlopen(url.replace("https", "http"), timeout=10)
+    finally:
+        stop.set()
+        server.join(timeout=30)
+    from raymesh.cli.main import main
+
+    assert main(["dashboard", str(runs), "--port", "0", "--tls-cert", str(cert)]) == 2
+    assert "tls_key is missing" in capsys.readouterr().err
 
 
 def test_stopping_ends_open_live_streams_instead_of_cutting_them_off(tmp_path, caplog):

@@ -11,7 +11,17 @@ caller's messages by sequence number, so the two paths mix freely.
 
 Guarantees:
 - A proc's channel listens on a Unix socket in a directory only this user can enter, never on
-  a network port.
+  a network port: `$XDG_RUNTIME_DIR/raymesh` (else `raymesh-<uid>` in the temp dir), created
+  with mode 0700 and refused (PermissionError naming it and the fix) when it is a symbolic link,
+  not this user's, or open to its group or others.
+- Only frames from processes of this Ray cluster are unpickled: every frame (message and reply)
+  carries an HMAC-SHA256 of its parts under the cluster's channel key, and one whose MAC is
+  missing or wrong is dropped unread (counted, and logged at most once a minute). The key is 32
+  random bytes made by the first raymesh process that needs it and kept in Ray's GCS key-value
+  store: processes learn it from Ray, as they learn a proc's address, so it never appears in a
+  log, a URL, a command line or an environment. (Whoever can read Ray's GCS can already run
+  code on the cluster; what the key keeps out is any other process, of this user or another,
+  that can reach the socket.)
 - A proc that dies fails every call pending on its channel within milliseconds: the kernel
   closes its socket, ZeroMQ reports the disconnect, and calls sent after that fail at once. Each
   fails with `ChannelFailed`, which `refs.get` turns into `ProcGone` like Ray's dead-actor error.
@@ -23,13 +33,20 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import hashlib
+import hmac
 import itertools
+import logging
 import os
 import pickle
+import secrets
+import stat
+import struct
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -42,6 +59,14 @@ LARGE_BYTES = 1 << 20
 _LINGER_MS = 60_000  # how long a closed socket keeps trying to deliver what it has queued
 _VALUE, _FETCH = b"v", b"f"  # reply kinds: the pickled value, or "fetch it through Ray"
 _DEAD_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
+# Each frame's MAC covers what it is (a message or a reply: one is never taken for the other),
+# the length of each part, then the parts.
+_REQUEST, _REPLY = b"raymesh-channel-message\0", b"raymesh-channel-reply\0"
+_KEY_NAME, _KEY_NAMESPACE = b"channel-key", "raymesh"  # where Ray's GCS keeps the key
+_JOIN_BELOW = 64 << 10  # parts shorter than this in all are joined and hashed in one call
+_DROP_LOG_S = 60.0  # dropped frames are logged at most this often
+
+logger = logging.getLogger("raymesh")
 
 
 class ChannelFailed(Exception):
@@ -88,23 +113,172 @@ def enabled() -> bool:
 
 
 def socket_dir() -> str:
-    """Where this user's procs put their sockets: private to the user (mode 0700)."""
-    path = os.path.join(tempfile.gettempdir(), f"raymesh-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    """Where this user's procs put their sockets (see the module's guarantees):
+    `$XDG_RUNTIME_DIR/raymesh` where the login manager gave this user such a directory, else
+    `raymesh-<uid>` in the temp dir. Made with mode 0700 in one step (mkdir), then checked
+    without following links: PermissionError, naming the path and the fix, when it is a
+    symbolic link, not a directory, not this user's, or open to its group or others. Once
+    checked it cannot be swapped: both parents let only its owner rename or remove it (the
+    temp dir is sticky)."""
+    path = _socket_path()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = f"is a symbolic link (to {os.readlink(path)!r})"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: its group or others may enter it"
+    if problem is not None:
         raise PermissionError(
-            f"{path} must belong to this user with mode 0700 (it holds the procs' sockets); "
-            "remove it or fix its owner and mode"
+            f"the channel socket directory {path} {problem}; procs read messages from the "
+            "sockets in it, so it must be a directory of this user's with mode 0700: remove "
+            "it (raymesh makes it anew), or set RAYMESH_CHANNELS=0 to send every message "
+            "through Ray"
         )
-    global _swept
-    if not _swept:
-        _swept = True
+    if path not in _swept:
+        _swept.add(path)
         _sweep(path)
     return path
 
 
-_swept = False
+_swept: set[str] = set()
+
+
+def _socket_path() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None  # set but gone (a login's variable kept across `su`, say)
+        # Only a directory of this user's that no one else may write to, as logind makes it.
+        if st and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return os.path.join(runtime, "raymesh")
+    return os.path.join(tempfile.gettempdir(), f"raymesh-{os.getuid()}")
+
+
+_key_lock = threading.Lock()
+_key: tuple[Any, bytes, _Mac] | None = None  # (the GCS connection it came from, the key, its MAC)
+
+
+def runtime_key() -> bytes:
+    """This Ray cluster's channel key (see the module's guarantees): read from Ray's GCS once
+    per connection, made there by the first process that asks (`overwrite=False`: two processes
+    asking at once both get the first one's). A process that connects to another cluster (a
+    `shutdown()`, then a new local Ray) reads that cluster's key. RuntimeError when this process
+    is not connected to Ray."""
+    return _runtime_mac().key
+
+
+def _runtime_mac() -> _Mac:
+    from ray.experimental import internal_kv
+
+    global _key
+    gcs = internal_kv.internal_kv_get_gcs_client()
+    cached = _key
+    if cached is not None and cached[0] is gcs:
+        return cached[2]
+    with _key_lock:
+        if gcs is None:
+            raise RuntimeError("channels need this process connected to Ray: it holds their key")
+        key = internal_kv._internal_kv_get(_KEY_NAME, namespace=_KEY_NAMESPACE)
+        if key is None:
+            new = secrets.token_bytes(32)
+            internal_kv._internal_kv_put(_KEY_NAME, new, overwrite=False, namespace=_KEY_NAMESPACE)
+            key = internal_kv._internal_kv_get(_KEY_NAME, namespace=_KEY_NAMESPACE)
+        if not isinstance(key, bytes) or len(key) < 32:
+            raise RuntimeError(
+                f"Ray's GCS holds no usable channel key under {_KEY_NAMESPACE}/{_KEY_NAME!r} "
+                "(it must be at least 32 bytes): set RAYMESH_CHANNELS=0 to send every message "
+                "through Ray"
+            )
+        mac = _Mac(key)
+        _key = (gcs, key, mac)
+        return mac
+
+
+_LENGTHS = {n: struct.Struct(f"<{n}Q") for n in (3, 4)}  # a reply's and a message's lengths
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+class _Mac:
+    """HMAC-SHA256 (RFC 2104) under one key, of a frame's kind and parts (each part's length
+    first, so that no two frames read alike): 3 parts (a reply) or 4 (a message), the large
+    one, if any, last. The padded key's two hash states are made once: a frame's MAC is then
+    two copies and two updates, about 3 us here, where `hmac.digest` spends about 4 us a call
+    on OpenSSL's key setup alone (a round trip makes four MACs)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        padded = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+        self._inner = hashlib.sha256(padded.translate(_IPAD))
+        self._outer = hashlib.sha256(padded.translate(_OPAD))
+
+    def __call__(self, kind: bytes, parts: Sequence[bytes]) -> bytes:
+        inner = self._inner.copy()
+        lengths = _LENGTHS[len(parts)].pack(*map(len, parts))
+        if len(parts[-1]) < _JOIN_BELOW:  # the common, small message: one call
+            inner.update(kind + lengths + b"".join(parts))
+        else:  # a large payload (always the last part): hashed where it lies, not copied
+            inner.update(kind + lengths)
+            for part in parts:
+                inner.update(part)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+def _signed(mac: _Mac, kind: bytes, parts: list[bytes]) -> list[bytes]:
+    return [mac(kind, parts), *parts]
+
+
+def _verified(mac: _Mac, kind: bytes, frames: list[bytes], count: int) -> list[bytes] | None:
+    """The parts of a frame of `count` parts, when its MAC is right; None otherwise."""
+    if len(frames) != count + 1:
+        return None
+    parts = frames[1:]
+    return parts if hmac.compare_digest(frames[0], mac(kind, parts)) else None
+
+
+class _Drops:
+    """Frames dropped for a missing or wrong MAC (never unpickled): counted, and logged when
+    the first arrives and then at most every `_DROP_LOG_S` seconds, so that a flood of them
+    cannot flood the log. The frames themselves are never logged."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.count = 0
+        self._unlogged = 0
+        self._next_log = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, frames: list[bytes]) -> None:
+        with self._lock:
+            self.count += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now < self._next_log:
+                return
+            self._next_log = now + _DROP_LOG_S
+            n, self._unlogged = self._unlogged, 0
+        logger.warning(
+            "raymesh: dropped %d frame(s) sent to %s without this Ray cluster's channel key "
+            "(last: %d part(s), %d bytes), unread: a process outside the cluster wrote to its "
+            "socket; at most one such line every %g s",
+            n,
+            self.where,
+            len(frames),
+            sum(map(len, frames)),
+            _DROP_LOG_S,
+        )
 
 
 def _address(role: str) -> str:
@@ -171,8 +345,10 @@ class Server:
         still takes its turn. `failed(error)` -> the reply when `handler` itself raised."""
         self._handler = handler
         self._failed = failed
+        self._mac = _runtime_mac()
         self._ctx: zmq.Context = zmq.Context.instance()
         self.address = _address("proc")
+        self.drops = _Drops(f"the proc channel {self.address}")
         self._requests = _listen(self._ctx, self.address)
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "raymesh-message")
@@ -186,9 +362,16 @@ class Server:
     def _loop(self) -> None:
         while True:
             frames = self._requests.recv_multipart()
-            self._pool.submit(self._run, *frames)
+            # Checked on the pool's thread: a large message's MAC (about 0.6 ms a MiB) must not
+            # hold up the small ones behind it.
+            self._pool.submit(self._run, frames)
 
-    def _run(self, reply_to: bytes, msgid: bytes, header: bytes, data: bytes) -> None:
+    def _run(self, frames: list[bytes]) -> None:
+        parts = _verified(self._mac, _REQUEST, frames, 4)
+        if parts is None:  # not from this cluster: nothing of it is unpickled, nor answered
+            self.drops.add(frames)
+            return
+        reply_to, msgid, header, data = parts
         payload, error = None, None
         try:
             payload = pickle.loads(data)
@@ -203,22 +386,27 @@ class Server:
         payload = dumps(result)
         if payload is None:
             self._kept[msgid] = result
-            frames = [msgid, _FETCH, b""]
+            reply = [msgid, _FETCH, b""]
         else:
-            frames = [msgid, _VALUE, payload]
+            reply = [msgid, _VALUE, payload]
         try:
-            _push(self._local, self._ctx, reply_to).send_multipart(frames, zmq.NOBLOCK)
+            _push(self._local, self._ctx, reply_to).send_multipart(
+                _signed(self._mac, _REPLY, reply), zmq.NOBLOCK
+            )
         except zmq.Again:
             pass  # the caller is gone
 
 
 class _Pending:
-    __slots__ = ("address", "fetch", "future")
+    __slots__ = ("address", "fetch", "future", "mac")
 
-    def __init__(self, address: bytes, future: concurrent.futures.Future, fetch: Any) -> None:
+    def __init__(
+        self, address: bytes, future: concurrent.futures.Future, fetch: Any, mac: _Mac
+    ) -> None:
         self.address = address
         self.future = future
         self.fetch = fetch
+        self.mac = mac  # the reply's MAC is checked with the key the message was sent with
 
 
 class _Client:
@@ -229,6 +417,7 @@ class _Client:
     def __init__(self) -> None:
         self._ctx: zmq.Context = zmq.Context.instance()
         self._reply_to = _address("caller")
+        self.drops = _Drops(f"the reply socket {self._reply_to}")
         self._replies = _listen(self._ctx, self._reply_to)
         self._wake_address = f"inproc://raymesh-watch-{id(self):x}"
         self._wake = self._ctx.socket(zmq.PULL)
@@ -264,20 +453,26 @@ class _Client:
         data = dumps(payload)
         if data is None:
             return None
+        try:
+            mac = _runtime_mac()
+        except Exception as e:  # Ray's GCS did not answer: Ray's path reports what is wrong
+            logger.debug("raymesh: no channel key (%s): the message goes through Ray", e)
+            return None
         future: concurrent.futures.Future = concurrent.futures.Future()
         msgid = next(self._ids).to_bytes(8, "little") if reply else b""
         with self._lock:
             cause = self._dead.get(addr)
             if cause is None and reply:
-                self._pending[msgid] = _Pending(addr, future, fetch)
+                self._pending[msgid] = _Pending(addr, future, fetch, mac)
             watch = addr not in self._watched
             self._watched.add(addr)
         if watch:  # the I/O thread starts watching this proc
             _push(self._local, self._ctx, self._wake_address.encode()).send(addr)
         if cause is None:
             try:
+                parts = [self._reply_to.encode(), msgid, pickle.dumps(header, 5), data]
                 _push(self._local, self._ctx, addr).send_multipart(
-                    [self._reply_to.encode(), msgid, pickle.dumps(header, 5), data], zmq.NOBLOCK
+                    _signed(mac, _REQUEST, parts), zmq.NOBLOCK
                 )
             except zmq.Again:  # no connection left to the proc: it is gone
                 cause = "its process exited (its channel closed)"
@@ -310,11 +505,7 @@ class _Client:
         while True:
             for sock, _ in poller.poll():
                 if sock is self._replies:
-                    msgid, kind, data = sock.recv_multipart()
-                    with self._lock:
-                        pending = self._pending.pop(msgid, None)
-                    if pending is not None:
-                        self._resolve(pending, msgid, kind, data)
+                    self._receive(sock.recv_multipart())
                 elif sock is self._wake:
                     addr = sock.recv()
                     watcher = self._ctx.socket(zmq.PUSH)  # never sends
@@ -332,6 +523,24 @@ class _Client:
                     sock.close(0)
                     watcher.close(0)
                     self.close(addr, "its process exited (its channel closed)")
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """A reply: checked before anything of it is used (a forged one must not even take a
+        pending call's place), then matched to its call."""
+        msgid = frames[1] if len(frames) == 4 else b""
+        with self._lock:
+            pending = self._pending.get(msgid)
+        # A reply to no pending call (its proc was declared gone first) is checked too, with
+        # the key this process sends with now, only so that a forged one is counted.
+        mac = pending.mac if pending is not None else (_key[2] if _key else None)
+        parts = _verified(mac, _REPLY, frames, 3) if mac is not None else None
+        if parts is None:
+            self.drops.add(frames)
+            return
+        with self._lock:
+            pending = self._pending.pop(msgid, None)
+        if pending is not None:
+            self._resolve(pending, msgid, parts[1], parts[2])
 
     def _resolve(self, pending: _Pending, msgid: bytes, kind: bytes, data: bytes) -> None:
         future = pending.future

@@ -9,22 +9,56 @@
 
 // ---------------------------------------------------------------- URLs, token, DOM helpers
 
-// A dashboard started with a token hands it out once in the page URL; every request and every
-// link to another page carries it on, so the user never has to type it twice.
-const TOKEN = new URLSearchParams(location.search).get("token");
+// A dashboard started with a token wants it on every API request, as `Authorization: Bearer`.
+// The page takes it from the URL's fragment (`#token=...`: browsers never send a fragment to a
+// server, so no server, proxy or log sees it), or from an older dashboard's `?token=`, or from
+// the form it shows when the API answers 401; keeps it in this tab's sessionStorage (gone when
+// the tab closes; never on a link, so never in a history, a bookmark or a Referer); and takes it
+// out of the address bar at once.
+const TOKEN_KEY = "raymesh-dashboard-token";
+const TOKEN = takeToken();
 
-function withToken(url) {
-  if (!TOKEN) return url;
-  const u = new URL(url, location.origin);
-  u.searchParams.set("token", TOKEN);
-  return u.pathname + u.search + u.hash;
+function takeToken() {
+  const url = new URL(location.href);
+  const given = new URLSearchParams(url.hash.slice(1)).get("token") ?? url.searchParams.get("token");
+  if (given == null) {
+    try { return sessionStorage.getItem(TOKEN_KEY); } catch { return null; }
+  }
+  try { sessionStorage.setItem(TOKEN_KEY, given); } catch { /* storage off: this page only */ }
+  url.searchParams.delete("token");
+  history.replaceState(null, "", url.pathname + url.search);
+  return given;
+}
+
+const authHeaders = (headers) => (TOKEN ? {...headers, Authorization: "Bearer " + TOKEN} : headers);
+
+// The API answered 401: ask for the token (again, when the one held was refused), then reload.
+function askToken() {
+  try { sessionStorage.removeItem(TOKEN_KEY); } catch { /* nothing held */ }
+  if ($("#login")) return;
+  const input = h("input", {type: "password", id: "token-input", autocomplete: "current-password", required: true});
+  const text = TOKEN
+    ? "That token was not accepted. This dashboard's token: "
+    : "This dashboard needs its token (the one `raymesh dashboard` was given in --token or $RAYMESH_DASHBOARD_TOKEN): ";
+  const form = h("form", {id: "login", class: "banner warn"}, h("label", {for: "token-input", text}), input, " ", h("button", {type: "submit", text: "open"}));
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    try {
+      sessionStorage.setItem(TOKEN_KEY, input.value);
+    } catch {
+      location.hash = "token=" + encodeURIComponent(input.value); // read (and removed) on reload
+    }
+    location.reload();
+  });
+  document.querySelector("main").before(form);
+  input.focus();
 }
 
 // Run ids may hold slashes (a study's trials live in sub-folders): each segment is encoded on its
 // own so that the slashes stay path separators.
 const encodeId = (id) => id.split("/").map(encodeURIComponent).join("/");
-const runLink = (id) => withToken("/run/" + encodeId(id));
-const meshLink = (id) => withToken("/mesh/" + encodeId(id));
+const runLink = (id) => "/run/" + encodeId(id);
+const meshLink = (id) => "/mesh/" + encodeId(id);
 
 function runIdFromPath(prefix) {
   const path = location.pathname;
@@ -148,7 +182,7 @@ function parseJSON(text) {
 async function getJSON(path) {
   let resp;
   try {
-    resp = await fetch(withToken(path), {cache: "no-store", headers: {Accept: "application/json"}});
+    resp = await fetch(path, {cache: "no-store", headers: authHeaders({Accept: "application/json"})});
   } catch (e) {
     throw new ApiError(`Cannot reach the dashboard server (${e.message}).`, 0);
   }
@@ -173,8 +207,48 @@ function showList(container, title, items) {
   container.hidden = items.length === 0;
 }
 
-function tokenizeStaticLinks() {
-  for (const a of document.querySelectorAll("a[href^='/']")) a.setAttribute("href", withToken(a.getAttribute("href")));
+// A 401 asks for the token and stops what asked (it resumes on the reload that follows).
+function needsToken(e) {
+  if (!e || e.status !== 401) return false;
+  askToken();
+  return true;
+}
+
+// A server-sent event stream read with fetch, not EventSource, which cannot send the token's
+// header. `on(name, data)` for each message; `closed(error)` once the stream ends by itself
+// (error null) or fails; nothing once `close()` was called.
+function openStream(path, {opened, on, closed}) {
+  const abort = new AbortController();
+  (async () => {
+    try {
+      const resp = await fetch(path, {cache: "no-store", headers: authHeaders({Accept: "text/event-stream"}), signal: abort.signal});
+      if (!resp.ok || !resp.body) throw new ApiError(`the stream answered HTTP ${resp.status}`, resp.status);
+      opened();
+      const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) break;
+        buffer += value;
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          let name = "message";
+          const data = [];
+          for (const line of block.split("\n")) {
+            if (line.startsWith("event:")) name = line.slice(6).trim();
+            else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+          }
+          if (data.length && !abort.signal.aborted) on(name, data.join("\n"));
+        }
+      }
+      if (!abort.signal.aborted) closed(null);
+    } catch (e) {
+      if (!abort.signal.aborted) closed(e);
+    }
+  })();
+  return {close: () => abort.abort()};
 }
 
 // ---------------------------------------------------------------- charts
@@ -314,6 +388,7 @@ class RunSession {
     try {
       d = await getJSON("/api/run/" + encodeId(this.id));
     } catch (e) {
+      if (needsToken(e)) return;
       showError(`Run "${this.id}": ${e.message}`);
       $("#run-name").textContent = this.id;
       document.body.classList.add("load-failed");
@@ -367,25 +442,29 @@ class RunSession {
   // The stream resumes from the counts the page holds, so a reconnect never duplicates a row.
   open() {
     const q = `?rows=${this.rows.length}&events=${this.events.length}`;
-    const src = (this.source = new EventSource(withToken("/api/stream/" + encodeId(this.id) + q)));
-    const on = (name, fn) => src.addEventListener(name, (m) => {
-      let data;
-      try { data = parseJSON(m.data); } catch { return console.warn(`bad ${name} message`, m.data); }
-      fn(data);
-    });
-    on("rows", (rows) => this.addRows(rows));
-    on("events", (events) => this.addEvents(events));
-    on("warning", (w) => this.addWarning(String(w)));
-    on("summary", (s) => this.setSummary(s));
-    on("end", (s) => { this.setSummary(s); this.close(); setLive("ended"); });
-    src.onopen = () => setLive("live");
-    // EventSource would reconnect by itself, but with the counts of its first URL: reopen it by
-    // hand with the counts the page has now.
-    src.onerror = () => {
-      this.close();
-      setLive("reconnecting");
-      this.retry = setTimeout(() => this.open(), 2000);
+    const handlers = {
+      rows: (rows) => this.addRows(rows),
+      events: (events) => this.addEvents(events),
+      warning: (w) => this.addWarning(String(w)),
+      summary: (s) => this.setSummary(s),
+      end: (s) => { this.setSummary(s); this.close(); setLive("ended"); },
     };
+    this.source = openStream("/api/stream/" + encodeId(this.id) + q, {
+      opened: () => setLive("live"),
+      on: (name, text) => {
+        let data;
+        try { data = parseJSON(text); } catch { return console.warn(`bad ${name} message`, text); }
+        if (handlers[name]) handlers[name](data);
+      },
+      // Ended without its `end` message (the server stopped) or failed: reopen it, with the
+      // counts the page has now, so that nothing is sent twice.
+      closed: (error) => {
+        this.close();
+        if (needsToken(error)) return;
+        setLive("reconnecting");
+        this.retry = setTimeout(() => this.open(), 2000);
+      },
+    });
   }
 
   close() {
@@ -763,6 +842,7 @@ class RunsPage {
       }
       this.refreshCompare();
     } catch (e) {
+      if (needsToken(e)) return;
       showError(e.message);
     }
     setTimeout(() => this.poll(), 3000);
@@ -830,7 +910,7 @@ class RunsPage {
         const d = await getJSON("/api/run/" + encodeId(id));
         this.cache.set(id, {rows: d.rows || [], status: d.summary && d.summary.status, name: d.summary && d.summary.name});
       } catch (e) {
-        showError(`Run "${id}": ${e.message}`);
+        if (!needsToken(e)) showError(`Run "${id}": ${e.message}`);
       }
     }));
     const shown = [...this.picked].filter((id) => this.cache.has(id));
@@ -851,7 +931,6 @@ class RunsPage {
 // ---------------------------------------------------------------- start
 
 function start() {
-  tokenizeStaticLinks();
   const page = document.body.dataset.page;
   if (page === "runs") return new RunsPage().poll();
   const prefix = page === "mesh" ? "/mesh/" : "/run/";
