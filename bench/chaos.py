@@ -16,6 +16,27 @@ promise each run is checked against:
   the newest checkpoint, resharded, and the final weights are bitwise the fault-free run's.
 - data: a pipeline (random augmentation on 2 preprocessing procs) whose procs are SIGKILLed at
   random moments: bitwise the same pipeline's run without kills.
+- tune: a grid study of 4 trials (2-rank DDP jobs, one learning rate each) with 1-2 faults
+  at random ranks and steps in every trial: each trial's value is bitwise the fault-free
+  study's for its learning rate. And the same study from `raymesh tune job.toml`, its
+  controller SIGKILLed at a random moment after a trial ended, then `--resume`d: every grid
+  point complete exactly once, the trials finished before the kill kept as they were, every
+  value the fault-free study's.
+- serve: the example MLP on 3 replicas under 4 clients' steady load; 1-3 replicas SIGKILLed
+  and one reload to other weights, at random moments: every request answered 200, each
+  answer the old or the new weights' (to float precision), never anything else.
+- federated: 6 rounds of FedAvg over fedmlp's 6 or 8 clients on 2 client procs, as
+  `raymesh.federated.run` runs them, secure aggregation on in half the runs; 1-2 procs
+  SIGKILLed at random rounds and moments (0-50 ms after a round's Advertise, ShareSeeds, Fit
+  or Unmask went out: a replay draws the same, where in the procs' work it lands is timing);
+  rogue clients: tests/federated/helpers.faulty's (client 3 raises, client 5
+  sends NaN) in most runs and, in half the secure runs, an edge server with an honest edge
+  client and tests/federated/test_rogue.py's Rogue, playing one of its acts (or honestly)
+  each round: every applied round is within 1e-6 of FedAvg by hand (as
+  helpers.fedavg_by_hand, from that round's starting weights) over the clients not dropped,
+  no rogue's bad update among them; a round not applied says why and leaves the model as it
+  was; every killed proc is replaced, and all 6 rounds run. Its "lost steps" are the rounds
+  not applied.
 - elastic (full campaign only, ~1 min a run): a 3-node local cluster (`ray.cluster_utils`)
   loses a node with 2 of 4 ranks at a random step; the job shrinks to 2 and grows back to 4
   when a node joins: every step in the history once, the weights equal to the fault-free run's
@@ -36,10 +57,12 @@ import os
 import platform
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -279,16 +302,626 @@ def elastic_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
             yield run
 
 
+LRS = [0.01, 0.03, 0.1, 0.3]
+STUDY_JOB = """
+build = "tests.tune.helpers:mlp_lr"
+workers = 2
+steps = {steps}
+global_batch_size = {batch}
+report_every = {every}
+seed = 0
+
+[checkpoint]
+dir = "{folder}/unused"
+every = 4
+
+[tune]
+trials = {trials}
+concurrent = 1
+sampler = "grid"
+scheduler = "none"
+storage = "{folder}/study.db"
+
+[tune.space]
+lr = "choice({lrs})"
+"""
+
+
+def trials(db: str) -> list[Any]:
+    """The trials of the study in `db` so far (none before it exists)."""
+    import optuna
+
+    try:
+        return optuna.load_study(study_name="raymesh", storage=db).get_trials()
+    except Exception:  # not created yet
+        return []
+
+
+def tune_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
+    from raymesh import tune
+    from raymesh._src import backend
+    from tests.scripts import start_cli
+
+    build = "tests.tune.helpers:mlp_lr"
+    rng = random.Random(seed)
+
+    def study(faults: list[Any]) -> dict[float, float | None]:
+        cfg = config(faults=faults, max_failures=len(faults) + 1, step_timeout_s=2.0)
+        done = tune.run(
+            build, cfg, space={"lr": tune.choice(LRS)}, trials=4, sampler="grid", scheduler=None
+        )
+        return {t.params["lr"]: t.value for t in done.trials}
+
+    reference = study([])
+    with tempfile.TemporaryDirectory(prefix="raymesh-chaos-") as tmp:
+        for i in range(count):
+            run_seed = replay if replay is not None else rng.randrange(1 << 30)
+            r = random.Random(run_seed)
+            t0 = time.monotonic()
+            if r.random() < 0.5:  # faults in every trial
+                faults = draw_faults(r, 2, r.randint(1, 2))
+                run = Run("tune", "4 trials, faults in each", run_seed, [str(f) for f in faults])
+                log(f"tune seed={run_seed}: {run.case}: {', '.join(run.faults)}")
+                got = study(faults)
+                run.failures = run.healed = 4 * len(faults)
+                run.held = got == reference
+                run.detail = "" if run.held else f"values {got} vs fault-free {reference}"
+            else:  # the study's controller SIGKILLed, then resumed
+                delay = r.uniform(0.0, 3.0)
+                folder = Path(tmp) / f"study-{i}"
+                folder.mkdir()
+                job = folder / "study.toml"
+                job.write_text(
+                    STUDY_JOB.format(
+                        steps=STEPS, batch=BATCH, every=EVERY, folder=folder, trials=4, lrs=LRS
+                    )
+                )
+                what = f"SIGKILL the study's controller {delay:.2f}s after a trial ended"
+                run = Run("tune", "raymesh tune, controller killed", run_seed, [what])
+                log(f"tune seed={run_seed}: {what}")
+                db = f"sqlite:///{folder}/study.db"
+                cli = start_cli(["tune", str(job)], folder / "controller.log", cwd=ROOT)
+
+                deadline = time.monotonic() + 300
+                while cli.poll() is None and time.monotonic() < deadline:
+                    if any(t.state.name == "COMPLETE" for t in trials(db)):
+                        break
+                    time.sleep(0.2)
+                time.sleep(delay)
+                if cli.poll() is None:
+                    cli.send_signal(signal.SIGKILL)
+                    run.failures = run.healed = 1
+                else:
+                    run.faults = []  # it ended first
+                cli.wait(timeout=60)
+                before = {t.number: t.value for t in trials(db) if t.state.name == "COMPLETE"}
+                resumed = subprocess.run(
+                    [sys.executable, "-m", "raymesh.cli.main", "tune", str(job), "--resume"],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    env=dict(os.environ, RAYMESH_ADDRESS=backend.address()),
+                )
+                after = [t for t in trials(db) if t.state.name == "COMPLETE"]
+                got = {t.params["lr"]: t.value for t in after}
+                run.held = (
+                    resumed.returncode == 0
+                    and sorted(t.params["lr"] for t in after) == sorted(LRS)
+                    and {t.number: t.value for t in after if t.number in before} == before
+                    and got == reference
+                )
+                run.detail = "" if run.held else f"{got} vs {reference}; {resumed.stderr[-500:]}"
+            run.seconds = round(time.monotonic() - t0, 2)
+            yield run
+
+
+def keep_asking(
+    url: str, xs: list[list[float]], k: int, answers: list[Any], stop: threading.Event
+) -> None:
+    """POST xs[k], xs[k+1], ... to /v1/predict until `stop`; (input, status, body) each."""
+    from tests.serve.helpers import Client
+
+    client = Client(url)
+    i = k
+    while not stop.is_set():
+        try:
+            status, _, body = client.post("/v1/predict", {"x": xs[i % len(xs)]})
+        except OSError as e:
+            status, body = 0, repr(e)
+            client = Client(url)
+        answers.append((i % len(xs), status, body))
+        i += 1
+
+
+def serve_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
+    import torch
+
+    from raymesh import serve
+    from tests.serve.helpers import mlp_checkpoint, mlp_outputs
+
+    xs = [[0.01 * (i + j) for j in range(32)] for i in range(8)]
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="raymesh-chaos-") as tmp:
+        a, b = mlp_checkpoint(Path(tmp) / "a", seed=1), mlp_checkpoint(Path(tmp) / "b", seed=2)
+        weights = {"a": mlp_outputs(a, xs), "b": mlp_outputs(b, xs)}
+
+        def which(i: int, body: Any) -> str:
+            try:
+                y = torch.tensor(body["y"])
+            except (KeyError, TypeError, ValueError):
+                return f"not an answer: {str(body)[:200]}"
+            for name, outputs in weights.items():
+                if torch.allclose(y, torch.tensor(outputs[i]), atol=1e-5, rtol=1e-5):
+                    return name
+            return f"wrong: {str(body)[:200]}"
+
+        for _ in range(count):
+            run_seed = replay if replay is not None else rng.randrange(1 << 30)
+            r = random.Random(run_seed)
+            kills = sorted(r.uniform(0.2, 3.0) for _ in range(r.randint(1, 3)))
+            reload_at = r.uniform(0.2, 3.0)
+            faults = [f"SIGKILL a replica at {t:.2f}s" for t in kills]
+            faults.append(f"reload to other weights at {reload_at:.2f}s")
+            run = Run("serve", "3 replicas, 4 clients", run_seed, faults)
+            log(f"serve seed={run_seed}: {', '.join(faults)}")
+            t0 = time.monotonic()
+            app = serve.deploy(
+                build="raymesh.examples.mlp:build",
+                checkpoint=str(a),
+                replicas=3,
+                max_batch_size=16,
+                batch_wait_ms=5,
+                port=0,
+            )
+            answers: list[tuple[int, int, Any]] = []
+            stop = threading.Event()
+
+            clients = [
+                threading.Thread(target=keep_asking, args=(app.url, xs, k, answers, stop))
+                for k in range(4)
+            ]
+            for c in clients:
+                c.start()
+            try:
+                start, killed = time.monotonic(), 0
+                events = sorted([(t, "kill") for t in kills] + [(reload_at, "reload")])
+                for at, what in events:
+                    time.sleep(max(0.0, start + at - time.monotonic()))
+                    if what == "kill":
+                        pids = app.replica_pids()
+                        if pids:
+                            os.kill(r.choice(sorted(pids)), signal.SIGKILL)
+                            killed += 1
+                    else:
+                        app.reload(str(b))
+                settled = time.monotonic() + 60  # the replacements up, then more answers
+                while len(app.replica_pids()) < 3 and time.monotonic() < settled:
+                    time.sleep(0.1)
+                after = len(answers)
+                while len(answers) < after + 40 and time.monotonic() < settled:
+                    time.sleep(0.05)
+            finally:
+                stop.set()
+                for c in clients:
+                    c.join(timeout=60)
+                stats = app.stats()
+                app.stop()
+            seen = [
+                which(i, body) if status == 200 else f"status {status}: {body}"
+                for i, status, body in answers
+            ]
+            bad = [x for x in seen if x not in ("a", "b")]
+            last = seen[after + len(clients) :]
+            run.failures = killed
+            run.healed = int(stats.get("replaced", 0))
+            run.held = not bad and bool(last) and set(last) == {"b"}
+            run.detail = "" if run.held else f"{len(bad)} bad answers: {bad[:3]}; last {last[:3]}"
+            run.seconds = round(time.monotonic() - t0, 2)
+            yield run
+
+
+FED_ROUNDS, FED_HOSTS = 6, 2  # 6: the rounds tests/federated/test_rogue.py's Rogue plays
+FED_TOKEN = "chaos-federated-token"
+FED_STEPS = ("Advertise", "ShareSeeds", "Fit", "Unmask")  # a secure round's; a plain one: Fit
+# test_rogue's edge rogue's plays for a round: those after which its update still counts (it
+# trained honestly, then lied with its shares or answered at another's address), and those
+# that must keep it out of the round.
+COUNTED = ["honestly", "a_bad_unmask", "b_wrong_shares", "b_answers_for_another"]
+KEPT_OUT = [
+    "a_low_order_key",
+    "a_cut_share",
+    "a_bad_figures",
+    "a_oversized",
+    "a_deep",
+    "b_pretends",
+    "b_huge_count",
+    "b_old_round",
+    "b_chunked",
+]
+
+
+@dataclasses.dataclass
+class ProcKill:
+    """SIGKILL client proc `host` `delay` s after round `round`'s `step` message went out."""
+
+    round: int
+    step: str
+    host: int
+    delay: float
+    due: bool = False  # its step came: the kill is on its timer
+    pid: int = 0  # the pid killed, once it was
+
+    def __str__(self) -> str:
+        return (
+            f"SIGKILL client proc {self.host} {self.delay:.3f}s into round {self.round}'s "
+            f"{self.step}" + (f" (pid {self.pid})" if self.pid else "")
+        )
+
+
+@dataclasses.dataclass
+class FedDraw:
+    """One federated run's layout and faults, drawn from its seed alone."""
+
+    secure: bool
+    clients: int
+    faulty: bool  # tests.federated.helpers.faulty: RAISES raises, NAN sends NaN
+    fraction: float
+    seed: int  # the federation's sampling seed
+    kills: list[ProcKill]
+    script: list[str]  # the edge rogue's play each round; [] for no edge server
+
+    @classmethod
+    def of(cls, run_seed: int) -> FedDraw:
+        r = random.Random(run_seed)
+        secure = r.random() < 0.5
+        clients = r.choice((6, 8))
+        faulty = r.random() < 0.75
+        edge = secure and r.random() < 0.5  # test_rogue's plays are secure rounds'
+        fraction = 1.0 if edge else r.choice((0.5, 0.75, 1.0))  # the edge rogue plays all
+        seed = r.randrange(1 << 16)
+        kills = [  # in distinct rounds before the last, so each dead proc is found
+            ProcKill(
+                at,
+                r.choice(FED_STEPS) if secure else "Fit",
+                r.randrange(FED_HOSTS),
+                r.uniform(0, 0.05),
+            )
+            for at in sorted(r.sample(range(1, FED_ROUNDS), r.randint(1, 2)))
+        ]
+        script: list[str] = []
+        for _ in range(FED_ROUNDS if edge else 0):
+            pool = COUNTED + KEPT_OUT
+            if "b_wrong_shares" not in script:
+                pool.remove("b_old_round")  # it replays the adverts b_wrong_shares kept
+            script.append(r.choice(pool))
+        return cls(secure, clients, faulty, fraction, seed, kills, script)
+
+    def rogues(self) -> dict[int, str]:
+        from tests.federated import helpers
+
+        return {helpers.RAISES: "raises", helpers.NAN: "sends NaN"} if self.faulty else {}
+
+    def case(self) -> str:
+        return (
+            f"{self.clients} clients on {FED_HOSTS} procs, secure={self.secure}, "
+            f"fraction={self.fraction}, {'faulty' if self.faulty else 'honest'} clients"
+            + (", an edge server with an honest and a rogue edge client" if self.script else "")
+        )
+
+    def faults(self, done: bool = False) -> list[str]:
+        """What is injected; once the run is `done`, only the kills that landed."""
+        out = [str(k) for k in self.kills if k.pid or not done]
+        out += [f"client {c} {what} whenever sampled" for c, what in self.rogues().items()]
+        out += [
+            f"edge rogue {self.clients} in round {i}: {play}"  # it joins first: cid `clients`
+            for i, play in enumerate(self.script, start=1)
+            if play != "honestly"
+        ]
+        return out
+
+
+def fedavg_round(start: Any, cids: list[int], round_: int) -> Any:
+    """Round `round_` of FedAvg over fedmlp's clients `cids` from the flat float32 weights
+    `start`, computed here as tests.federated.helpers.fedavg_by_hand computes each of its
+    rounds: the example-weighted mean of the deltas the clients' local training makes, added
+    in float32."""
+    import numpy as np
+    import torch
+
+    from raymesh.examples import fedmlp
+    from raymesh.federated.client import Layout
+
+    layout = Layout.of(fedmlp.build_model().state_dict())
+    total, n_total = np.zeros(layout.size, np.float64), 0
+    for c in cids:
+        client = fedmlp.client_fn(c)
+        state = client.model.state_dict()
+        for name, value in layout.unflatten(start).items():
+            state[name].copy_(torch.from_numpy(value))
+        out = client.train_fn(client.model, client.data, {"round": round_, "client": c})
+        trained = layout.flatten(client.model.state_dict()).astype(np.float64)
+        total += out["num_examples"] * (trained - start)
+        n_total += out["num_examples"]
+    return (start + (total / n_total).astype(np.float32)).astype(np.float32)
+
+
+def federation(draw: FedDraw) -> Any:
+    """raymesh.federated's Federation (what `raymesh.federated.run` runs) for `draw`, which
+    also notes each round's sampled clients and SIGKILLs a client proc when a round's step
+    reaches a moment drawn for it."""
+    from raymesh import federated as fl
+    from raymesh.examples import fedmlp
+    from raymesh.federated.federation import Federation
+    from tests.federated import helpers
+
+    class Chaotic(Federation):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.sampled: dict[int, list[int]] = {}  # round -> its sampled clients
+            self.timers: list[threading.Timer] = []
+            super().__init__(*args, **kw)
+
+        def _assign(self, sampled: Any) -> Any:
+            self.sampled[len(self.sampled) + 1] = sorted(sampled)
+            return super()._assign(sampled)
+
+        def _exchange(self, msgs: Any, dropped: Any) -> Any:
+            if msgs:
+                msg = next(iter(msgs.values()))[0]
+                for k in draw.kills:
+                    if (k.round, k.step) == (msg.round, type(msg).__name__) and not k.due:
+                        k.due = True
+                        self.timers.append(threading.Timer(k.delay, self._kill, args=(k,)))
+                        self.timers[-1].start()
+            return super()._exchange(msgs, dropped)
+
+        def _kill(self, k: ProcKill) -> None:
+            pid = self.hosts[k.host].pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+                k.pid = pid
+            except ProcessLookupError:  # gone already: nothing injected
+                pass
+
+    edge = None
+    if draw.script:
+        edge = fl.EdgeConfig(
+            token=FED_TOKEN,
+            wait_for=2,
+            join_timeout_s=60,
+            poll_s=10,  # sampled while heard from within 3 polls: more than a respawn
+            max_body_bytes=128 << 10,  # test_rogue's a_oversized sends 256 KiB
+            max_clients=2,
+        )
+    return Chaotic(
+        helpers.faulty if draw.faulty else fedmlp.client_fn,
+        fl.FedAvg(fraction=draw.fraction, min_clients=2),
+        fl.RunConfig(
+            clients=draw.clients,
+            rounds=FED_ROUNDS,
+            hosts=FED_HOSTS,
+            secure_aggregation=draw.secure,
+            timeout_s=30.0,  # a replacement's first Fit takes seconds on 2 cores
+            seed=draw.seed,
+            edge=edge,
+        ),
+    )
+
+
+def edge_rogue(fed: Any, draw: FedDraw, finished: list[threading.Event]) -> Any:
+    """test_rogue's Rogue at `fed`'s edge server, playing `draw.script` (joined first, so its
+    client id is `draw.clients`), and an honest EdgeClient beside it; the Rogue, started."""
+    from raymesh.examples import fedmlp
+    from raymesh.federated.edge import EdgeClient
+    from tests.federated import helpers, test_rogue
+
+    raw = helpers.RawEdge(fed.edge.url, FED_TOKEN)
+    status, body = raw.join("rogue")
+    if status != 200 or raw.cid != draw.clients:
+        raise RuntimeError(f"the edge rogue could not join as {draw.clients}: {status} {body}")
+    honest = EdgeClient(fed.edge.url, FED_TOKEN, fedmlp.client_fn, device="honest")
+    threading.Thread(target=honest.run, daemon=True).start()
+
+    def other() -> Any:  # the honest edge client, joined by the time a round runs
+        return types.SimpleNamespace(cid=honest.cid)
+
+    plays: dict[str, Callable[[Any], None]] = {
+        name: getattr(test_rogue, name) for name in KEPT_OUT + COUNTED if name != "honestly"
+    }
+    plays["honestly"] = test_rogue.Rogue.honestly
+    plays["b_pretends"] = lambda g: test_rogue.b_pretends(g, other())
+    plays["b_answers_for_another"] = lambda g: test_rogue.b_answers_for_another(g, other())
+    scripts = {i: plays[play] for i, play in enumerate(draw.script, start=1)}
+    after = {  # b_huge_count keeps its shares for this replay once the round is over
+        i: test_rogue.b_replays_shares
+        for i, play in enumerate(draw.script, start=1)
+        if play == "b_huge_count"
+    }
+    rogue = test_rogue.Rogue(raw, scripts, after, finished)
+    rogue.start()
+    return rogue
+
+
+def federated_run(run_seed: int) -> Run:
+    import numpy as np
+
+    from raymesh.examples import fedmlp
+    from raymesh.federated.client import Layout
+    from tests.federated import test_rogue
+
+    if test_rogue.ROUNDS != FED_ROUNDS:
+        raise RuntimeError(f"test_rogue's Rogue plays {test_rogue.ROUNDS} rounds, not {FED_ROUNDS}")
+
+    def flat(state: Any) -> Any:
+        return Layout.of(state).flatten(state)
+
+    draw = FedDraw.of(run_seed)
+    run = Run("federated", draw.case(), run_seed, draw.faults())
+    log(f"federated seed={run_seed}: {run.case}: {', '.join(run.faults)}")
+    t0 = time.monotonic()
+    problems: list[str] = []
+    finished = [threading.Event() for _ in range(FED_ROUNDS + 1)]
+    weights: list[Any] = []  # the global model before round 1, then after each round
+    fed = rogue = result = None
+    ran = False  # Federation.run stops the procs and the edge server itself
+
+    def between_rounds(record: Any) -> None:
+        weights.append(fed.weights.copy())
+        finished[record.round].set()
+        if rogue is not None and not rogue.ready[record.round].wait(60):
+            problems.append(f"round {record.round}: the edge rogue did not finish its play")
+
+    try:
+        fed = federation(draw)
+        weights.append(fed.weights.copy())
+        if draw.script:
+            rogue = edge_rogue(fed, draw, finished)
+        ran = True
+        result = fed.run(between_rounds)
+    except Exception as e:  # the promise includes that the run completes
+        problems.append(f"the run raised {type(e).__name__}: {str(e)[:300]}")
+    finally:
+        for ev in finished:
+            ev.set()  # a rogue left waiting goes on (and ends: the server is gone)
+        if fed is not None:
+            for timer in fed.timers:
+                timer.join(timeout=5)
+            if not ran:
+                fed.stop()
+    run.faults = draw.faults(done=True)  # with the pids killed; not a kill whose step never came
+    killed = sum(bool(k.pid) for k in draw.kills)
+    rogues = draw.rogues()
+    acts = refused = replaced = lost = 0
+    gaps: list[float] = []
+    history = result.history if result is not None else []
+    if result is not None:
+        if len(history) != FED_ROUNDS:
+            problems.append(f"{len(history)} of {FED_ROUNDS} rounds ran")
+        if not np.array_equal(weights[0], flat(fedmlp.build_model().state_dict())):
+            problems.append("the run did not start from fedmlp's initial model")
+        if not np.array_equal(flat(result.state_dict()), weights[-1]):
+            problems.append("the final model is not the last round's")
+    for rec in history:
+        where, before, after = f"round {rec.round}", weights[rec.round - 1], weights[rec.round]
+        sampled = fed.sampled.get(rec.round, [])
+        survivors = [c for c in sampled if c not in rec.dropped]
+        replaced += rec.replaced_hosts
+        if len(sampled) != rec.sampled or len(survivors) != rec.responded:
+            problems.append(
+                f"{where}: the record says {rec.responded} of {rec.sampled} clients answered, "
+                f"but {survivors} of {sampled} were not dropped"
+            )
+        unsaid = [c for c, why in rec.dropped.items() if not why]
+        if unsaid:
+            problems.append(f"{where}: clients {unsaid} dropped without a reason")
+        for c in rogues:  # each time a simulated rogue got to answer (not on a dead proc)
+            if c in sampled and "its proc failed" not in rec.dropped.get(c, ""):
+                acts += 1
+                refused += c in rec.dropped
+                if c in survivors:
+                    problems.append(f"{where}: rogue client {c}'s update was applied")
+        if rec.applied:
+            if rec.reason:
+                problems.append(f"{where}: applied, yet with a reason: {rec.reason}")
+            expected = fedavg_round(before, survivors, rec.round)
+            gap = float(np.max(np.abs(after.astype(np.float64) - expected)))
+            gaps.append(gap)
+            model_ok = gap <= 1e-6
+            if not model_ok:
+                problems.append(
+                    f"{where}: {gap:.3g} from FedAvg by hand over the survivors {survivors}"
+                )
+        else:
+            lost += 1
+            if not rec.reason:
+                problems.append(f"{where}: not applied, and no reason given")
+            model_ok = np.array_equal(before, after)
+            if not model_ok:
+                problems.append(f"{where}: not applied, yet the model moved")
+        play = draw.script[rec.round - 1] if draw.script else "honestly"
+        if play != "honestly":
+            acts += 1
+            cid, counted = draw.clients, play in COUNTED
+            if (cid in survivors) != counted:
+                problems.append(
+                    f"{where}: the edge rogue ({play}) was "
+                    f"{'not ' if counted else ''}counted: dropped {rec.dropped}"
+                )
+            if not counted:
+                refused += cid in rec.dropped
+            elif play == "b_wrong_shares":  # well-formed lies: only the model can tell
+                refused += bool(model_ok)
+            else:  # its update counts; what it did besides (its notes) was refused
+                notes = [st for (i, _), (st, _) in rogue.seen.items() if i == rec.round]
+                refused += all(st >= 400 or cid in rec.ignored for st in notes)
+    if result is not None and replaced != killed:
+        problems.append(f"{killed} client procs killed, {replaced} replaced")
+    if rogue is not None and rogue.errors:
+        problems.append(f"the edge rogue's play failed: {rogue.errors[0][-300:]}")
+    skipped = "; ".join(
+        f"round {h.round} not applied: {h.reason[:120]}" for h in history if not h.applied
+    )
+    log(
+        f"  rounds applied {len(gaps)}/{len(history)}, largest gap to FedAvg by hand "
+        f"{max(gaps, default=0.0):.2g}, {replaced} proc(s) replaced"
+        + (f"; {skipped}" if skipped else "")
+    )
+    run.failures = killed + acts
+    run.healed = replaced + refused
+    run.lost_steps = lost
+    run.held = not problems
+    run.detail = "; ".join(problems)[:2000]
+    run.seconds = round(time.monotonic() - t0, 2)
+    return run
+
+
+def federated_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
+    import torch
+
+    # One thread, as the client procs train (ClientHost): the edge clients and FedAvg by hand
+    # train tiny models in this process, which a second thread slows 30-fold on 2 cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rng = random.Random(seed)
+        for _ in range(count):
+            yield federated_run(replay if replay is not None else rng.randrange(1 << 30))
+    finally:
+        torch.set_num_threads(threads)
+
+
 SUITES: dict[str, Callable[[int, int, int | None], Iterator[Run]]] = {
     "ddp": ddp_runs,
     "fsdp": lambda seed, n, replay: sharded_runs("fsdp", seed, n, replay),
     "hsdp": lambda seed, n, replay: sharded_runs("hsdp", seed, n, replay),
     "data": data_runs,
+    "tune": tune_runs,
+    "serve": serve_runs,
+    "federated": federated_runs,
     "elastic": elastic_runs,
 }
-# Runs per suite: the full campaign has 40 + 8 + 8 + 4 + 2 = 62 faulted training runs.
-FULL = {"ddp": 40, "fsdp": 8, "hsdp": 8, "data": 4, "elastic": 2}
-QUICK = {"ddp": 4, "fsdp": 1, "hsdp": 1, "data": 1, "elastic": 0}
+# Runs per suite: the full campaign has 40 + 8 + 8 + 4 + 2 = 62 faulted training runs, and
+# tune's 4 studies (16 trials more).
+FULL = {
+    "ddp": 40,
+    "fsdp": 8,
+    "hsdp": 8,
+    "data": 4,
+    "tune": 4,
+    "serve": 4,
+    "federated": 4,
+    "elastic": 2,
+}
+QUICK = {
+    "ddp": 4,
+    "fsdp": 1,
+    "hsdp": 1,
+    "data": 1,
+    "tune": 1,
+    "serve": 1,
+    "federated": 1,
+    "elastic": 0,
+}
 
 
 def table(runs: list[Run]) -> list[dict[str, Any]]:

@@ -58,3 +58,13 @@ def quadratic(ctx: Context) -> Task:
 def bowl(ctx: Context) -> Task:
     """Two parameters, optimum (x, y) = (0.3, -0.2)."""
     return _task(_Point(ctx.params["x"], ctx.params["y"]), ctx, [0.3, -0.2])
+
+
+def mlp_lr(ctx: Context) -> Task:
+    """The example MLP with the trial's learning rate (params["lr"]); bench/chaos.py's trials."""
+    from raymesh.examples import mlp
+
+    task = mlp.build(ctx)
+    for group in task.optimizer.param_groups:
+        group["lr"] = ctx.params.get("lr", group["lr"])
+    return task
