@@ -11,7 +11,9 @@ run whose promise broke replays alone with `--only SUITE --replay SEED`. The sui
 promise each run is checked against:
 - ddp: 2 and 4 ranks, with and without a warm spare; 1-3 faults (SIGKILL, a raised error, a
   hang) at random ranks and steps, two at once sometimes: the final weights are bitwise the
-  fault-free run's at the same world size, and every step is in the history once.
+  fault-free run's at the same world size, and every step is in the history once. A run whose
+  faults take every rank at one step has nothing to heal from (no checkpoint): its promise is
+  a TrainError naming CheckpointConfig.
 - fsdp, hsdp: 4 ranks, a checkpoint every 4 steps, 1-2 SIGKILLs at random: every rank reloads
   the newest checkpoint, resharded, and the final weights are bitwise the fault-free run's.
 - data: a pipeline (random augmentation on 2 preprocessing procs) whose procs are SIGKILLed at
@@ -158,18 +160,32 @@ def ddp_runs(seed: int, count: int, replay: int | None) -> Iterator[Run]:
                 "ddp", f"{workers} ranks, spares={spares}", run_seed, [str(f) for f in faults]
             )
             log(f"ddp seed={run_seed}: {run.case}: {', '.join(run.faults)}")
-            t0 = time.monotonic()
-            result = train.fit(
-                MLP,
-                config(
-                    workers=workers,
-                    spares=spares,
-                    faults=faults,
-                    max_failures=len(faults) + 1,
-                    step_timeout_s=2.0,  # a hang is found in 2 s (steps take milliseconds)
-                ),
-                warm=warm,
+            # Every rank lost at one step leaves no state to heal from (no checkpoint here):
+            # the promise is then a TrainError that names the fix.
+            wipeout = any(
+                {f.rank for f in faults if f.at_step == step} == set(range(workers))
+                for step in {f.at_step for f in faults}
             )
+            t0 = time.monotonic()
+            try:
+                result = train.fit(
+                    MLP,
+                    config(
+                        workers=workers,
+                        spares=spares,
+                        faults=faults,
+                        max_failures=len(faults) + 1,
+                        step_timeout_s=2.0,  # a hang is found in 2 s (steps take milliseconds)
+                    ),
+                    warm=warm,
+                )
+            except train.TrainError as e:
+                run.held = wipeout and "no checkpoint to heal from" in str(e)
+                run.failures = workers
+                run.detail = f"TrainError: {e}" if not run.held else "every rank lost: TrainError"
+                run.seconds = round(time.monotonic() - t0, 2)
+                yield run
+                continue
             yield judge(run, result, refs[workers], t0)
 
 
