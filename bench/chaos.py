@@ -637,31 +637,6 @@ class FedDraw:
         return out
 
 
-def fedavg_round(start: Any, cids: list[int], round_: int) -> Any:
-    """Round `round_` of FedAvg over fedmlp's clients `cids` from the flat float32 weights
-    `start`, computed here as tests.federated.helpers.fedavg_by_hand computes each of its
-    rounds: the example-weighted mean of the deltas the clients' local training makes, added
-    in float32."""
-    import numpy as np
-    import torch
-
-    from raymesh.examples import fedmlp
-    from raymesh.federated.client import Layout
-
-    layout = Layout.of(fedmlp.build_model().state_dict())
-    total, n_total = np.zeros(layout.size, np.float64), 0
-    for c in cids:
-        client = fedmlp.client_fn(c)
-        state = client.model.state_dict()
-        for name, value in layout.unflatten(start).items():
-            state[name].copy_(torch.from_numpy(value))
-        out = client.train_fn(client.model, client.data, {"round": round_, "client": c})
-        trained = layout.flatten(client.model.state_dict()).astype(np.float64)
-        total += out["num_examples"] * (trained - start)
-        n_total += out["num_examples"]
-    return (start + (total / n_total).astype(np.float32)).astype(np.float32)
-
-
 def federation(draw: FedDraw) -> Any:
     """raymesh.federated's Federation (what `raymesh.federated.run` runs) for `draw`, which
     also notes each round's sampled clients and SIGKILLs a client proc when a round's step
@@ -764,6 +739,7 @@ def federated_run(run_seed: int) -> Run:
     from raymesh.examples import fedmlp
     from raymesh.federated.client import Layout
     from tests.federated import test_rogue
+    from tests.federated.helpers import fedavg_round
 
     if test_rogue.ROUNDS != FED_ROUNDS:
         raise RuntimeError(f"test_rogue's Rogue plays {test_rogue.ROUNDS} rounds, not {FED_ROUNDS}")

@@ -91,21 +91,28 @@ def fedavg_by_hand(rounds: list[list[int]]) -> np.ndarray:
     example-weighted mean of the weights each client of `rounds[r - 1]` reaches by training
     from the previous round's global weights, kept in float32 as the run keeps them."""
     model = fedmlp.build_model()
-    layout = Layout.of(model.state_dict())
-    weights = layout.flatten(model.state_dict())
+    weights = Layout.of(model.state_dict()).flatten(model.state_dict())
     for r, cids in enumerate(rounds, start=1):
-        total, n_total = np.zeros(layout.size, np.float64), 0
-        for c in cids:
-            client = fedmlp.client_fn(c)
-            state = client.model.state_dict()
-            for name, value in layout.unflatten(weights).items():
-                state[name].copy_(torch.from_numpy(value))
-            out = client.train_fn(client.model, client.data, {"round": r, "client": c})
-            trained = layout.flatten(client.model.state_dict()).astype(np.float64)
-            total += out["num_examples"] * (trained - weights)
-            n_total += out["num_examples"]
-        weights = (weights + (total / n_total).astype(np.float32)).astype(np.float32)
+        weights = fedavg_round(weights, cids, r)
     return weights.astype(np.float64)
+
+
+def fedavg_round(start: np.ndarray, cids: list[int], round_: int) -> np.ndarray:
+    """Round `round_` of FedAvg over fedmlp's clients `cids` from the flat float32 weights
+    `start`: the example-weighted mean of the deltas their local training makes, added in
+    float32 (bench/chaos.py checks each applied round of a faulted run with it)."""
+    layout = Layout.of(fedmlp.build_model().state_dict())
+    total, n_total = np.zeros(layout.size, np.float64), 0
+    for c in cids:
+        client = fedmlp.client_fn(c)
+        state = client.model.state_dict()
+        for name, value in layout.unflatten(start).items():
+            state[name].copy_(torch.from_numpy(value))
+        out = client.train_fn(client.model, client.data, {"round": round_, "client": c})
+        trained = layout.flatten(client.model.state_dict()).astype(np.float64)
+        total += out["num_examples"] * (trained - start)
+        n_total += out["num_examples"]
+    return (start + (total / n_total).astype(np.float32)).astype(np.float32)
 
 
 # --- clients in this process, for the tests that need no Ray ---------------------------------
