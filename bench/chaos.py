@@ -15,7 +15,8 @@ promise each run is checked against:
   faults take every rank at one step has nothing to heal from (no checkpoint): its promise is
   a TrainError naming CheckpointConfig.
 - fsdp, hsdp: 4 ranks, a checkpoint every 4 steps, 1-2 SIGKILLs at random: every rank reloads
-  the newest checkpoint, resharded, and the final weights are bitwise the fault-free run's.
+  the newest checkpoint, resharded, and the final weights are bitwise the fault-free run's (a
+  rank lost before the first checkpoint: a TrainError naming CheckpointConfig).
 - data: a pipeline (random augmentation on 2 preprocessing procs) whose procs are SIGKILLed at
   random moments: bitwise the same pipeline's run without kills.
 - tune: a grid study of 4 trials (2-rank DDP jobs, one learning rate each) with 1-2 faults
@@ -214,7 +215,17 @@ def sharded_runs(strategy: str, seed: int, count: int, replay: int | None) -> It
             run = Run(strategy, "4 ranks, checkpoint every 4", run_seed, [str(f) for f in faults])
             log(f"{strategy} seed={run_seed}: {', '.join(run.faults)}")
             t0 = time.monotonic()
-            result = job(f"run-{i}", faults=faults, max_failures=len(faults) + 1)
+            try:
+                result = job(f"run-{i}", faults=faults, max_failures=len(faults) + 1)
+            except train.TrainError as e:
+                # Shards die with their rank: lost before the first checkpoint (step 4), the
+                # promise is a TrainError naming the fix.
+                run.held = places[0][1] <= 4 and "no checkpoint to heal from" in str(e)
+                run.failures = 1
+                run.detail = "lost before the first checkpoint: TrainError" if run.held else str(e)
+                run.seconds = round(time.monotonic() - t0, 2)
+                yield run
+                continue
             yield judge(run, result, reference, t0)
 
 
