@@ -97,12 +97,6 @@ class Run:
     detail: str = ""
 
 
-def equal(a: dict, b: dict) -> bool:
-    import torch
-
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def differing(a: dict, b: dict) -> list[str]:
     import torch
 
