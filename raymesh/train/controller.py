@@ -303,9 +303,9 @@ class TrainController:
                 self.record([m[:common] for m in reported], reported=who)
             # A rank that timed out never reached the chunks behind this one: what they have
             # is all they will have (waiting a timeout more only doubled a hang's detection).
-            hung = any(isinstance(r, TimeoutError) for r in results)
-            wait = 0.0 if hung else self.chunk_timeout(0)
-            later = [detection.settle(fs, wait) for _, fs in in_flight]
+            # The others answer them within the grace of a failure, or are stuck in one.
+            wait = self.chunk_timeout(0)
+            later = [detection.settle_behind(fs, results, wait) for _, fs in in_flight]
             chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)), tuple(futs))
             return Healing(detection.describe(results), chunk)
         return Finishing(f"reached step {self.world.step}")

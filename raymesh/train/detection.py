@@ -6,8 +6,9 @@ rank that did not answer), giving the others only `HEAL_GRACE_S` once one has fa
 replace and the step that was in flight, so every rule is unit-tested with hand-made values:
 
 - a rank whose proc died, or whose step raised, is lost ("died", "error");
-- when a rank is lost, the ranks that neither failed nor finished are stuck in a collective
-  with it ("stuck": replaced too, not counted as failures);
+- when a rank is lost, the ranks that neither failed nor finished (the failed chunk, or one
+  queued behind it) are stuck in a collective with it ("stuck": replaced too, not counted as
+  failures);
 - when nobody died or raised, the ranks that timed out are stuck, and the ones behind the others
   (not yet in the phase where the others wait) are the hung ones ("hung").
 """
@@ -21,7 +22,7 @@ from typing import Any
 from raymesh.actor import ActorError, SupervisionError
 from raymesh.train.protocol import ChunkResult, LostRank, RankStatus
 
-__all__ = ["HEAL_GRACE_S", "describe", "failed", "find_lost", "settle"]
+__all__ = ["HEAL_GRACE_S", "describe", "failed", "find_lost", "settle", "settle_behind"]
 
 # After one rank of a chunk has failed, how long the others may take to report before they count
 # as stuck (survivors normally fail within milliseconds, when their peer's sockets close).
@@ -57,6 +58,15 @@ def settle(futures: Sequence[Any], timeout: float, grace: float = HEAL_GRACE_S) 
         except _ERRORS:
             pass
     return [_peek(f) if f.done() else TimeoutError("no reply") for f in futures]
+
+
+def settle_behind(futures: Sequence[Any], failed_chunk: Sequence[Any], timeout: float) -> list[Any]:
+    """Each rank's outcome of a chunk queued behind `failed_chunk` (its `settle`d outcomes):
+    waited for (as `settle` does) on the ranks that answered the failed chunk, TimeoutError at
+    once on the others, which never reached this one."""
+    answered = [not isinstance(r, TimeoutError) for r in failed_chunk]
+    got = iter(settle([f for f, a in zip(futures, answered) if a], timeout))
+    return [next(got) if a else TimeoutError("no reply") for a in answered]
 
 
 def _peek(future: Any) -> Any:
@@ -95,9 +105,13 @@ def find_lost(
     for i, st in enumerate(statuses):
         if isinstance(st, SupervisionError) and all(i != x.rank for x in lost):
             lost.append(LostRank(i, "died", st.failure.cause))
-    if lost:  # ranks that neither failed nor finished after a peer failed are stuck too
-        for i, r in enumerate(results):
-            if isinstance(r, TimeoutError):
+    if lost:  # ranks that neither failed nor finished after a peer failed are stuck too:
+        # in the failed chunk or in one queued behind it (a rank's reply to the chunk before
+        # the one it died in can be lost with it; a survivor blocked in the next one takes no
+        # further call, its setup for the new world would queue behind the blocked chunk)
+        gone = {x.rank for x in lost}
+        for i in range(len(results)):
+            if i not in gone and any(isinstance(rs[i], TimeoutError) for rs in (results, *later)):
                 lost.append(LostRank(i, "stuck", "stuck in a collective after a peer failed"))
         return lost, started
     # Nobody died or raised: the ranks that timed out are stuck. Those behind the others (not

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raymesh.actor import ActorError, MeshFailure, SupervisionError
-from raymesh.train.detection import describe, failed, find_lost, settle
+from raymesh.train.detection import describe, failed, find_lost, settle, settle_behind
 from raymesh.train.protocol import ChunkResult, LostRank, RankStatus
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,6 +90,36 @@ def test_settle_gives_the_others_only_the_grace_once_one_failed():
     assert describe(out) == ("rank 1 did not answer in time; rank 0 saw its peer go")
 
 
+def test_a_chunk_behind_the_failed_one_is_waited_for_only_on_the_ranks_that_answered_that_one():
+    class Pending:
+        def done(self) -> bool:
+            return False
+
+        def get(self, timeout: float | None = None) -> None:
+            raise TimeoutError
+
+    class Answered:
+        def __init__(self, value: ChunkResult) -> None:
+            self.value = value
+
+        def done(self) -> bool:
+            return True
+
+        def get(self, timeout: float | None = None) -> ChunkResult:
+            return self.value
+
+    timeout = TimeoutError("no reply")
+    behind = [Answered(peer(8)), Pending(), Answered(peer(8)), Pending()]
+    out = settle_behind(behind, [ok(8), timeout, died(), ok(8)], timeout=0.3)
+    # rank 1 never reached it: no wait; rank 3 answered the failed chunk but not this one
+    assert [type(r).__name__ for r in out] == [
+        "ChunkResult",
+        "TimeoutError",
+        "ChunkResult",
+        "TimeoutError",
+    ]
+
+
 def test_the_step_in_flight_counts_the_chunks_queued_behind_the_failed_one():
     # Rank 0's reply to chunk [4, 6) was lost with it; rank 1 went on to step 7 in the next
     # chunk and failed in step 8, where rank 0 died.
@@ -97,3 +127,21 @@ def test_the_step_in_flight_counts_the_chunks_queued_behind_the_failed_one():
         [died(), ok(6)], [died(), status(8, "backward", 3)], start=4, later=[[died(), peer(7)]]
     )
     assert lost == [LostRank(0, "died", "killed by SIGKILL")] and started == 8
+
+
+def test_a_survivor_still_blocked_in_a_chunk_queued_behind_the_failed_one_is_stuck():
+    # HSDP, 2x2, rank 1 killed at the start of a chunk: its reply to the chunk before was lost
+    # with it, so that earlier chunk is the failed one, and ranks 0, 2, 3 answered it. In the
+    # chunk queued behind it, ranks 0 and 2 (rank 1's shard and replica peers) fail, while
+    # rank 3 stays blocked in a collective with them (FSDP2 keeps its groups' sockets open):
+    # it answers no later call (its setup for the new world would queue behind the blocked
+    # chunk), so it is replaced too. Left in place, the new world waited for it for timeout_s.
+    timeout = TimeoutError("no reply")
+    lost, started = find_lost(
+        [ok(8), died(), ok(8), ok(8)],
+        [status(9, "start", 1), died(), status(9, "start", 1), status(9, "backward", 3)],
+        start=6,
+        later=[[peer(8), died(), peer(8), timeout]],
+    )
+    assert [(x.rank, x.kind) for x in lost] == [(1, "died"), (3, "stuck")]
+    assert started == 9
