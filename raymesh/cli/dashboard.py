@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Serve until Ctrl-C (or until `stop` is set)."""
     from raymesh import dashboard
-    from raymesh._src.asgi import Tls
+    from raymesh._common import Tls
 
     root = Path(args.root)
     if not root.is_dir():

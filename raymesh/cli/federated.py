@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from raymesh import federated as fl
-    from raymesh._src.asgi import Tls
+    from raymesh._common import Tls
     from raymesh.federated.jobfile import load_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from raymesh.serve.jobfile import load_serving
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from raymesh._src.asgi import Tls
+    from raymesh._common import Tls
 
     overrides = {
         k: getattr(args, k)

@@ -8,7 +8,7 @@ accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) 
 `EdgeConfig(tls=Tls(cert=..., key=...))` serves edge devices over HTTPS.
 """
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Tls
 from raymesh.federated.client import Client
 from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
 from raymesh.federated.partition import dirichlet_partition

@@ -18,7 +18,7 @@ try:
 except ImportError as e:  # pragma: no cover (the dev install has them)
     raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Tls
 from raymesh.serve.app import App, Reply, deploy
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.config import ServeConfig

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from raymesh import train
-from raymesh.train.api import resolve_build
+from raymesh._common import resolve
 from raymesh.tune.space import domains, to_distributions
 
 __all__ = ["METRICS", "Study", "TrialResult", "run"]
@@ -201,7 +201,7 @@ def run(
     distributions = to_distributions(found)
     if not isinstance(config, train.TrainConfig):
         raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
-    fn = resolve_build(build)  # a bad name fails here, before any trial
+    fn = resolve(build)  # a bad name fails here, before any trial
     chosen = _sampler(sampler, found, seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     folder, url = None, None
