@@ -86,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _federated(args: argparse.Namespace) -> int:
     from raymesh import federated as fl
-    from raymesh.federated.jobfile import load_job
 
     tls = fl.Tls.of(args.tls_cert, args.tls_key)
-    job = load_job(args.job, tls=tls, rounds=args.rounds, clients=args.clients)
+    job = fl.load_job(args.job, tls=tls, rounds=args.rounds, clients=args.clients)
     config = _with_token(job.config)
     result = fl.run(
         job.client_fn,

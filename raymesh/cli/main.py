@@ -40,19 +40,18 @@ from raymesh.cli.args import count_or_range
 
 
 def _info() -> dict[str, Any]:
-    import ray
     import torch
 
-    from raymesh._src import backend
+    from raymesh import cluster
 
-    backend.ensure_ray()
-    here = backend.current_node_id()
+    cluster.ensure_ray()
+    here = cluster.current_node_id()
     return {
         "raymesh": __version__,
-        "ray": ray.__version__,
+        "ray": cluster.ray_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "address": "local (started by raymesh)" if backend.started_local() else backend.address(),
+        "address": "local (started by raymesh)" if cluster.started_local() else cluster.address(),
         "hosts": [
             {
                 "node_id": n.node_id,
@@ -65,7 +64,7 @@ def _info() -> dict[str, Any]:
                 "gpus": n.gpus,
                 "memory_gib": round(n.memory_bytes / 2**30, 1),
             }
-            for n in backend.nodes()
+            for n in cluster.nodes()
         ],
     }
 
@@ -132,10 +131,8 @@ def _train_job(args: argparse.Namespace) -> int:
     )
     run_dir = config.run_folder()
     if run_dir and result.history:
-        from raymesh.train.plot import save_picture
-
         try:
-            picture = save_picture(result, Path(run_dir) / "run.png", title=args.job)
+            picture = train.save_picture(result, Path(run_dir) / "run.png", title=args.job)
             print(f"picture: {picture}")
         except ImportError as e:  # matplotlib is optional
             print(f"no picture: {e}")

@@ -89,11 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     from raymesh import serve
-    from raymesh.serve.jobfile import load_serving
 
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     overrides["tls"] = serve.Tls.of(args.tls_cert, args.tls_key)
-    model, config = load_serving(args.job, **overrides)
+    model, config = serve.load_serving(args.job, **overrides)
     app = serve.deploy(config=config, **model)
     checkpoint = model.get("checkpoint")
     print(
@@ -110,7 +109,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
 
 
 def _reload(args: argparse.Namespace) -> int:
-    from raymesh.serve.config import ADMIN_TOKEN_ENV
+    from raymesh.serve import ADMIN_TOKEN_ENV
 
     def refuse(why: str) -> int:
         return errors.say("serve reload", why, errors.USAGE)

@@ -42,13 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _study(args: argparse.Namespace) -> int:
     from raymesh import tune
-    from raymesh.tune.jobfile import load_study
 
     def show(study: Any) -> None:
         print(table(study), flush=True)
         print(flush=True)
 
-    config, kwargs = load_study(args.job)
+    config, kwargs = tune.load_study(args.job)
     if args.trials is not None:
         kwargs["trials"] = args.trials
     assert config.build is not None  # load_study checked it

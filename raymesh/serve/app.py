@@ -71,12 +71,11 @@ def deploy(
     # starts to the thread that started them, and the server's thread ends with `stop()`.
     host_mesh()
     if config.backend == "ray-serve":
-        from raymesh._src.backend import serving  # Ray Serve is Ray: the backend speaks it
-        from raymesh.serve.model import LoadedModel, check_input
+        from raymesh.serve import _ray_serve  # imports Ray Serve: only for this backend
+        from raymesh.serve.model import LoadedModel
 
-        handle = serving.deploy(
+        handle = _ray_serve.deploy(
             functools.partial(LoadedModel, spec),
-            check_input,
             guard_of(config),  # the same token check and body limits as raymesh's front
             host=config.host,
             port=config.port,

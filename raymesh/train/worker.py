@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from raymesh._common import free_port
 from raymesh.actor import Actor, context, endpoint, this_host
+from raymesh.data import DataError
 from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
-from raymesh.data.pipeline import DataError
 from raymesh.data.sources import batch_reader
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
