@@ -21,6 +21,6 @@ def count_or_range(text: str) -> int | tuple[int, int]:
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tls-cert and --tls-key: serve HTTPS (read back with `raymesh._src.asgi.Tls.of`)."""
+    """--tls-cert and --tls-key: serve HTTPS (read back with `raymesh._common.Tls.of`)."""
     parser.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from raymesh.cli import errors
 from raymesh.cli.args import add_tls_arguments
 from raymesh.dashboard import DEFAULT_PORT
 
@@ -46,29 +47,27 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Serve until Ctrl-C (or until `stop` is set)."""
+    return errors.run("dashboard", lambda: _serve(args, stop))
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event | None) -> int:
     from raymesh import dashboard
-    from raymesh._src.asgi import Tls
 
     root = Path(args.root)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
-        print(
-            f"raymesh dashboard: {root} {what}: give the folder that holds your run folders "
-            "(a job's run_dir or checkpoint dir, or its parent, e.g. runs/)",
-            file=sys.stderr,
+        raise ValueError(
+            f"{root} {what}: give the folder that holds your run folders "
+            "(a job's run_dir or checkpoint dir, or its parent, e.g. runs/)"
         )
-        return 2
     token_from = "--token" if args.token else f"${TOKEN_ENV}"
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    tls = dashboard.Tls.of(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
     try:
-        tls = Tls.of(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
         board = dashboard.start(root, host=args.host, port=args.port, token=token, tls=tls)
-    except ValueError as e:
-        print(f"raymesh dashboard: {e}", file=sys.stderr)
-        return 2
     except OSError as e:
-        print(f"raymesh dashboard: {e} (choose another --port, or 0 for any)", file=sys.stderr)
-        return 2
+        hint = f"{e} (choose another --port, or 0 for any)"
+        return errors.say("dashboard", hint, errors.USAGE)
     said = f"raymesh dashboard: {board.url}  (runs under {root.resolve()}; Ctrl-C to stop)"
     if token is not None:
         # Never the token itself: a terminal's scrollback, a CI log or a screen share keeps it.

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from typing import Any, TextIO
 
+from raymesh.cli import errors
 from raymesh.cli.args import add_tls_arguments
 
 __all__ = ["RoundBar", "add_parser", "run"]
@@ -67,40 +68,35 @@ class RoundBar:
 
 def run(args: argparse.Namespace) -> int:
     if args.job == "client":
-        import os
-
+        # The edge client is a script of its own (a device runs it without raymesh installed).
         from raymesh.federated import edge
 
         if not args.server or not args.client:
-            print(
-                "raymesh federated client: give --server URL and --client module:fn",
-                file=sys.stderr,
+            return errors.say(
+                "federated client", "give --server URL and --client module:fn", errors.USAGE
             )
-            return 2
         args.token = args.token or os.environ.get("RAYMESH_FL_TOKEN")
         return edge.run_from_args(args)
 
     import logging
 
-    from raymesh import federated as fl
-    from raymesh._src.asgi import Tls
-    from raymesh.federated.jobfile import load_job
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        tls = Tls.of(args.tls_cert, args.tls_key)
-        job = load_job(args.job, tls=tls, rounds=args.rounds, clients=args.clients)
-        config = _with_token(job.config)
-        result = fl.run(
-            job.client_fn,
-            job.strategy,
-            evaluate_fn=job.evaluate_fn,
-            on_round=RoundBar(config.rounds),
-            **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
-        )
-    except (ValueError, TypeError) as e:  # a user mistake: one clear line, no traceback
-        print(f"raymesh federated: {e}", file=sys.stderr)
-        return 2
+    return errors.run("federated", lambda: _federated(args), mistakes=(ValueError, TypeError))
+
+
+def _federated(args: argparse.Namespace) -> int:
+    from raymesh import federated as fl
+
+    tls = fl.Tls.of(args.tls_cert, args.tls_key)
+    job = fl.load_job(args.job, tls=tls, rounds=args.rounds, clients=args.clients)
+    config = _with_token(job.config)
+    result = fl.run(
+        job.client_fn,
+        job.strategy,
+        evaluate_fn=job.evaluate_fn,
+        on_round=RoundBar(config.rounds),
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+    )
     applied = sum(r.applied for r in result.history)
     last = result.history[-1]
     line = f"done: {applied}/{len(result.history)} rounds applied"

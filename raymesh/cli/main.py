@@ -29,8 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raymesh._version import __version__
+from raymesh import __version__
 from raymesh.cli import dashboard as dashboard_cli
+from raymesh.cli import errors
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
@@ -39,19 +40,18 @@ from raymesh.cli.args import count_or_range
 
 
 def _info() -> dict[str, Any]:
-    import ray
     import torch
 
-    from raymesh._src import backend
+    from raymesh import cluster
 
-    backend.ensure_ray()
-    here = backend.current_node_id()
+    cluster.ensure_ray()
+    here = cluster.current_node_id()
     return {
         "raymesh": __version__,
-        "ray": ray.__version__,
+        "ray": cluster.ray_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "address": "local (started by raymesh)" if backend.started_local() else backend.address(),
+        "address": "local (started by raymesh)" if cluster.started_local() else cluster.address(),
         "hosts": [
             {
                 "node_id": n.node_id,
@@ -64,7 +64,7 @@ def _info() -> dict[str, Any]:
                 "gpus": n.gpus,
                 "memory_gib": round(n.memory_bytes / 2**30, 1),
             }
-            for n in backend.nodes()
+            for n in cluster.nodes()
         ],
     }
 
@@ -86,43 +86,39 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import dataclasses
     import logging
-
-    from raymesh import train
-    from raymesh.cli.progress import ProgressBar
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.verbose:  # Ray's own messages too, e.g. its paragraph on each dead worker
         logging.getLogger("raymesh.ray").setLevel(logging.DEBUG)
+    return errors.run("train", lambda: _train_job(args))
+
+
+def _train_job(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from raymesh import train
+    from raymesh.cli.progress import ProgressBar
+
+    config = train.load_config(args.job, build=True)
+    pairs = (("steps", args.steps), ("workers", args.workers), ("spares", args.spares))
+    overrides: dict[str, Any] = {k: v for k, v in pairs if v is not None}
+    if args.inject:
+        overrides["faults"] = tuple(args.inject)
+    if args.resume:
+        overrides["resume"] = True
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    if args.dashboard and config.run_folder() is None:  # the page reads the run folder
+        config = dataclasses.replace(config, run_dir=f"runs/{Path(args.job).stem}")
+    board = None
+    if args.dashboard:
+        board = dashboard_cli.serve_for(Path(str(config.run_folder())), args.dashboard_port)
     try:
-        config = train.load_config(args.job)
-        pairs = (("steps", args.steps), ("workers", args.workers), ("spares", args.spares))
-        overrides: dict[str, Any] = {k: v for k, v in pairs if v is not None}
-        if args.inject:
-            overrides["faults"] = tuple(args.inject)
-        if args.resume:
-            overrides["resume"] = True
-        if overrides:
-            config = dataclasses.replace(config, **overrides)
-        if config.build is None:
-            raise ValueError(f'{args.job}: set build = "module:function" in the job file')
-        if args.dashboard and config.run_folder() is None:  # the page reads the run folder
-            config = dataclasses.replace(config, run_dir=f"runs/{Path(args.job).stem}")
-        board = None
-        if args.dashboard:
-            board = dashboard_cli.serve_for(Path(str(config.run_folder())), args.dashboard_port)
-        try:
-            result = train.fit(None, config, progress=ProgressBar())
-        finally:
-            if board is not None:
-                _linger(board)
-    except ValueError as e:  # a user mistake: one clear line, no traceback
-        print(f"raymesh train: {e}", file=sys.stderr)
-        return 2
-    except (train.TrainError, train.TooManyFailures) as e:
-        print(f"raymesh train: {e}", file=sys.stderr)
-        return 1
+        result = train.fit(None, config, progress=ProgressBar())
+    finally:
+        if board is not None:
+            _linger(board)
     last = result.history[-1] if result.history else {"step": result.resumed_from, "loss": 0.0}
     for f in result.failures:
         print(
@@ -135,10 +131,9 @@ def _train(args: argparse.Namespace) -> int:
     )
     run_dir = config.run_folder()
     if run_dir and result.history:
-        from raymesh.train.plot import save_picture
-
         try:
-            print(f"picture: {save_picture(result, Path(run_dir) / 'run.png', title=args.job)}")
+            picture = train.save_picture(result, Path(run_dir) / "run.png", title=args.job)
+            print(f"picture: {picture}")
         except ImportError as e:  # matplotlib is optional
             print(f"no picture: {e}")
     return 0

@@ -14,12 +14,12 @@ import json
 import os
 import signal
 import ssl
-import sys
 import threading
 import urllib.error
 import urllib.request
 from typing import Any
 
+from raymesh.cli import errors
 from raymesh.cli.args import add_tls_arguments, count_or_range
 
 __all__ = ["add_parser", "run"]
@@ -60,42 +60,40 @@ def add_parser(sub: Any) -> None:
     )
 
 
+# The flags that override the job file's [serve] table (and its checkpoint).
+_OVERRIDES = (
+    "checkpoint",
+    "replicas",
+    "host",
+    "port",
+    "token",
+    "admin_token",
+    "checkpoint_root",
+    "max_batch_size",
+    "batch_wait_ms",
+    "backend",
+)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.job == "reload":
         return _reload(args)
     import logging
 
-    from raymesh import serve
-    from raymesh.serve.jobfile import load_serving
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from raymesh._src.asgi import Tls
-
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "checkpoint",
-            "replicas",
-            "host",
-            "port",
-            "token",
-            "admin_token",
-            "checkpoint_root",
-            "max_batch_size",
-            "batch_wait_ms",
-            "backend",
-        )
-    }
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        overrides["tls"] = Tls.of(args.tls_cert, args.tls_key)
-        model, config = load_serving(args.job, **overrides)
-        app = serve.deploy(config=config, **model)
-    except ValueError as e:  # a user mistake: one clear line, no traceback
-        print(f"raymesh serve: {e}", file=sys.stderr)
-        return 2
+    return errors.run("serve", lambda: _serve(args, stop))
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
+    from raymesh import serve
+
+    overrides = {k: getattr(args, k) for k in _OVERRIDES}
+    overrides["tls"] = serve.Tls.of(args.tls_cert, args.tls_key)
+    model, config = serve.load_serving(args.job, **overrides)
+    app = serve.deploy(config=config, **model)
     checkpoint = model.get("checkpoint")
     print(
         f"serving {app.url} ({config.replicas} replica(s); checkpoint {checkpoint}); "
@@ -111,11 +109,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _reload(args: argparse.Namespace) -> int:
-    from raymesh.serve.config import ADMIN_TOKEN_ENV
+    from raymesh.serve import ADMIN_TOKEN_ENV
 
     def refuse(why: str) -> int:
-        print(f"raymesh serve reload: {why}", file=sys.stderr)
-        return 2
+        return errors.say("serve reload", why, errors.USAGE)
 
     if not args.checkpoint:
         return refuse("give --checkpoint NEW")
@@ -140,10 +137,8 @@ def _reload(args: argparse.Namespace) -> int:
             body = json.loads(response.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
-        print(f"raymesh serve reload: HTTP {e.code}: {detail}", file=sys.stderr)
-        return 1
+        return errors.say("serve reload", f"HTTP {e.code}: {detail}", errors.FAILED)
     except (urllib.error.URLError, OSError) as e:
-        print(f"raymesh serve reload: cannot reach {args.url}: {e}", file=sys.stderr)
-        return 1
+        return errors.say("serve reload", f"cannot reach {args.url}: {e}", errors.FAILED)
     print(f"reloaded: {body['replicas']} replica(s) serve {body['checkpoint']}")
     return 0

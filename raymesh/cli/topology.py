@@ -44,8 +44,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from raymesh import topology
-    from raymesh._src import backend
+    from raymesh import cluster, topology
 
     if not args.probe_timeout > 0:
         print(
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    backend.ensure_ray()  # connect first, so that the time shown is discovery's own
+    cluster.ensure_ray()  # connect first, so that the time shown is discovery's own
     start = time.monotonic()
     topo = topology.discover(probe_timeout=args.probe_timeout)
     took = time.monotonic() - start

@@ -4,8 +4,9 @@ trials printed as each one ends."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
+
+from raymesh.cli import errors
 
 __all__ = ["add_parser", "run"]
 
@@ -35,33 +36,27 @@ def table(study: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from raymesh import train, tune
-    from raymesh.tune.jobfile import load_study
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return errors.run("tune", lambda: _study(args))
+
+
+def _study(args: argparse.Namespace) -> int:
+    from raymesh import tune
 
     def show(study: Any) -> None:
         print(table(study), flush=True)
         print(flush=True)
 
-    try:
-        config, kwargs = load_study(args.job)
-        if args.trials is not None:
-            kwargs["trials"] = args.trials
-        assert config.build is not None  # load_study checked it
-        study = tune.run(config.build, config, resume=args.resume, progress=show, **kwargs)
-    except ValueError as e:  # a user mistake: one clear line, no traceback
-        print(f"raymesh tune: {e}", file=sys.stderr)
-        return 2
-    except (train.TrainError, train.TooManyFailures) as e:
-        print(f"raymesh tune: {e}", file=sys.stderr)
-        return 1
+    config, kwargs = tune.load_study(args.job)
+    if args.trials is not None:
+        kwargs["trials"] = args.trials
+    assert config.build is not None  # load_study checked it
+    study = tune.run(config.build, config, resume=args.resume, progress=show, **kwargs)
     show(study)
     try:
         best = study.best
-    except ValueError as e:
-        print(f"raymesh tune: {e}", file=sys.stderr)
-        return 1
+    except ValueError as e:  # no trial finished: the study ran, and failed
+        return errors.say("tune", e, errors.FAILED)
     print(f"best: trial {best.number}, {study.metric} {best.value:.4g}, params {best.params}")
     if best.checkpoint:
         print(f"checkpoint: {best.checkpoint}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from raymesh._src.asgi import ServerThread, Tls
+from raymesh._common import ServerThread, Tls
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "Tls", "start"]
 

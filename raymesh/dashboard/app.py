@@ -19,13 +19,13 @@ The page gets the token from a form it shows when the API answers 401, or from t
 fragment (`#token=...`, which browsers never send to a server, so no server, proxy or log sees
 it), keeps it in the tab's sessionStorage and takes it out of the address bar. A token in a
 query string (`?token=`) is not accepted: URLs end up in histories, proxies' logs and Referer
-headers. docs/dashboard.md describes the files read and every field.
+headers. A refusal is raymesh's error shape, `{"error": {"type", "message"}}` (the token's
+check is the shared `BearerAuth`). docs/dashboard.md describes the files read and every field.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from raymesh._common import BearerAuth, HTTPError
 from raymesh.dashboard.runs import Runs
 
 __all__ = ["make_app"]
@@ -45,34 +47,13 @@ __all__ = ["make_app"]
 STATIC = Path(__file__).parent / "static"
 _POLL_S = 0.5  # how often a live stream looks for new lines
 _HEARTBEAT_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
+# The token, as a 401 names it: a browser's page asks for it; other clients send the header.
+_WHAT = "this dashboard's token (the page asks for it)"
 
 
 def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
     """The dashboard over the run folders under `root` (or `root`, itself a run folder)."""
     runs = Runs(root)
-
-    def allowed(request: Request) -> bool:
-        if token is None:
-            return True
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), token.encode()
-        )
-
-    def guarded(handler: Any) -> Any:
-        async def endpoint(request: Request) -> Response:
-            if not allowed(request):
-                return JSONResponse(
-                    {
-                        "error": "this dashboard needs its token: the page asks for it; "
-                        "other clients send the header `Authorization: Bearer <token>`"
-                    },
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            return await handler(request)
-
-        return endpoint
 
     def page(name: str) -> Any:
         # Not guarded: a page is the same static file for every run, holding no run data; it
@@ -83,10 +64,7 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
         return handler
 
     def missing(id: str) -> JSONResponse:
-        return JSONResponse(
-            {"error": f"no run folder {id!r} under {runs.root}: it may have been removed"},
-            status_code=404,
-        )
+        return _error(404, f"no run folder {id!r} under {runs.root}: it may have been removed")
 
     async def api_runs(request: Request) -> Response:
         return JSONResponse(runs.listing())
@@ -114,7 +92,7 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
             rows = int(request.query_params.get("rows", 0))
             events = int(request.query_params.get("events", 0))
         except ValueError:
-            return JSONResponse({"error": "rows and events must be whole numbers"}, 400)
+            return _error(400, "rows and events must be whole numbers")
         return StreamingResponse(
             _stream(request, runs, id, rows, events),
             media_type="text/event-stream",
@@ -129,17 +107,23 @@ def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
             Route("/", page("runs.html")),
             Route("/run/{id:path}", page("job.html")),
             Route("/mesh/{id:path}", page("mesh.html")),
-            Route("/api/runs", guarded(api_runs)),
-            Route("/api/run/{id:path}", guarded(api_run)),
-            Route("/api/stream/{id:path}", guarded(api_stream)),
-            Route("/metrics", guarded(metrics)),
+            Route("/api/runs", api_runs),
+            Route("/api/run/{id:path}", api_run),
+            Route("/api/stream/{id:path}", api_stream),
+            Route("/metrics", metrics),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
-        ]
+        ],
+        # The pages and /static hold no run data and load without the token (to ask for it).
+        middleware=[Middleware(BearerAuth, token, paths=("/api/", "/metrics"), what=_WHAT)],
     )
     # Set (from any thread) before the server stops: live streams end at their next poll,
     # instead of holding the server's graceful shutdown until it gives up on them.
     app.state.stopping = threading.Event()
     return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(HTTPError(status, None, message).payload(), status_code=status)
 
 
 def _sse(name: str, data: Any) -> str:

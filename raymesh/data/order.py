@@ -25,6 +25,8 @@ import hashlib
 
 import torch
 
+from raymesh._common import check_int
+
 __all__ = [
     "epoch_of",
     "epoch_order",
@@ -33,13 +35,6 @@ __all__ = [
     "rank_share",
     "split_sizes",
 ]
-
-
-def _check_int(name: str, value: object, minimum: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: must be an integer")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -64,9 +59,9 @@ def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
 
     Raises ValueError if `epoch < 0` or `n < 1`.
     """
-    _check_int("seed", seed, minimum=None)  # any int: it is hashed
-    _check_int("epoch", epoch, minimum=0)
-    _check_int("n", n, minimum=1)
+    check_int("seed", seed, minimum=None)  # any int: it is hashed
+    check_int("epoch", epoch, minimum=0)
+    check_int("n", n, minimum=1)
     return list(_order(seed, epoch, n))
 
 
@@ -80,10 +75,10 @@ def global_batch(seed: int, step: int, batch_size: int, n: int) -> list[int]:
 
     Raises ValueError if `step < 0`, `batch_size < 1` or `n < 1`.
     """
-    _check_int("seed", seed, minimum=None)  # any int: it is hashed
-    _check_int("step", step, minimum=0)
-    _check_int("batch_size", batch_size, minimum=1)
-    _check_int("n", n, minimum=1)
+    check_int("seed", seed, minimum=None)  # any int: it is hashed
+    check_int("step", step, minimum=0)
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("n", n, minimum=1)
     batch: list[int] = []
     position = step * batch_size
     end = position + batch_size
@@ -99,8 +94,8 @@ def split_sizes(batch_size: int, world_size: int) -> list[int]:
     """How many samples of a `batch_size` batch each of `world_size` ranks reads: as even as it
     can be (the first `batch_size % world_size` ranks read one more). Raises ValueError if there
     are fewer samples than ranks."""
-    _check_int("batch_size", batch_size, minimum=1)
-    _check_int("world_size", world_size, minimum=1)
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     if batch_size < world_size:
         raise ValueError(
             f"a batch of {batch_size} samples cannot give each of world_size={world_size} ranks "
@@ -120,7 +115,7 @@ def rank_share(
     order holds at any world size and any split. Raises ValueError if the rank is out of range
     or `sizes` does not split the batch.
     """
-    _check_int("world_size", world_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: must be in [0, world_size={world_size})")
     if sizes is None:
@@ -144,7 +139,7 @@ def micro_batches(indices: list[int], micro_batch_size: int | None) -> list[list
     """
     if micro_batch_size is None:
         return [list(indices)]
-    _check_int("micro_batch_size", micro_batch_size, minimum=1)
+    check_int("micro_batch_size", micro_batch_size, minimum=1)
     return [
         list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)
     ]
@@ -152,7 +147,7 @@ def micro_batches(indices: list[int], micro_batch_size: int | None) -> list[list
 
 def epoch_of(step: int, batch_size: int, n: int) -> int:
     """The epoch of the first sample that step `step` trains on (`step * batch_size // n`)."""
-    _check_int("step", step, minimum=0)
-    _check_int("batch_size", batch_size, minimum=1)
-    _check_int("n", n, minimum=1)
+    check_int("step", step, minimum=0)
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("n", n, minimum=1)
     return step * batch_size // n

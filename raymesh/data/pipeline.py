@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import logging
 import random
 import sys
@@ -22,6 +21,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.utils.data import default_collate
 
+from raymesh._common import Range, bad, check_int, from_table, resolve
 from raymesh.data.sources import Source, as_source
 
 __all__ = ["DataError", "Pipeline", "make_batch", "sample_seed"]
@@ -35,22 +35,14 @@ class DataError(RuntimeError):
 
 
 def _bad(name: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"data.{name}={value!r}: {fix}")
+    return bad(f"data.{name}", value, fix)  # a Pipeline is TrainConfig's `data`
 
 
 def _function(name: str, value: Any) -> Callable | None:
     """A callable, or "module:function" (a job file's way of naming one)."""
-    if value is None or callable(value):
-        return value
-    if isinstance(value, str) and value.count(":") == 1:
-        module, attr = value.split(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise _bad(name, value, f"cannot import it ({e}); give 'module:function'") from None
-        if callable(fn):
-            return fn
-    raise _bad(name, value, "give a function, or 'module:function' in a job file")
+    if value is None:
+        return None
+    return resolve(value, f"data.{name}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,18 +81,9 @@ class Pipeline:
         object.__setattr__(self, "source", as_source(self.source))
         object.__setattr__(self, "transform", _function("transform", self.transform))
         object.__setattr__(self, "collate_fn", _function("collate_fn", self.collate_fn))
-        workers = self.workers
-        if isinstance(workers, list):  # a TOML array
-            workers = tuple(workers)
-            object.__setattr__(self, "workers", workers)
-        if isinstance(workers, tuple):
-            ok = len(workers) == 2 and all(_is_int(w) and w >= 1 for w in workers)
-            if not ok or workers[0] > workers[1]:
-                raise _bad("workers", workers, "give (min, max) with 1 <= min <= max")
-        elif not _is_int(workers) or workers < 0:
-            raise _bad("workers", workers, "give a number >= 0, or (min, max)")
-        if not _is_int(self.prefetch) or self.prefetch < 1:
-            raise _bad("prefetch", self.prefetch, "give an integer >= 1")
+        workers = Range.check("data.workers", self.workers, count_minimum=0)
+        object.__setattr__(self, "workers", workers)
+        check_int("data.prefetch", self.prefetch, 1)
         if self.on_error not in ("raise", "skip"):
             raise _bad("on_error", self.on_error, "give 'raise' or 'skip'")
         if not isinstance(self.cpus_per_worker, (int, float)) or not self.cpus_per_worker > 0:
@@ -111,8 +94,8 @@ class Pipeline:
     @property
     def bounds(self) -> tuple[int, int]:
         """(min, max) preprocessing procs."""
-        w = self.workers
-        return (w, w) if isinstance(w, int) else w
+        bounds = Range.of(self.workers)
+        return bounds.min, bounds.max
 
     def __len__(self) -> int:
         return len(self.source)
@@ -120,15 +103,7 @@ class Pipeline:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Pipeline:
         """From a job file's `[data]` table: `source` a glob, functions as "module:function"."""
-        if not isinstance(data, dict):
-            raise ValueError(f"data: expected a table of fields, got {type(data).__name__}")
-        names = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"data: unknown field(s) {unknown}; the fields are {sorted(names)}")
-        if "source" not in data:
-            raise ValueError("data.source: missing; give a glob such as 'shards/*.parquet'")
-        return cls(**data)
+        return from_table(cls, data, "data")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for a checkpoint's manifest (functions by name)."""
@@ -140,10 +115,6 @@ class Pipeline:
             "prefetch": self.prefetch,
             "on_error": self.on_error,
         }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _name(fn: Any) -> str | None:

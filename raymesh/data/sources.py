@@ -243,10 +243,10 @@ class RaySource:
     """The rows of a materialized `ray.data.Dataset`, as dicts, in the dataset's order."""
 
     def __init__(self, dataset: Any) -> None:
-        from raymesh._src.backend import datasets  # Ray Data is Ray: the backend speaks it
+        from raymesh.data import _ray_data  # imports Ray Data: only for a Ray dataset
 
         self.name = type(dataset).__name__
-        self.blocks, sizes = datasets.materialize(dataset)
+        self.blocks, sizes = _ray_data.materialize(dataset)
         self.pieces = _Pieces(sizes)
         if self.pieces.total < 1:
             raise ValueError(f"source={self.name}: the Ray dataset has no rows")
@@ -259,12 +259,12 @@ class RaySource:
         return self.pieces.total
 
     def read(self, indices: Sequence[int]) -> list[Any]:
-        from raymesh._src.backend import datasets
+        from raymesh.data import _ray_data
 
         cache = self._cache = self._cache or _Lru()
 
         def take(piece: int, offsets: list[int]) -> list[Any]:
-            table = cache.get(piece, lambda: datasets.block(self.blocks[piece]))
+            table = cache.get(piece, lambda: _ray_data.block(self.blocks[piece]))
             return table.take(offsets).to_pylist()
 
         return self.pieces.read(indices, take)

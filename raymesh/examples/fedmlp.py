@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 try:  # on a device without raymesh, any object with these three fields is a client
-    from raymesh.federated.client import Client
+    from raymesh.federated import Client
 except ImportError:
     from types import SimpleNamespace as Client  # type: ignore[assignment]
 

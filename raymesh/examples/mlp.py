@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raymesh.train.task import Context, Task
+from raymesh.train import Context, Task
 
 __all__ = [
     "MLP",

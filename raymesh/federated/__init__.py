@@ -8,9 +8,10 @@ accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) 
 `EdgeConfig(tls=Tls(cert=..., key=...))` serves edge devices over HTTPS.
 """
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Tls
 from raymesh.federated.client import Client
 from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
+from raymesh.federated.jobfile import load_job
 from raymesh.federated.partition import dirichlet_partition
 from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
 from raymesh.federated.secagg import FixedPoint, SecAggClient, SecAggError, SecAggServer
@@ -38,5 +39,6 @@ __all__ = [
     "Update",
     "clip_update",
     "dirichlet_partition",
+    "load_job",
     "run",
 ]

@@ -32,13 +32,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Tls, from_table, read_toml, resolve
 from raymesh.federated.federation import RunConfig
 from raymesh.federated.privacy import DP
 from raymesh.federated.server import EdgeConfig
 from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy
-from raymesh.train.api import resolve_build
-from raymesh.train.config import read_toml
 
 __all__ = ["STRATEGIES", "FederatedJob", "load_job"]
 
@@ -58,19 +56,11 @@ class FederatedJob:
     config: RunConfig
 
 
-def _build(path: Path, table: str, cls: type, data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: {table} must be a table ([{table}])")
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(
-            f"{path}: [{table}] has unknown key(s) {unknown}; the keys are {sorted(names)}"
-        )
+def _build(path: Path, table: str | None, cls: type, data: Any) -> Any:
     try:
-        return cls(**data)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: [{table}] {e}") from None
+        return from_table(cls, data, table)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def load_job(path: str | Path, *, tls: Tls | None = None, **overrides: Any) -> FederatedJob:
@@ -81,9 +71,9 @@ def load_job(path: str | Path, *, tls: Tls | None = None, **overrides: Any) -> F
     data = read_toml(path)
     if "client_fn" not in data:
         raise ValueError(f'{path}: set client_fn = "module:function" (cid -> Client)')
-    client_fn = resolve_build(data.pop("client_fn"), "client_fn")
+    client_fn = resolve(data.pop("client_fn"), "client_fn")
     evaluate = data.pop("evaluate_fn", None)
-    evaluate_fn = resolve_build(evaluate, "evaluate_fn") if evaluate is not None else None
+    evaluate_fn = resolve(evaluate, "evaluate_fn") if evaluate is not None else None
     table = dict(data.pop("strategy", {"name": "fedavg"}))
     name = str(table.pop("name", "fedavg")).lower()
     if name not in STRATEGIES:
@@ -105,5 +95,5 @@ def load_job(path: str | Path, *, tls: Tls | None = None, **overrides: Any) -> F
             raise ValueError(f"{path}: --tls-cert/--tls-key are for edge clients: add [edge]")
         data["edge"] = dataclasses.replace(data["edge"], tls=tls)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    config = _build(path, "the top level", RunConfig, data)
+    config = _build(path, None, RunConfig, data)
     return FederatedJob(client_fn, evaluate_fn, strategy, config)

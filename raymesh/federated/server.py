@@ -20,6 +20,8 @@ enrolled; 413 a body over `max_body_bytes`, counted while it streams in, before 
 400 a body that is not JSON, holds NaN or Infinity, or nests deeper than protocol.MAX_DEPTH;
 422 an answer that does not decode or fails its checks (raymesh.federated.checks). A client
 whose answer is refused (413, 400, 422) is dropped from that round, and the round goes on.
+Every refusal is answered in raymesh's error shape, `{"error": {"type", "message"}}`, the
+token check by the shared `BearerAuth` (raymesh._common.auth).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from raymesh._src.asgi import ServerThread, Tls
+from raymesh._common import BearerAuth, HTTPError, Pending, ServerThread, Tls
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.protocol import MAX_DEPTH, Done, Message, decode, encode
 
@@ -97,7 +99,7 @@ class EdgeConfig:
             )
         if self.tls is not None and not isinstance(self.tls, Tls):
             raise ValueError(
-                f"edge.tls={self.tls!r}: give raymesh._src.asgi.Tls(cert=..., key=...) "
+                f"edge.tls={self.tls!r}: give raymesh.federated.Tls(cert=..., key=...) "
                 "([edge.tls] cert and key in a job file)"
             )
 
@@ -112,21 +114,6 @@ class _Edge:
         self.told = False  # it has seen Done
         self.seen = time.monotonic()
         self.wake = asyncio.Event()  # set on the server's loop when a message is queued
-
-
-class Pending:
-    """An answer on its way from an edge client (`get` as a raymesh Future's)."""
-
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
-        self._future = future
-
-    def get(self, timeout: float | None = None) -> Any:
-        """The answer; TimeoutError after `timeout`, after which an answer is refused (409)."""
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            self._future.cancel()  # the driver moved on: a later answer is too late
-            raise TimeoutError(f"no answer within {timeout:g} s") from None
 
 
 def _settle(
@@ -144,12 +131,6 @@ def _settle(
     except concurrent.futures.InvalidStateError:
         return False
     return True
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
 
 
 def _no_constant(name: str) -> Any:
@@ -178,7 +159,6 @@ class EdgeServer:
     def __init__(self, config: EdgeConfig, *, first_cid: int) -> None:
         self.config = config
         self.token = config.token or secrets.token_urlsafe(24)
-        self._expected = f"Bearer {self.token}".encode()
         self._next_cid = first_cid
         self._edges: dict[int, _Edge] = {}
         self._devices: dict[str, int] = {}
@@ -235,7 +215,8 @@ class EdgeServer:
                 _settle(edge.answer, error=BadUpdate("superseded by a later message"))
             edge.message, edge.answer, edge.check = msg, future, check
         self._wake(edge)
-        return Pending(future)
+        # A late answer is refused (409): the driver moved on when its wait ended.
+        return Pending(future, cancel_on_timeout=True)
 
     def finish(self, reason: str, grace_s: float = 3.0) -> None:
         """Tell polling clients the run is over (Done), then stop serving."""
@@ -255,40 +236,39 @@ class EdgeServer:
 
     # --- HTTP --------------------------------------------------------------------------
 
-    def _refuse(self, status: int, reason: str, request: Request) -> JSONResponse:
+    def _log_refusal(self, scope: Any, error: HTTPError) -> None:
         # The reason can quote what a client sent: cut it, in the log and in the answer.
+        reason = str(error)
         short = reason if len(reason) <= 200 else reason[:200] + "..."
+        client = scope.get("client")
         logger.warning(
             "raymesh.federated: refused %s %s from %s: %d %s",
-            request.method,
-            request.url.path,
-            request.client.host if request.client else "?",
-            status,
+            scope.get("method"),
+            scope.get("path"),
+            client[0] if client else "?",
+            error.status,
             short,
         )
-        return JSONResponse({"error": reason[:1000]}, status_code=status)
 
-    def _authorized(self, request: Request) -> bool:
-        got = request.headers.get("authorization", "")
-        # compare_digest raises TypeError on a non-ASCII str; bytes of it are simply wrong.
-        return got.isascii() and hmac.compare_digest(got.encode(), self._expected)
+    def _refuse(self, error: HTTPError, request: Request) -> JSONResponse:
+        self._log_refusal(request.scope, error)
+        error.body["message"] = error.body["message"][:1000]
+        return JSONResponse(error.payload(), status_code=error.status, headers=error.headers)
 
     def _edge(self, request: Request) -> _Edge:
-        if not self._authorized(request):
-            raise _Refused(401, "missing or wrong bearer token")
         text = request.query_params.get("client", "")
         if not (text.isascii() and text.isdigit() and len(text) < 12):
-            raise _Refused(422, "give ?client=<the id /v1/join returned>")
+            raise HTTPError(422, None, "give ?client=<the id /v1/join returned>")
         cid = int(text)
         with self._lock:
             edge = self._edges.get(cid)
         if edge is None:
-            raise _Refused(404, f"unknown client {cid}: join first (POST /v1/join)")
+            raise HTTPError(404, None, f"unknown client {cid}: join first (POST /v1/join)")
         key = request.headers.get("x-client-key", "")
         if not key.isascii():
-            raise _Refused(401, "X-Client-Key is not ASCII")
+            raise HTTPError(401, None, "X-Client-Key is not ASCII")
         if not hmac.compare_digest(key.encode(), edge.key.encode()):
-            raise _Refused(403, f"wrong X-Client-Key for client {cid}")
+            raise HTTPError(403, None, f"wrong X-Client-Key for client {cid}")
         edge.seen = time.monotonic()
         return edge
 
@@ -298,35 +278,34 @@ class EdgeServer:
         protocol.MAX_DEPTH deep."""
         length = request.headers.get("content-length", "")
         if length.isascii() and length.isdigit() and (len(length) > 15 or int(length) > limit):
-            raise _Refused(413, f"the body has {length[:20]} bytes; the limit is {limit}")
+            raise HTTPError(413, None, f"the body has {length[:20]} bytes; the limit is {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _Refused(413, f"the body is over the limit of {limit} bytes")
+                raise HTTPError(413, None, f"the body is over the limit of {limit} bytes")
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks), parse_constant=_no_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
-            raise _Refused(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+            raise HTTPError(400, None, f"the body is not valid JSON: {str(e)[:200]}") from None
         if not _depth(body, MAX_DEPTH):
-            raise _Refused(400, f"the body nests deeper than {MAX_DEPTH} levels")
+            raise HTTPError(400, None, f"the body nests deeper than {MAX_DEPTH} levels")
         return body
 
     async def _join(self, request: Request) -> Response:
         try:
-            if not self._authorized(request):
-                raise _Refused(401, "missing or wrong bearer token")
             body = await self._json(request, _JOIN_BYTES)
             device = body.get("device") if isinstance(body, dict) else None
             if not isinstance(device, str) or not _DEVICE.fullmatch(device):
-                raise _Refused(
+                raise HTTPError(
                     422,
+                    None,
                     'give {"device": "<this device\'s id>"}: 1 to 128 of A-Z a-z 0-9 . _ : @ -',
                 )
             edge = self._enrol(device)
-        except _Refused as e:
-            return self._refuse(e.status, e.reason, request)
+        except HTTPError as e:
+            return self._refuse(e, request)
         host = request.client.host if request.client else "?"
         logger.info("raymesh.federated: edge client %d (%s) joined from %s", edge.cid, device, host)
         return JSONResponse({"client": edge.cid, "key": edge.key})
@@ -334,20 +313,23 @@ class EdgeServer:
     def _enrol(self, device: str) -> _Edge:
         with self._joined:
             if self._done is not None:
-                raise _Refused(409, "the run is over")
+                raise HTTPError(409, None, "the run is over")
             cid = self._devices.get(device)
             if cid is not None:
                 old = self._edges[cid]
                 if self._recent(old):
-                    raise _Refused(
+                    raise HTTPError(
                         409,
+                        None,
                         f"device {device!r} is enrolled already (client {cid}); it may join "
                         f"again once silent for {3 * self.config.poll_s:g} s",
                     )
                 if old.answer is not None:  # its key is replaced: nothing it sent counts now
                     _settle(old.answer, error=BadUpdate("the device enrolled again"))
             elif len(self._edges) >= self.config.max_clients:
-                raise _Refused(403, f"the run holds its max_clients={self.config.max_clients}")
+                raise HTTPError(
+                    403, None, f"the run holds its max_clients={self.config.max_clients}"
+                )
             else:
                 cid, self._next_cid = self._next_cid, self._next_cid + 1
                 self._devices[device] = cid
@@ -358,8 +340,8 @@ class EdgeServer:
     async def _next(self, request: Request) -> Response:
         try:
             edge = self._edge(request)
-        except _Refused as e:
-            return self._refuse(e.status, e.reason, request)
+        except HTTPError as e:
+            return self._refuse(e, request)
         deadline = time.monotonic() + self.config.poll_s
         while True:
             with self._lock:
@@ -387,34 +369,34 @@ class EdgeServer:
             with self._lock:
                 answer, check = edge.answer, edge.check
             if answer is None or answer.done() or check is None:
-                raise _Refused(409, f"client {edge.cid}: no message waits for an answer")
+                raise HTTPError(409, None, f"client {edge.cid}: no message waits for an answer")
             try:
                 body = await self._json(request, self.config.max_body_bytes)
                 if not isinstance(body, dict) or "reply" not in body:
-                    raise _Refused(422, 'give {"reply": <the answer>}')
+                    raise HTTPError(422, None, 'give {"reply": <the answer>}')
                 reply = decode(body["reply"])
                 check(reply)
-            except _Refused as e:
-                _settle(answer, error=BadUpdate(f"client {edge.cid}: {e.reason}"))
+            except HTTPError as e:
+                _settle(answer, error=BadUpdate(f"client {edge.cid}: {e}"))
                 raise
             except Exception as e:  # decode and check raise ValueError; anything else is too
                 reason = f"client {edge.cid}: {type(e).__name__}: {e}"
                 _settle(answer, error=BadUpdate(reason))
-                raise _Refused(422, reason) from None
+                raise HTTPError(422, None, reason) from None
             with self._lock:
                 if edge.answer is answer:
                     edge.message = None
             if not _settle(answer, result=reply):  # the round moved on meanwhile
-                raise _Refused(409, f"client {edge.cid}: the answer came too late")
-        except _Refused as e:
-            return self._refuse(e.status, e.reason, request)
+                raise HTTPError(409, None, f"client {edge.cid}: the answer came too late")
+        except HTTPError as e:
+            return self._refuse(e, request)
         return JSONResponse({"ok": True})
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True})
 
-    def _app(self) -> Starlette:
-        return Starlette(
+    def _app(self) -> Any:
+        app = Starlette(
             routes=[
                 Route("/v1/join", self._join, methods=["POST"]),
                 Route("/v1/next", self._next, methods=["GET"]),
@@ -422,3 +404,5 @@ class EdgeServer:
                 Route("/healthz", self._health, methods=["GET"]),
             ]
         )
+        # Every /v1 request carries the token, checked before its body is read.
+        return BearerAuth(app, self.token, paths=("/v1/",), refused=self._log_refusal)

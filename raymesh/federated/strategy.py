@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raymesh._common import bad, check_int
+
 __all__ = ["FedAdam", "FedAvg", "FedProx", "FedYogi", "Strategy", "Update"]
 
 Weights = dict[str, np.ndarray]
@@ -25,10 +27,6 @@ class Update:
     num_examples: int
 
 
-def _bad(name: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{name}={value!r}: {fix}")
-
-
 @dataclass(kw_only=True)
 class Strategy:
     """Samples `fraction` of the clients each round (at least `min_clients`) and applies the
@@ -40,11 +38,9 @@ class Strategy:
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
-            raise _bad("fraction", self.fraction, "give the share of clients per round, in (0, 1]")
-        if not isinstance(self.min_clients, int) or self.min_clients < 1:
-            raise _bad("min_clients", self.min_clients, "give an integer >= 1")
-        if not isinstance(self.local_epochs, int) or self.local_epochs < 1:
-            raise _bad("local_epochs", self.local_epochs, "give an integer >= 1")
+            raise bad("fraction", self.fraction, "give the share of clients per round, in (0, 1]")
+        check_int("min_clients", self.min_clients, 1)
+        check_int("local_epochs", self.local_epochs, 1)
 
     def sample(self, round_: int, clients: Sequence[int], seed: int = 0) -> list[int]:
         """The clients asked to train in `round_`: the same for the same round and seed."""
@@ -94,7 +90,7 @@ class FedProx(Strategy):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.mu >= 0:
-            raise _bad("mu", self.mu, "give the proximal weight, >= 0")
+            raise bad("mu", self.mu, "give the proximal weight, >= 0")
 
     def client_config(self, round_: int) -> dict[str, object]:
         return {**super().client_config(round_), "proximal_mu": self.mu}
@@ -116,10 +112,10 @@ class FedAdam(Strategy):
         super().__post_init__()
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise _bad(name, getattr(self, name), "give a decay in [0, 1)")
+                raise bad(name, getattr(self, name), "give a decay in [0, 1)")
         for name in ("server_lr", "tau"):
             if not getattr(self, name) > 0:
-                raise _bad(name, getattr(self, name), "give a value > 0")
+                raise bad(name, getattr(self, name), "give a value > 0")
 
     def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
         return self.beta2 * v + (1 - self.beta2) * d2

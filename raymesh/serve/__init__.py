@@ -18,15 +18,18 @@ try:
 except ImportError as e:  # pragma: no cover (the dev install has them)
     raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Tls
 from raymesh.serve.app import App, Reply, deploy
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
-from raymesh.serve.config import ServeConfig
+from raymesh.serve.config import ADMIN_TOKEN_ENV, TOKEN_ENV, ServeConfig
+from raymesh.serve.jobfile import load_serving
 from raymesh.serve.model import ModelSpec
 from raymesh.serve.router import ModelError, Unavailable
 from raymesh.serve.scaling import AutoscalePolicy, ReplicaScale
 
 __all__ = [
+    "ADMIN_TOKEN_ENV",
+    "TOKEN_ENV",
     "App",
     "AutoscalePolicy",
     "BatchConfig",
@@ -40,4 +43,5 @@ __all__ = [
     "Tls",
     "Unavailable",
     "deploy",
+    "load_serving",
 ]

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from raymesh._src.asgi import ServerThread, url_of
+from raymesh._common import Pending, ServerThread, url_of
 from raymesh.actor import host_mesh
 from raymesh.serve.config import ServeConfig
 from raymesh.serve.front import guard_of, make_app
@@ -71,12 +71,11 @@ def deploy(
     # starts to the thread that started them, and the server's thread ends with `stop()`.
     host_mesh()
     if config.backend == "ray-serve":
-        from raymesh._src.backend import serving  # Ray Serve is Ray: the backend speaks it
-        from raymesh.serve.model import LoadedModel, check_input
+        from raymesh.serve import _ray_serve  # imports Ray Serve: only for this backend
+        from raymesh.serve.model import LoadedModel
 
-        handle = serving.deploy(
+        handle = _ray_serve.deploy(
             functools.partial(LoadedModel, spec),
-            check_input,
             guard_of(config),  # the same token check and body limits as raymesh's front
             host=config.host,
             port=config.port,
@@ -93,21 +92,9 @@ def deploy(
     return app
 
 
-class Reply:
-    """The pending answer to a Python call: `get(timeout)` blocks for it (TimeoutError after
-    `timeout` seconds; the call goes on), `done()` never blocks."""
-
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
-        self._future = future
-
-    def get(self, timeout: float | None = None) -> Any:
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"no reply within {timeout}s") from None
-
-    def done(self) -> bool:
-        return self._future.done()
+# The pending answer to a Python call: `get(timeout)` blocks for it (TimeoutError after
+# `timeout` seconds; the call goes on), `done()` never blocks.
+Reply = Pending
 
 
 class _Endpoint:

@@ -18,13 +18,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from raymesh._common import bad, check_int
+
 __all__ = ["BatchConfig", "BatchQueue", "Overloaded"]
 
 T = TypeVar("T")
-
-
-def _bad(field: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r}: {fix}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,14 +36,12 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _bad(name, value, "give an integer >= 1")
+            check_int(name, getattr(self, name), 1)
         wait = self.batch_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
-            raise _bad("batch_wait_ms", wait, "give a number of milliseconds >= 0")
+            raise bad("batch_wait_ms", wait, "give a number of milliseconds >= 0")
         if self.max_queue < self.max_batch_size:
-            raise _bad(
+            raise bad(
                 "max_queue",
                 self.max_queue,
                 f"must hold at least one full batch (max_batch_size={self.max_batch_size})",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from raymesh._src.asgi import Tls
+from raymesh._common import Range, Tls, bad, check_int, check_seconds, from_table
 from raymesh.serve.batching import BatchConfig
 from raymesh.serve.scaling import AutoscalePolicy
 
@@ -28,20 +28,6 @@ _RAYMESH_FRONT_ONLY = {
     "max_connections": "Ray Serve's proxy holds the connections",
     "keep_alive_s": "Ray Serve's proxy holds the connections (its keep_alive_timeout_s)",
 }
-
-
-def _bad(field: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r}: {fix}")
-
-
-def _int(field: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise _bad(field, value, f"give an integer >= {low}")
-
-
-def _seconds(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise _bad(field, value, "give a number of seconds > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,60 +68,51 @@ class ServeConfig:
     backend: str = "raymesh"  # or "ray-serve": a Ray Serve deployment with Serve's batching
 
     def __post_init__(self) -> None:
-        replicas = self.replicas
-        if isinstance(replicas, list):  # from TOML
-            object.__setattr__(self, "replicas", replicas := tuple(replicas))
-        if isinstance(replicas, tuple):
-            if len(replicas) != 2:
-                raise _bad("replicas", replicas, "give a count or (min, max), e.g. (1, 4)")
-            _int("replicas min", replicas[0], 1)
-            _int("replicas max", replicas[1], 1)
-        else:
-            _int("replicas", replicas, 1)
+        object.__setattr__(self, "replicas", Range.check("replicas", self.replicas))
         for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_tokens"):
-            _int(name, getattr(self, name), 1)
-        _int("max_retries", self.max_retries, 0)
-        _int("port", self.port, 0)
+            check_int(name, getattr(self, name), 1)
+        check_int("max_retries", self.max_retries, 0)
+        check_int("port", self.port, 0)
         if self.port > 65535:
-            raise _bad("port", self.port, "give a TCP port 0..65535 (0: any free port)")
+            raise bad("port", self.port, "give a TCP port 0..65535 (0: any free port)")
         if not isinstance(self.host, str) or not self.host:
-            raise _bad("host", self.host, 'give an address to bind, e.g. "127.0.0.1"')
+            raise bad("host", self.host, 'give an address to bind, e.g. "127.0.0.1"')
         for name in ("token", "admin_token"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise _bad(name, "<hidden>", "give a non-empty string, or None for no token")
+                raise bad(name, "<hidden>", "give a non-empty string, or None for no token")
         root = self.checkpoint_root
         if root is not None:
             if isinstance(root, os.PathLike):
                 object.__setattr__(self, "checkpoint_root", root := os.fspath(root))
             if not isinstance(root, str) or not os.path.isdir(root):
-                raise _bad(
+                raise bad(
                     "checkpoint_root", root, "give the folder the checkpoints to reload are under"
                 )
         if isinstance(self.tls, dict):  # from TOML: {cert = ..., key = ...}
             unknown = sorted(set(self.tls) - {"cert", "key"})
             if unknown:
-                raise _bad("tls", self.tls, f"unknown key(s) {unknown}; give cert and key")
+                raise bad("tls", self.tls, f"unknown key(s) {unknown}; give cert and key")
             object.__setattr__(self, "tls", Tls.of(self.tls.get("cert"), self.tls.get("key")))
         if self.tls is not None and not isinstance(self.tls, Tls):
-            raise _bad("tls", self.tls, 'give Tls(cert=..., key=...) or {"cert": ..., "key": ...}')
-        _int("max_connections", self.max_connections, 1)
+            raise bad("tls", self.tls, 'give Tls(cert=..., key=...) or {"cert": ..., "key": ...}')
+        check_int("max_connections", self.max_connections, 1)
         for name in ("request_timeout_s", "start_timeout_s", "body_timeout_s", "keep_alive_s"):
-            _seconds(name, getattr(self, name))
+            check_seconds(name, getattr(self, name))
         cpus = self.cpus_per_replica
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
-            raise _bad("cpus_per_replica", cpus, "give a number of CPUs > 0, e.g. 1 or 0.5")
+            raise bad("cpus_per_replica", cpus, "give a number of CPUs > 0, e.g. 1 or 0.5")
         if not isinstance(self.gpus, bool):
-            raise _bad("gpus", self.gpus, "give true (one GPU per replica) or false")
+            raise bad("gpus", self.gpus, "give true (one GPU per replica) or false")
         if self.backend not in BACKENDS:
-            raise _bad("backend", self.backend, f"give one of {BACKENDS}")
+            raise bad("backend", self.backend, f"give one of {BACKENDS}")
         if self.backend == "ray-serve":
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name, why in _RAYMESH_FRONT_ONLY.items():
                 value = getattr(self, name)
                 if value != defaults[name]:
                     shown = "<hidden>" if name == "admin_token" else value
-                    raise _bad(
+                    raise bad(
                         name,
                         shown,
                         f'backend="ray-serve" cannot apply it ({why}): leave it out, or '
@@ -148,11 +125,11 @@ class ServeConfig:
 
     @property
     def min_replicas(self) -> int:
-        return self.replicas[0] if isinstance(self.replicas, tuple) else self.replicas
+        return Range.of(self.replicas).min
 
     @property
     def max_replicas(self) -> int:
-        return self.replicas[1] if isinstance(self.replicas, tuple) else self.replicas
+        return Range.of(self.replicas).max
 
     def bearer(self) -> str | None:
         """The token requests must carry: `token`, else $RAYMESH_SERVE_TOKEN, else None."""
@@ -174,7 +151,7 @@ class ServeConfig:
     def check_reload(self, admin_token: str) -> None:
         """ValueError unless an admin token can open POST /admin/reload with this config."""
         if self.checkpoint_root is None:
-            raise _bad(
+            raise bad(
                 "checkpoint_root",
                 None,
                 "an admin token (admin_token, --admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) "
@@ -182,7 +159,7 @@ class ServeConfig:
                 "set it to the folder your checkpoints are in",
             )
         if admin_token == self.bearer():
-            raise _bad(
+            raise bad(
                 "admin_token",
                 "<hidden>",
                 "give a token of its own: a client that may predict must not be able to reload",
@@ -209,10 +186,4 @@ class ServeConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "serve") -> ServeConfig:
         """From a job file's `[serve]` table; an unknown key is a ValueError listing the keys."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(
-                f"[{where}] has unknown key(s) {unknown}; the keys are {sorted(names)}"
-            )
-        return cls(**data)
+        return from_table(cls, data, where)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from raymesh._common import BearerAuth
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.config import ServeConfig
 from raymesh.serve.guard import Guard, HTTPError
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.model import check_input
+from raymesh.serve.model import ModelInfo, check_input
 from raymesh.serve.router import ModelError, Router, Unavailable
 
-__all__ = ["guard_of", "make_app"]
+__all__ = ["answer_predict", "guard_of", "make_app"]
 
 logger = logging.getLogger("raymesh.serve")
 
@@ -67,6 +68,31 @@ def _as_http(e: Exception) -> HTTPError:
     return HTTPError(500, type(e).__name__, str(e)[:500])
 
 
+async def answer_predict(
+    scope: Scope,
+    receive: Receive,
+    read_json: Callable[[Scope, Receive], Awaitable[dict[str, Any]]],
+    info: ModelInfo | None,
+    predict: Callable[[Any], Awaitable[Any]],
+) -> tuple[int, bytes, dict[str, str] | None]:
+    """POST /v1/predict's contract, for raymesh's front and the Ray Serve deployment alike:
+    the body read by `read_json`, {"x": <one input>} checked against `info` (422 naming the
+    field), `predict(x)` awaited; returns (status, JSON body, extra headers), {"y": ...} or
+    the error shape (a ModelError is a 500 with the model's exception type)."""
+    try:
+        body = await read_json(scope, receive)
+        if "x" not in body:
+            raise _field_error('x: missing; send {"x": <one input>}')
+        if info is not None:
+            why = check_input(body["x"], info.input_shape, info.input_dtype == "int64")
+            if why is not None:
+                raise _field_error(why)
+        return 200, _json({"y": await predict(body["x"])}), None
+    except Exception as e:
+        error = _as_http(e)
+        return error.status, _json(error.payload()), error.headers
+
+
 def guard_of(config: ServeConfig) -> Guard:
     """The token check and body reader of /v1 and /metrics (the Ray Serve backend's too)."""
     return Guard(
@@ -76,21 +102,14 @@ def guard_of(config: ServeConfig) -> Guard:
     )
 
 
+# The routes whose requests are counted in the metrics, by path (refusals included).
+_ROUTES = {"/v1/predict": "predict", "/v1/generate": "generate", "/admin/reload": "reload"}
+
+
 def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
-    guard = guard_of(config)
     admin_token = config.admin()
-    admin = (
-        None
-        if admin_token is None
-        else Guard(
-            token=admin_token,
-            max_body_bytes=config.max_body_bytes,
-            body_timeout_s=config.body_timeout_s,
-            what="the admin token",
-        )
-    )
     root = None if config.checkpoint_root is None else Path(config.checkpoint_root)
-    authorize, read_json = guard.authorize, guard.read_json
+    read_json = guard_of(config).read_json  # the tokens are checked by BearerAuth, below
     counters: dict[tuple[str, int], Any] = {}
     latencies = {
         route: metrics.latency.labels(route) for route in ("predict", "generate", "reload")
@@ -111,22 +130,9 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         # The hot route, as a plain ASGI handler: Starlette's Request, Response and middleware
         # cost more CPU per request here than the request's own work.
         started = time.perf_counter()
-        extra: dict[str, str] | None = None
-        try:
-            authorize(scope)
-            body = await read_json(scope, receive)
-            if "x" not in body:
-                raise _field_error('x: missing; send {"x": <one input>}')
-            info = router.info
-            if info is not None:
-                why = check_input(body["x"], info.input_shape, info.input_dtype == "int64")
-                if why is not None:
-                    raise _field_error(why)
-            status, payload = 200, {"y": await router.predict(body["x"])}
-            data = _json(payload)
-        except Exception as e:
-            error = _as_http(e)
-            status, extra, data = error.status, error.headers, _json({"error": error.body})
+        status, data, extra = await answer_predict(
+            scope, receive, read_json, router.info, router.predict
+        )
         count("predict", status)
         if status == 200:
             latencies["predict"].observe(time.perf_counter() - started)
@@ -157,7 +163,6 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
     async def generate(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            authorize(request.scope)
             body = await read_json(request.scope, request.receive)
             prompt, n, temperature, seed, stream = generate_args(body)
             if router.info is not None and not router.info.generates:
@@ -190,15 +195,11 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         return JSONResponse({"ready": ready > 0, "replicas": ready}, 200 if ready else 503)
 
     async def metrics_page(request: Request) -> Response:
-        try:
-            authorize(request.scope)
-        except HTTPError as e:
-            return JSONResponse({"error": e.body}, e.status)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def reload(request: Request) -> Response:
         try:
-            if admin is None:
+            if admin_token is None:
                 raise HTTPError(
                     403,
                     "Forbidden",
@@ -206,8 +207,7 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
                     "(admin_token, --admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) and "
                     "checkpoint_root to turn it on",
                 )
-            admin.authorize(request.scope)
-            body = await admin.read_json(request.scope, request.receive)
+            body = await read_json(request.scope, request.receive)
             checkpoint = body.get("checkpoint")
             if not isinstance(checkpoint, str) or not checkpoint:
                 raise _field_error('checkpoint: give a checkpoint folder, e.g. "runs/job"')
@@ -239,7 +239,16 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         else:
             await app(scope, receive, send)
 
-    return front
+    def refused(scope: Scope, error: HTTPError) -> None:
+        route = _ROUTES.get(scope["path"])
+        if route is not None:
+            count(route, error.status)
+
+    # /healthz and /readyz need no token; the admin token opens /admin/reload only.
+    guarded = BearerAuth(front, config.bearer(), paths=("/v1/", "/metrics"), refused=refused)
+    return BearerAuth(
+        guarded, admin_token, paths=("/admin/",), what="the admin token", refused=refused
+    )
 
 
 class _ASGI:

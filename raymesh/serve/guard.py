@@ -1,6 +1,7 @@
-"""What every request passes before it is served: its bearer token, and its JSON body read
-within a size limit and a deadline. raymesh's front and the Ray Serve deployment
-(`backend="ray-serve"`) use the same `Guard`, so they refuse the same requests the same way.
+"""What every request passes before it is served: its bearer token (`raymesh._common.auth`),
+and its JSON body read within a size limit and a deadline. raymesh's front and the Ray Serve
+deployment (`backend="ray-serve"`) use the same `Guard`, so they refuse the same requests the
+same way, in the shared error shape (`raymesh._common.http_error`).
 
 Guarantees, for each request `read_json` is given:
 - the body is counted while it streams in, and refused (413) as soon as it passes
@@ -17,33 +18,15 @@ Guarantees, for each request `read_json` is given:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 from typing import Any
 
 from starlette.types import Receive, Scope
 
+from raymesh._common import BearerToken, HTTPError
+
 __all__ = ["Guard", "HTTPError", "header"]
-
-
-class HTTPError(Exception):
-    """A refusal: HTTP `status`, and the JSON error `body` ({"type", "message", "field"})."""
-
-    def __init__(
-        self,
-        status: int,
-        type_name: str,
-        message: str,
-        field: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body: dict[str, Any] = {"type": type_name, "message": message}
-        if field is not None:
-            self.body["field"] = field
-        self.headers = headers
 
 
 def header(scope: Scope, name: bytes) -> bytes:
@@ -85,17 +68,14 @@ class Guard:
         body_timeout_s: float,
         what: str = "the server's token",
     ) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
+        self.token = BearerToken(token, what) if token else None
         self.limit = max_body_bytes
         self.timeout_s = body_timeout_s
-        self.what = what
 
     def authorize(self, scope: Scope) -> None:
         """HTTPError 401 unless the request carries `Authorization: Bearer <token>`."""
-        if self._expected is None:
-            return
-        if not hmac.compare_digest(header(scope, b"authorization"), self._expected):
-            raise HTTPError(401, "Unauthorized", f"give {self.what}: Authorization: Bearer <token>")
+        if self.token is not None:
+            self.token.check(scope)
 
     async def read_json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The body as a JSON object; HTTPError 413 (too large), 408 (not in within

@@ -21,9 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from raymesh._common import read_toml, split_job
 from raymesh.serve.config import ServeConfig
-from raymesh.train import TrainConfig
-from raymesh.train.config import read_toml
+from raymesh.train import load_config
 
 __all__ = ["MODEL_KEYS", "load_serving"]
 
@@ -35,17 +35,11 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
     ServeConfig, with `overrides` (None values skipped) on top of the file's. Raises
     ValueError naming the file and the field."""
     path = Path(path)
-    data = read_toml(path)
-    table = data.pop("serve", {})
-    data.pop("tune", None)
+    _, tables = split_job(read_toml(path))  # other commands' tables ([tune]) are skipped
+    table = tables.get("serve", {})
     if not isinstance(table, dict):
         raise ValueError(f"{path}: serve must be a table ([serve])")
-    try:
-        job = TrainConfig.from_dict(data)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
-    if job.build is None:
-        raise ValueError(f'{path}: set build = "module:function" (the model to serve)')
+    job = load_config(path, build=True)  # the model, built as training built it
     model: dict[str, Any] = {k: table.pop(k) for k in MODEL_KEYS if k in table}
     if "input_shape" in model:
         model["input_shape"] = tuple(model["input_shape"])
@@ -56,6 +50,6 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
     table.update({k: v for k, v in overrides.items() if v is not None})
     try:
         config = ServeConfig.from_dict(table)
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return model, config

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from raymesh._common import resolve
 from raymesh.train import Context, Task
-from raymesh.train.api import resolve_build
 from raymesh.train.checkpoint import MANIFEST, Checkpointer, export_state_dict
 
 __all__ = [
@@ -99,9 +99,9 @@ class ModelSpec:
         if self.model is not None and not callable(self.model):
             raise ValueError(f"model={type(self.model).__name__}: give an nn.Module or a function")
         if isinstance(self.build, str):
-            resolve_build(self.build)  # fail here, not in every replica
+            resolve(self.build)  # fail here, not in every replica
         if isinstance(self.generate, str):
-            resolve_build(self.generate, "generate")
+            resolve(self.generate, "generate")
         plain_fn = self.model is not None and not isinstance(self.model, torch.nn.Module)
         if self.checkpoint is not None and plain_fn:
             raise ValueError(
@@ -143,7 +143,7 @@ class LoadedModel:
         shape, dtype = spec.input_shape, spec.input_dtype
         module: torch.nn.Module | None = None
         if spec.build is not None:
-            build = resolve_build(spec.build)
+            build = resolve(spec.build)
             torch.manual_seed(spec.seed)  # as training seeds before build: the same init
             ctx = Context(
                 rank=0,
@@ -170,9 +170,7 @@ class LoadedModel:
         else:
             self.fn = spec.model
         self.module = module
-        self.generate_fn = (
-            None if spec.generate is None else resolve_build(spec.generate, "generate")
-        )
+        self.generate_fn = None if spec.generate is None else resolve(spec.generate, "generate")
         self.dtype = _DTYPES[dtype or "float32"]
         self.info = ModelInfo(
             input_shape=shape,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from raymesh.topology.discovery import discover
 from raymesh.topology.job import JobShape
 from raymesh.topology.model import Device, Host, Link, NumaNode, Topology
-from raymesh.topology.planner import Assignment, Placement, plan
+from raymesh.topology.planner import Assignment, Placement, plan, used
 
 __all__ = [
     "Assignment",
@@ -29,4 +29,5 @@ __all__ = [
     "Topology",
     "discover",
     "plan",
+    "used",
 ]

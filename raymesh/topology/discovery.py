@@ -6,7 +6,7 @@ probe actors that time the network.
 - On each host (read there, by its probe actor): GPUs through NVML (`nvidia-ml-py`, imported
   lazily): name, memory, PCI bus, NUMA node, CPU affinity, NVLink peers and link counts, and
   the `nvidia-smi topo -m` matrix; CPU sockets and NUMA nodes from /sys and /proc.
-- Between hosts: latency and bandwidth measured by probe actors (`raymesh._src.backend.probes`),
+- Between hosts: latency and bandwidth measured by probe actors (`raymesh.cluster.probe`),
   bounded by `probe_timeout` and cached for `ttl` seconds.
 
 No NVML (not installed, no driver) means no GPUs read, said in `Topology.notes`, never an
@@ -50,10 +50,10 @@ def discover(
     ttl: seconds a complete measurement of the same nodes is reused (0: measure again).
     payload_bytes: size of the object timed between each pair of hosts.
     """
-    from raymesh._src import backend  # here, not at the top: this module also runs in probes
+    from raymesh import cluster  # here, not at the top: this module also runs in probes
 
-    nodes = backend.nodes()
-    report = backend.probe(
+    nodes = cluster.nodes()
+    report = cluster.probe(
         [n.node_id for n in nodes],
         local_facts,
         timeout=probe_timeout,

@@ -13,6 +13,8 @@ from raymesh import preload
 from raymesh.train.api import fit
 from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
 from raymesh.train.failure import FailureRecord, TooManyFailures
+from raymesh.train.placement import use_gpus
+from raymesh.train.plot import save_picture
 from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
 from raymesh.train.warm import WarmRanks
@@ -33,4 +35,6 @@ __all__ = [
     "WarmRanks",
     "fit",
     "load_config",
+    "save_picture",
+    "use_gpus",
 ]

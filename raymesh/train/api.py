@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from raymesh.testing.injector import FaultInjector
+from raymesh._common import resolve
+from raymesh.testing import FaultInjector
 from raymesh.train.config import TrainConfig
 from raymesh.train.controller import TrainController
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 from raymesh.train.warm import WarmRanks
 
-__all__ = ["fit", "resolve_build"]
-
-
-def resolve_build(build: Callable[..., Any] | str, what: str = "build") -> Callable[..., Any]:
-    """The build function itself, from a callable or a "module:function" name (`what`: the
-    argument's name in the error, for other functions named the same way, e.g. raymesh.serve's
-    `generate`)."""
-    if callable(build):
-        return build
-    if not isinstance(build, str) or ":" not in build:
-        raise ValueError(f"{what}={build!r}: pass a function, or name it as 'module:function'")
-    module_name, _, attr = build.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"{what}={build!r}: cannot import module {module_name!r} ({e}); check the name and "
-            "that it is on PYTHONPATH"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{what}={build!r}: module {module_name!r} has no function {attr!r}")
-    return fn
+__all__ = ["fit"]
 
 
 def fit(
@@ -64,6 +42,6 @@ def fit(
     chosen = build if build is not None else config.build
     if chosen is None:
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
-    fn = resolve_build(chosen)
+    fn = resolve(chosen)
     hooks = FaultInjector(config.faults) if config.faults else None
     return TrainController(fn, config, progress=progress, hooks=hooks, warm=warm).run()

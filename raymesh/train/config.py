@@ -8,27 +8,18 @@ checked on construction; a bad one raises ValueError naming the field, the value
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raymesh._common import Range, bad, check_int, check_seconds, from_table, read_toml, split_job
 from raymesh.data import Pipeline
-from raymesh.testing.faults import Fault, parse_fault
+from raymesh.testing import Fault, parse_fault
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 
 Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
 _STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
-
-
-def _bad(name: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"{name}={value!r}: {fix}")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _bad(name, value, f"must be an integer >= {minimum}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,9 +47,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
-            raise _bad("checkpoint.dir", self.dir, "give a folder path, e.g. 'runs/gpt'")
-        _positive_int("checkpoint.every", self.every, minimum=0)
-        _positive_int("checkpoint.keep", self.keep)
+            raise bad("checkpoint.dir", self.dir, "give a folder path, e.g. 'runs/gpt'")
+        check_int("checkpoint.every", self.every, minimum=0)
+        check_int("checkpoint.keep", self.keep, minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,102 +113,89 @@ class TrainConfig:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.workers, list):  # a TOML array
-            object.__setattr__(self, "workers", tuple(self.workers))
-        if isinstance(self.workers, tuple):
-            if len(self.workers) != 2:
-                raise _bad("workers", self.workers, "give a count, or (min, max) for elastic")
-            for bound in self.workers:
-                _positive_int("workers", bound)
-            if self.workers[0] > self.workers[1]:
-                raise _bad("workers", self.workers, "min must be <= max, as in (2, 4)")
-        else:
-            _positive_int("workers", self.workers)
-        _positive_int("steps", self.steps)
-        _positive_int("global_batch_size", self.global_batch_size)
+        object.__setattr__(self, "workers", Range.check("workers", self.workers))
+        check_int("steps", self.steps, minimum=1)
+        check_int("global_batch_size", self.global_batch_size, minimum=1)
         if self.global_batch_size < self.max_workers:
-            raise _bad(
+            raise bad(
                 "global_batch_size",
                 self.global_batch_size,
                 f"gives some of the {self.max_workers} workers no samples; use at least "
                 f"{self.max_workers} (a multiple of the world size splits evenly)",
             )
         if self.micro_batch_size is not None:
-            _positive_int("micro_batch_size", self.micro_batch_size)
+            check_int("micro_batch_size", self.micro_batch_size, minimum=1)
         if self.strategy not in _STRATEGIES:
-            raise _bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
+            raise bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
         if self.shard_size is not None:
-            _positive_int("shard_size", self.shard_size, minimum=2)
+            check_int("shard_size", self.shard_size, minimum=2)
             if self.strategy not in ("auto", "hsdp"):
-                raise _bad(
+                raise bad(
                     "shard_size",
                     self.shard_size,
                     f"is for strategy 'hsdp' (or 'auto'), not {self.strategy!r}; drop it or "
                     "use strategy='hsdp'",
                 )
             if self.max_workers % self.shard_size or self.max_workers == self.shard_size:
-                raise _bad(
+                raise bad(
                     "shard_size",
                     self.shard_size,
                     f"must split workers={self.max_workers} into 2 or more equal shard groups; "
                     f"use a divisor of {self.max_workers} below it",
                 )
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise _bad("memory_budget_gb", self.memory_budget_gb, "must be > 0 (GiB per rank)")
+            raise bad("memory_budget_gb", self.memory_budget_gb, "must be > 0 (GiB per rank)")
         if isinstance(self.checkpoint, dict):
-            object.__setattr__(self, "checkpoint", _from_dict(CheckpointConfig, self.checkpoint))
+            checkpoint = from_table(CheckpointConfig, self.checkpoint, "checkpoint")
+            object.__setattr__(self, "checkpoint", checkpoint)
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
-            raise _bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
+            raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
         if self.resume not in (True, False, "auto"):
-            raise _bad("resume", self.resume, "use 'auto', True or False")
-        _positive_int("report_every", self.report_every)
+            raise bad("resume", self.resume, "use 'auto', True or False")
+        check_int("report_every", self.report_every, minimum=1)
         if not self.cpus_per_worker >= 0:
-            raise _bad("cpus_per_worker", self.cpus_per_worker, "must be >= 0")
+            raise bad("cpus_per_worker", self.cpus_per_worker, "must be >= 0")
         if self.gpus not in (True, False, "auto"):
-            raise _bad("gpus", self.gpus, "use 'auto', True or False")
+            raise bad("gpus", self.gpus, "use 'auto', True or False")
         if self.build is not None and (not isinstance(self.build, str) or ":" not in self.build):
-            raise _bad("build", self.build, "name the build function as 'module:function'")
-        if not self.timeout_s > 0:
-            raise _bad("timeout_s", self.timeout_s, "must be > 0 seconds")
-        if not self.step_timeout_s > 0:
-            raise _bad("step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
-        _positive_int("max_failures", self.max_failures, minimum=0)
+            raise bad("build", self.build, "name the build function as 'module:function'")
+        check_seconds("timeout_s", self.timeout_s)
+        check_seconds("step_timeout_s", self.step_timeout_s)
+        check_int("max_failures", self.max_failures, minimum=0)
         if self.failure_window_s is not None and not self.failure_window_s > 0:
-            raise _bad("failure_window_s", self.failure_window_s, "must be > 0 seconds, or None")
-        _positive_int("spares", self.spares, minimum=0)
+            raise bad("failure_window_s", self.failure_window_s, "must be > 0 seconds, or None")
+        check_int("spares", self.spares, minimum=0)
         if self.rebalance not in (True, False):
-            raise _bad("rebalance", self.rebalance, "use True or False")
-        if not self.replace_timeout_s > 0:
-            raise _bad("replace_timeout_s", self.replace_timeout_s, "must be > 0 seconds")
-        if not self.grow_interval_s > 0:
-            raise _bad("grow_interval_s", self.grow_interval_s, "must be > 0 seconds")
+            raise bad("rebalance", self.rebalance, "use True or False")
+        check_seconds("replace_timeout_s", self.replace_timeout_s)
+        check_seconds("grow_interval_s", self.grow_interval_s)
         faults = tuple(parse_fault(f) if isinstance(f, str) else f for f in self.faults)
         for f in faults:
             if not isinstance(f, Fault):
-                raise _bad(
+                raise bad(
                     "faults", f, "use raymesh.testing.kill/fail/hang(...) or 'kill:rank=1:step=30'"
                 )
             if f.rank >= self.max_workers:
-                raise _bad(
+                raise bad(
                     "faults", str(f), f"rank {f.rank} does not exist with workers={self.workers}"
                 )
         object.__setattr__(self, "faults", faults)
         if isinstance(self.data, dict):
             object.__setattr__(self, "data", Pipeline.from_dict(self.data))
         if self.data is not None and not isinstance(self.data, Pipeline):
-            raise _bad("data", self.data, "pass a raymesh.data.Pipeline(source=...) or None")
+            raise bad("data", self.data, "pass a raymesh.data.Pipeline(source=...) or None")
         if not isinstance(self.params, dict) or not all(isinstance(k, str) for k in self.params):
-            raise _bad("params", self.params, "give a dict of named values, e.g. {'lr': 0.01}")
+            raise bad("params", self.params, "give a dict of named values, e.g. {'lr': 0.01}")
 
     @property
     def min_workers(self) -> int:
         """The fewest ranks the job continues with (`workers` when it is not elastic)."""
-        return self.workers[0] if isinstance(self.workers, tuple) else self.workers
+        return Range.of(self.workers).min
 
     @property
     def max_workers(self) -> int:
         """The world size the job starts with and grows back to."""
-        return self.workers[1] if isinstance(self.workers, tuple) else self.workers
+        return Range.of(self.workers).max
 
     def run_folder(self) -> str | None:
         """Where metrics.jsonl and events.jsonl go: `run_dir`, else the checkpoint folder, else
@@ -235,48 +213,18 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from plain data (a parsed config file); unknown keys are an error."""
-        return _from_dict(cls, data)
+        return from_table(cls, data)
 
 
-def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected a table of fields, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ValueError(
-            f"{cls.__name__}: unknown field(s) {unknown}; the fields are {sorted(names)}"
-        )
-    return cls(**data)
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML job file's tables. Raises ValueError for a missing file or invalid TOML."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    path = Path(path)
+def load_config(path: str | Path, *, build: bool = False) -> TrainConfig:
+    """Read a TOML job file whose schema is TrainConfig (the tables other commands own, such
+    as [tune] and [serve], are skipped: `raymesh._common.tables`). A bad field is a ValueError
+    naming the file and the field; with `build`, so is a file that names no build function."""
+    job, _ = split_job(read_toml(path))
     try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-
-
-# Tables of a job file that other commands read (`raymesh tune`, `raymesh serve`): training
-# ignores them, so one file describes the job, its study and how it is served.
-OTHER_TABLES = ("tune", "serve")
-
-
-def load_config(path: str | Path) -> TrainConfig:
-    """Read a TOML job file whose schema is TrainConfig (its [tune] and [serve] tables, which
-    other commands read, are skipped)."""
-    data = read_toml(path)
-    for table in OTHER_TABLES:
-        data.pop(table, None)
-    try:
-        return TrainConfig.from_dict(data)
-    except TypeError as e:  # a field of the wrong kind that the dataclass itself rejected
-        raise ValueError(f"config file {str(path)!r}: {e}") from None
+        config = TrainConfig.from_dict(job)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if build and config.build is None:
+        raise ValueError(f'{path}: set build = "module:function" in the job file')
+    return config

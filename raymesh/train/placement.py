@@ -14,7 +14,7 @@ import logging
 
 from raymesh import topology
 from raymesh.actor import host_mesh
-from raymesh.topology.planner import Placement, used
+from raymesh.topology import Placement, used
 from raymesh.train.config import TrainConfig
 from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
 

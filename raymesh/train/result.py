@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from raymesh.data.workers import PipelineReport
+from raymesh.data import PipelineReport
 from raymesh.train.failure import FailureRecord
 from raymesh.train.protocol import LostRank, StepMetrics
 from raymesh.train.reporting import Event, Report, ReportSink

@@ -19,7 +19,6 @@ import datetime
 import gc
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -27,10 +26,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from raymesh._common import free_port
 from raymesh.actor import Actor, context, endpoint, this_host
+from raymesh.data import DataError
 from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
-from raymesh.data.pipeline import DataError
 from raymesh.data.sources import batch_reader
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
@@ -58,12 +58,6 @@ from raymesh.train.task import Context, Task
 logger = logging.getLogger("raymesh")
 
 __all__ = ["TrainWorker"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class TrainWorker(Actor):
@@ -105,7 +99,7 @@ class TrainWorker(Actor):
     @endpoint
     def address(self) -> tuple[str, int]:
         """Where this rank can host the process group's store (rank 0 is asked)."""
-        return this_host().addresses[0], _free_port()
+        return this_host().addresses[0], free_port()
 
     @endpoint
     def install(self, hooks: RankHooks | None) -> None:

@@ -14,6 +14,7 @@
 Optuna samples and prunes (`pip install 'raymesh[tune]'`); see `raymesh.tune.study`.
 """
 
+from raymesh.tune.jobfile import load_study
 from raymesh.tune.space import Domain, choice, loguniform, randint, uniform
 from raymesh.tune.study import METRICS, Study, TrialResult, run
 
@@ -23,6 +24,7 @@ __all__ = [
     "Study",
     "TrialResult",
     "choice",
+    "load_study",
     "loguniform",
     "randint",
     "run",

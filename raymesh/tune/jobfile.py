@@ -27,8 +27,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from raymesh.train import TrainConfig
-from raymesh.train.config import read_toml
+from raymesh._common import read_toml, split_job
+from raymesh.train import TrainConfig, load_config
 from raymesh.tune import space as spaces
 
 __all__ = ["load_study"]
@@ -57,11 +57,12 @@ def parse_domain(name: str, text: str) -> Any:
 
 
 def load_study(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
-    """The job's TrainConfig and `run`'s keyword arguments (with `space`). Raises ValueError
-    naming the file and the field for a missing `[tune]` table, an unknown key or a bad domain."""
+    """The job's TrainConfig and `run`'s keyword arguments (with `space`); the tables other
+    commands own ([serve]) are skipped. Raises ValueError naming the file and the field for a
+    missing `[tune]` table, an unknown key or a bad domain."""
     path = Path(path)
-    data = read_toml(path)
-    table = data.pop("tune", None)
+    _, tables = split_job(read_toml(path))
+    table = tables.get("tune")
     if not isinstance(table, dict) or not isinstance(table.get("space"), dict):
         raise ValueError(f"{path}: add a [tune] table with a [tune.space] table of parameters")
     raw_space = table.pop("space")
@@ -74,10 +75,4 @@ def load_study(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     kwargs["space"] = {
         k: parse_domain(k, v) if isinstance(v, str) else v for k, v in raw_space.items()
     }
-    try:
-        config = TrainConfig.from_dict(data)
-    except TypeError as e:
-        raise ValueError(f"{path}: {e}") from None
-    if config.build is None:
-        raise ValueError(f'{path}: set build = "module:function" in the job file')
-    return config, kwargs
+    return load_config(path, build=True), kwargs

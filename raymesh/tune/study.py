@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from raymesh import train
-from raymesh.train.api import resolve_build
+from raymesh._common import resolve
 from raymesh.tune.space import domains, to_distributions
 
 __all__ = ["METRICS", "Study", "TrialResult", "run"]
@@ -201,7 +201,7 @@ def run(
     distributions = to_distributions(found)
     if not isinstance(config, train.TrainConfig):
         raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
-    fn = resolve_build(build)  # a bad name fails here, before any trial
+    fn = resolve(build)  # a bad name fails here, before any trial
     chosen = _sampler(sampler, found, seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     folder, url = None, None
@@ -294,9 +294,8 @@ def _packed(concurrent: int, config: train.TrainConfig) -> int:
     `config.max_workers` procs of `config.cpus_per_worker` CPUs, and a GPU each if it uses
     them)."""
     from raymesh.actor import host_mesh
-    from raymesh.train.placement import use_gpus
 
-    free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=use_gpus(config))
+    free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=train.use_gpus(config))
     procs = sum(free.values())
     room = procs // config.max_workers
     if room >= concurrent:

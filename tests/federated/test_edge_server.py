@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from raymesh import federated as fl
-from raymesh._src.asgi import Tls
 from raymesh.examples import fedmlp
+from raymesh.federated import Tls
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.edge import EdgeClient, Untrusted
 from raymesh.federated.protocol import Advertise, Participant
@@ -45,7 +45,7 @@ def test_an_answer_after_the_driver_gave_up_is_refused_409_and_so_is_a_replay(se
         waiting.get(timeout=0.05)  # the driver gives up on it
     answer = Participant(fedmlp.client_fn).handle(msg)
     status, body = edge.reply(answer)
-    assert status == 409 and "no message waits" in body["error"]
+    assert status == 409 and "no message waits" in body["error"]["message"]
     waiting = server.send(edge.cid, Advertise(2, (edge.cid,)), lambda reply: None)
     answer = Participant(fedmlp.client_fn).handle(edge.next())
     assert edge.reply(answer)[0] == 200 and waiting.get(timeout=5) == answer
@@ -87,7 +87,7 @@ def test_enrolment_is_one_per_device_and_capped():
         first = _joined(server, "phone-1")
         again = helpers.RawEdge(server.url, TOKEN)
         status, body = again.join("phone-1")
-        assert status == 409 and "enrolled already (client 10)" in body["error"]
+        assert status == 409 and "enrolled already (client 10)" in body["error"]["message"]
         for bad in ("", "a b", "é", "x" * 129):
             assert again.join(bad)[0] == 422
         assert again.call("POST", "/v1/join", raw=b"not json")[0] == 400
@@ -95,7 +95,7 @@ def test_enrolment_is_one_per_device_and_capped():
         for i in range(3):
             _joined(server, f"phone-{i + 2}")
         status, body = again.join("phone-9")
-        assert status == 403 and "max_clients=4" in body["error"]
+        assert status == 403 and "max_clients=4" in body["error"]["message"]
         # A device silent for three poll periods (0.6 s) may enrol again: same client, new key.
         status, body = wait_for(
             lambda: (got := again.join("phone-1"))[0] == 200 and got, 10, what="a new enrolment"
@@ -120,7 +120,7 @@ def test_refusals_are_logged_cut_short_and_a_generated_token_never_is(caplog):
         edge.next()
         long_field = {"$": "Adverts", "round": 1, "adverts": [], "Z" * 100_000: 1}
         status, body = edge.call("POST", f"/v1/reply?client={edge.cid}", {"reply": long_field})
-        assert status == 422 and len(body["error"]) <= 1000
+        assert status == 422 and len(body["error"]["message"]) <= 1000
     finally:
         assert fed.edge is not None
         fed.edge.finish("over", grace_s=0)  # the raw client will not poll for Done
@@ -168,6 +168,6 @@ def test_the_server_refuses_an_answer_that_trips_the_check_whatever_it_raises(se
     waiting = server.send(edge.cid, Advertise(1, (edge.cid,)), check)
     answer = Participant(fedmlp.client_fn).handle(edge.next())
     status, body = edge.reply(answer)
-    assert status == 422 and "KeyError" in body["error"]
+    assert status == 422 and "KeyError" in body["error"]["message"]
     with pytest.raises(BadUpdate, match="KeyError"):
         waiting.get(timeout=5)

@@ -283,7 +283,7 @@ def test_rogue_edge_clients_cannot_end_a_secure_run_nor_move_its_model(caplog):
     assert not set(rogue_a.seen) & set(rogue_b.seen)
     seen = {**rogue_a.seen, **rogue_b.seen}
     status = {k: v[0] for k, v in seen.items()}
-    error = {k: (v[1] or {}).get("error", "") for k, v in seen.items()}
+    error = {k: ((v[1] or {}).get("error") or {}).get("message", "") for k, v in seen.items()}
     assert status[(1, "advert")] == 422 and "low-order point" in error[(1, "advert")]
     assert status[(1, "advert as another")] == 422
     assert status[(1, "other cid")] == 403

@@ -17,8 +17,8 @@ import pytest
 from opacus.accountants import RDPAccountant
 
 from raymesh import federated as fl
-from raymesh._src.asgi import Tls
 from raymesh.examples import fedmlp
+from raymesh.federated import Tls
 from raymesh.federated.client import Layout
 from raymesh.federated.federation import Federation
 from tests.certs import self_signed

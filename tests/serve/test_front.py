@@ -316,8 +316,8 @@ def test_a_body_slower_than_its_deadline_is_a_408_and_the_connection_closes() ->
 def test_https_with_tls_and_raymesh_serve_reload_reaches_it(
     tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raymesh._src.asgi import Tls
     from raymesh.cli.main import main
+    from raymesh.serve import Tls
 
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
 

@@ -253,7 +253,7 @@ def test_config_is_validated_in_python_too():
         train.TrainConfig(workers=(1, 2, 3))  # type: ignore[arg-type]
     elastic = train.TrainConfig.from_dict({"workers": [2, 4], "global_batch_size": 8})
     assert (elastic.min_workers, elastic.max_workers) == (2, 4)
-    with pytest.raises(ValueError, match=r"TrainConfig: unknown field\(s\) \['stpes'\]"):
+    with pytest.raises(ValueError, match=r"TrainConfig has unknown key\(s\) \['stpes'\]"):
         train.TrainConfig.from_dict({"stpes": 3})
     base = _config()
     with pytest.raises(ValueError, match="micro_batch_size=0"):

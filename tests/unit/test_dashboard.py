@@ -270,7 +270,7 @@ def test_missing_runs_and_a_missing_root_are_clear_messages(tmp_path):
         assert listing["runs"] == []
         assert "nope: no such folder" in listing["problems"][0]
         r = c.get("/api/run/gone")
-        assert r.status_code == 404 and "no run folder 'gone'" in r.json()["error"]
+        assert r.status_code == 404 and "no run folder 'gone'" in r.json()["error"]["message"]
         assert c.get("/api/stream/gone").status_code == 404
 
 
@@ -323,7 +323,8 @@ def test_a_token_is_required_in_a_header_on_every_api_route_and_never_in_a_url(t
     with TestClient(make_app(tmp_path, token="s3cret")) as c:
         for path in ("/api/runs", "/api/run/a", "/api/stream/a", "/metrics"):
             r = c.get(path)
-            assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"], path
+            assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
+            assert r.headers["WWW-Authenticate"] == "Bearer", path
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
             # A token in the query string would end in histories and logs: not accepted.
             assert c.get(path + "?token=s3cret").status_code == 401, path

@@ -72,7 +72,7 @@ def test_bad_files_and_patterns_fail_before_anything_runs(tmp_path, shards):
         ("workers", -1, "data.workers=-1"),
         ("prefetch", 0, "data.prefetch=0"),
         ("on_error", "ignore", "give 'raise' or 'skip'"),
-        ("transform", "no_such_module:fn", "cannot import it"),
+        ("transform", "no_such_module:fn", "cannot import module"),
         ("cpus_per_worker", 0, "data.cpus_per_worker=0"),
     ],
 )
@@ -142,7 +142,7 @@ prefetch = 2
     manifest = json.loads(json.dumps(config.to_dict()))
     assert manifest["data"]["workers"] == [1, 3]
     assert manifest["data"]["transform"] == "tests.data.helpers:slow"
-    with pytest.raises(ValueError, match=r"data: unknown field\(s\) \['sorce'\]"):
+    with pytest.raises(ValueError, match=r"\[data\] has unknown key\(s\) \['sorce'\]"):
         TrainConfig(data={"sorce": "x"})
     with pytest.raises(ValueError, match="no file matches"):
         TrainConfig(data={"source": str(tmp_path / "missing/*.parquet")})

@@ -772,8 +772,8 @@ def test_a_job_files_edge_tls_and_the_clis_tls_flags_and_token(tmp_path, monkeyp
     import os
     from pathlib import Path
 
-    from raymesh._src.asgi import Tls
     from raymesh.cli import federated as cli
+    from raymesh.federated import Tls
     from raymesh.federated.jobfile import load_job
 
     (tmp_path / "c.pem").write_text("cert")

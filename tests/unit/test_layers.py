@@ -7,12 +7,16 @@ The layers, lowest first (a module may import its own layer and any lower one):
   coordinate (`_src.shape`: the backend addresses procs by `Point`), a failure record
   (`_src.errors`: the backend returns `RemoteFailure` from a proc), the version string.
 - backend (`raymesh._src.backend`): the one package that imports Ray for the runtime.
-- core (the rest of `raymesh._src`, `raymesh.actor`, `raymesh/__init__.py`): the programming
-  model. It reaches the backend's procs, and the backend runs the core's `ProcRuntime` only as
-  a function handed down to it (`create_procs(start_runtime=...)`), never by importing it.
+- core (the rest of `raymesh._src`, `raymesh.actor`, `raymesh.cluster`, `raymesh/__init__.py`):
+  the programming model. It reaches the backend's procs, and the backend runs the core's
+  `ProcRuntime` only as a function handed down to it (`create_procs(start_runtime=...)`), never
+  by importing it. `raymesh.actor` and `raymesh.cluster` are its public faces.
+- common (`raymesh._common`): what several subsystems share (field checks, job-file tables,
+  "module:function", the HTTP server thread, bearer auth, the error shape, a future adapter).
+  It may import the core at most.
 - topology (`raymesh.topology`): plans where ranks run; the core reads a plan through protocols.
 - testing (`raymesh.testing`): faults as plain data; it may import the core at most, so that
-  any layer's tests can use it (not topology, though it sits above it).
+  any layer's tests can use it (not common or topology, though it sits above them).
 - data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
 - train (`raymesh.train`), tune (`raymesh.tune`: studies whose trials are training jobs),
   serve, federated, dashboard (`raymesh.dashboard`: reads the run folders the others write),
@@ -23,6 +27,17 @@ named across layers is a dependency all the same), relative ones, and
 `importlib.import_module("raymesh...")` with a literal name. Implicit imports of parent
 packages are not counted: importing any `raymesh.*` module runs `raymesh/__init__.py`, which is
 how Python packages work, not a choice of the importing module.
+
+Three more rules, checked the same way:
+- Ray is imported only by the backend (`raymesh/_src/backend/`) and by the adapters of Ray's
+  libraries, which live with the subsystem that uses them (`raymesh/*/_ray_*.py`: Ray Serve in
+  raymesh.serve, Ray Data in raymesh.data). `import ray`, `from ray...`, lazy imports and
+  `import_module("ray...")` all count.
+- Above the core nothing imports `raymesh._src`: the core's public faces are `raymesh`,
+  `raymesh.actor` and `raymesh.cluster`.
+- Above the core, a package imports another package by its exported names (its `__init__`),
+  not by a module of its own: a module of another package is imported only where
+  `PUBLIC_MODULES` names it a public module, or `PRIVATE_IMPORTS` gives the reason.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ ORDER = (
     "base",
     "backend",
     "core",
+    "common",
     "topology",
     "testing",
     "data",
@@ -67,7 +83,9 @@ LAYERS = {
     "raymesh._src.backend": "backend",
     "raymesh._src": "core",
     "raymesh.actor": "core",
+    "raymesh.cluster": "core",
     "raymesh": "core",
+    "raymesh._common": "common",
     "raymesh.topology": "topology",
     "raymesh.testing": "testing",
     "raymesh.data": "data",
@@ -81,7 +99,7 @@ LAYERS = {
 }
 
 # Lower layers a layer may still not import.
-FORBIDDEN = {"testing": {"topology"}}
+FORBIDDEN = {"testing": {"common", "topology"}}
 
 # Violations known today, (importer module, imported module) -> why it is tolerated and who
 # removes it. Each entry must still occur (a fixed one fails the test until it is taken out).
@@ -94,6 +112,8 @@ KNOWN: dict[tuple[str, str], str] = {}
 PUBLIC = (
     "raymesh",
     "raymesh.actor",
+    "raymesh.cluster",
+    "raymesh._common",
     "raymesh.topology",
     "raymesh.testing",
     "raymesh.data",
@@ -234,6 +254,160 @@ def later():
         (9, "raymesh.examples.mlp"),
     ]
     assert [violation(i) is not None for i in got] == [True, False, True, True, True]
+
+
+def above_the_core(module: str) -> bool:
+    layer = layer_of(module)
+    return layer is not None and ORDER.index(layer) > ORDER.index("core")
+
+
+def test_nothing_above_the_core_imports_raymesh_src():
+    report = [
+        f"{imp.where()}: {imp.importer} -> {imp.imported}"
+        for imp in all_imports()
+        if above_the_core(imp.importer)
+        and (imp.imported == "raymesh._src" or imp.imported.startswith("raymesh._src."))
+    ]
+    assert not report, (
+        "imports of the core's private modules from above it (use raymesh, raymesh.actor or "
+        "raymesh.cluster; add what is missing there):\n" + "\n".join(report)
+    )
+
+
+# --- Ray: imported by the backend and by the adapters of Ray's libraries only ---------------
+
+
+def ray_imports(source: str) -> list[int]:
+    """The lines of `source` that import Ray or one of its libraries, wherever they are."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and _is_import_call(node.func) and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names = [arg.value]
+        if any(name == "ray" or name.startswith("ray.") for name in names):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def may_import_ray(path: Path) -> bool:
+    """The backend (`raymesh/_src/backend/`), and `raymesh/<subsystem>/_ray_<library>.py`."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[:2] == ("_src", "backend") or (len(parts) == 2 and parts[1].startswith("_ray_"))
+
+
+def test_only_the_backend_and_the_adapters_of_rays_libraries_import_ray():
+    report = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not may_import_ray(path)
+        for line in ray_imports(path.read_text())
+    ]
+    assert not report, (
+        "Ray imported outside raymesh/_src/backend and raymesh/*/_ray_*.py (use the backend "
+        "through raymesh.cluster, or move a Ray library's adapter to its user):\n"
+        + "\n".join(report)
+    )
+
+
+def test_the_ray_check_sees_plain_from_lazy_and_dynamic_imports_of_ray():
+    source = """
+import ray
+from ray import serve
+import raymesh
+from ray.data import Dataset
+import rayon, os
+def later():
+    import os, ray.util
+    importlib.import_module("ray.data")
+from . import ray
+__import__("ray")
+"""
+    assert ray_imports(source) == [2, 3, 5, 8, 9, 11]
+    assert may_import_ray(PACKAGE / "_src" / "backend" / "procs.py")
+    assert may_import_ray(PACKAGE / "serve" / "_ray_serve.py")
+    assert not may_import_ray(PACKAGE / "_src" / "proc.py")
+    assert not may_import_ray(PACKAGE / "serve" / "app.py")
+    assert not may_import_ray(PACKAGE / "serve" / "sub" / "_ray_x.py")
+
+
+# --- Exported names between packages ---------------------------------------------------------
+
+# Modules of a package that are public in their own right (documented by their path), which
+# other packages may import like an `__init__`.
+PUBLIC_MODULES = {
+    "raymesh.train.checkpoint": "docs/training.md and docs/serve.md document "
+    "raymesh.train.checkpoint (export_state_dict, the layout); raymesh.serve loads with it",
+}
+
+# A package reaching into another's private module, (importer, imported) -> why. Each entry
+# must still occur (a fixed one fails the test until it is taken out).
+_FEED = (
+    "the trainer's side of a pipeline (the rank's feed, the sample order, the batch reader): "
+    "raymesh.train's ranks are the data pipeline's consumers, not users of its API"
+)
+PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
+    ("raymesh.cli.federated", "raymesh.federated.edge"): "the edge client is a script of its "
+    "own, copied to devices that have no raymesh; `raymesh federated client` runs it",
+    ("raymesh.train.controller", "raymesh.data.order"): _FEED,
+    ("raymesh.train.controller", "raymesh.data.workers"): _FEED,
+    ("raymesh.train.worker", "raymesh.data.order"): _FEED,
+    ("raymesh.train.worker", "raymesh.data.feed"): _FEED,
+    ("raymesh.train.worker", "raymesh.data.sources"): _FEED,
+}
+
+
+def package_of(module: str) -> str:
+    """`raymesh.serve.front` -> `raymesh.serve`; `raymesh.actor` -> itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def reaches_into(imp: Import) -> bool:
+    """Whether `imp` takes a module of another package that the package does not export."""
+    there = package_of(imp.imported)
+    return (
+        above_the_core(imp.importer)
+        and package_of(imp.importer) != there
+        and imp.imported != there
+        and imp.imported not in PUBLIC_MODULES
+        and not imp.imported.startswith("raymesh._src")  # test_nothing_above_the_core_...
+    )
+
+
+def test_packages_import_each_other_by_their_exported_names():
+    found: set[tuple[str, str]] = set()
+    report = []
+    for imp in all_imports():
+        if not reaches_into(imp):
+            continue
+        found.add((imp.importer, imp.imported))
+        if (imp.importer, imp.imported) not in PRIVATE_IMPORTS:
+            report.append(f"{imp.where()}: {imp.importer} -> {imp.imported}")
+    stale = [f"{a} -> {b}" for a, b in PRIVATE_IMPORTS if (a, b) not in found]
+    assert not report, (
+        "imports of another package's unexported module (export the name from its "
+        "__init__, move it to raymesh._common, or give the reason in PRIVATE_IMPORTS):\n"
+        + "\n".join(report)
+    )
+    assert not stale, "fixed, remove from PRIVATE_IMPORTS: " + ", ".join(stale)
+
+
+def test_the_export_check_allows_a_packages_front_and_its_own_modules():
+    def imp(importer: str, imported: str) -> Import:
+        return Import("", 1, importer, imported)
+
+    assert reaches_into(imp("raymesh.serve.model", "raymesh.train.config"))
+    assert not reaches_into(imp("raymesh.serve.model", "raymesh.train"))
+    assert not reaches_into(imp("raymesh.serve.model", "raymesh.serve.router"))
+    assert not reaches_into(imp("raymesh.serve.model", "raymesh.actor"))
+    assert not reaches_into(imp("raymesh.serve.model", "raymesh._common"))
+    assert reaches_into(imp("raymesh.serve.model", "raymesh._common.tables"))
+    assert not reaches_into(imp("raymesh.actor", "raymesh._src.proc_mesh"))  # the core's own
 
 
 # Imports `sys.argv[1]` as the first thing; fails if that started Ray.

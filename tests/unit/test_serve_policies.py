@@ -252,8 +252,7 @@ def pem(tmp_path):
     "field", ["admin_token", "checkpoint_root", "tls", "max_connections", "keep_alive_s"]
 )
 def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem, tmp_path):
-    from raymesh._src.asgi import Tls
-    from raymesh.serve import ServeConfig
+    from raymesh.serve import ServeConfig, Tls
 
     value = {
         "admin_token": "admin",
@@ -274,7 +273,7 @@ def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem
 
 
 def test_tls_and_the_reload_fields_from_a_job_file_and_the_command_line(pem, tmp_path):
-    from raymesh._src.asgi import Tls
+    from raymesh.serve import Tls
     from raymesh.serve.jobfile import load_serving
 
     job = tmp_path / "job.toml"

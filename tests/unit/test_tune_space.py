@@ -84,3 +84,38 @@ name = "plain string"
     job.write_text('build = "m:f"\n[tune]\ntrails = 2\n[tune.space]\nx = "uniform(0, 1)"\n')
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['trails'\]"):
         load_study(job)
+
+
+def test_one_job_file_carries_the_model_through_training_a_study_and_serving(tmp_path):
+    # Each command reads the training job (the top level) and its own table, and skips the
+    # tables other commands own (raymesh._common.tables.TABLES). `raymesh tune` used to read
+    # [serve] as a TrainConfig field: "TrainConfig: unknown field(s) ['serve']".
+    from raymesh import train
+    from raymesh.serve.jobfile import load_serving
+    from raymesh.tune.jobfile import load_study
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        """
+build = "tests.tune.helpers:quadratic"
+steps = 4
+
+[checkpoint]
+dir = "runs/quadratic"
+
+[tune]
+trials = 2
+
+[tune.space]
+x = "uniform(0.0, 0.6)"
+
+[serve]
+replicas = [1, 2]
+port = 0
+"""
+    )
+    config, kwargs = load_study(job)
+    assert config.steps == 4 and config.checkpoint is not None and kwargs["trials"] == 2
+    assert train.load_config(job).steps == 4
+    model, served = load_serving(job)
+    assert model["build"] == "tests.tune.helpers:quadratic" and served.replicas == (1, 2)

@@ -1,6 +1,7 @@
-"""The only package that imports Ray (for the runtime). Everything above it speaks in procs,
-pending results and failures; this package maps them onto Ray actors, placement groups and the
-object store.
+"""The only package that imports Ray for the runtime (Ray's libraries live with their users:
+`raymesh/serve/_ray_serve.py`, `raymesh/data/_ray_data.py`). Everything above it speaks in
+procs, pending results and failures; this package maps them onto Ray actors, placement groups
+and the object store. Above the core, `raymesh.cluster` is its public face.
 """
 
 from raymesh._src.backend.pool import preload
@@ -40,6 +41,7 @@ from raymesh._src.backend.runtime import (
     gpu_ids,
     node_ip,
     nodes,
+    ray_version,
     shutdown,
     started_local,
 )
@@ -72,6 +74,7 @@ __all__ = [
     "preload",
     "probe",
     "put",
+    "ray_version",
     "registry_update",
     "roundtrip",
     "self_proc",

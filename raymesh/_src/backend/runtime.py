@@ -309,6 +309,11 @@ def address() -> str:
     return getattr(ctx, "gcs_address", "") or "local"
 
 
+def ray_version() -> str:
+    """The version of the Ray this process runs."""
+    return str(ray.__version__)
+
+
 def node_ip() -> str:
     """This process's node address, as other processes of the cluster reach it."""
     ensure_ray()

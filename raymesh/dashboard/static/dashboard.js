@@ -189,7 +189,8 @@ async function getJSON(path) {
   let body = null;
   try { body = parseJSON(await resp.text()); } catch { /* an HTML error page from a proxy, an empty body */ }
   if (!resp.ok) {
-    const text = body && typeof body.error === "string" ? body.error : resp.statusText;
+    // raymesh's error shape: {"error": {"type", "message"}}
+    const text = body && body.error && typeof body.error.message === "string" ? body.error.message : resp.statusText;
     throw new ApiError(`${text} (HTTP ${resp.status})`, resp.status);
   }
   if (body == null) throw new ApiError(`The server's answer to ${path} is not JSON.`, resp.status);

@@ -1,4 +1,5 @@
-"""An ASGI app served by uvicorn on a thread of the controller, with an event loop of its own.
+"""An ASGI app served by uvicorn on a thread of the calling process, with an event loop of its
+own.
 
 raymesh.serve's front, raymesh.federated's edge server and raymesh.dashboard all start the
 same way: `ServerThread` binds (loopback unless told otherwise), returns once the port is
@@ -16,40 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
+import socket
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ServerThread", "Tls", "url_of"]
+from raymesh._common.tls import Tls
+
+__all__ = ["ServerThread", "free_port", "url_of"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Tls:
-    """HTTPS for a server: a PEM certificate (chain) and its private key, as uvicorn's
-    `ssl_certfile` / `ssl_keyfile`. Both files must exist when the config is made."""
-
-    cert: str
-    key: str
-
-    def __post_init__(self) -> None:
-        for name, path in (("cert", self.cert), ("key", self.key)):
-            if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-                raise ValueError(
-                    f"tls.{name}={path!r} is not a file: give the path of a PEM "
-                    f"{'certificate' if name == 'cert' else 'private key'}"
-                )
-
-    @classmethod
-    def of(cls, cert: str | None, key: str | None) -> Tls | None:
-        """`Tls` from two optional paths (a CLI's --tls-cert/--tls-key): both or neither."""
-        if cert is None and key is None:
-            return None
-        if cert is None or key is None:
-            missing = "tls_cert" if cert is None else "tls_key"
-            raise ValueError(f"{missing} is missing: HTTPS needs both a certificate and its key")
-        return cls(cert=str(cert), key=str(key))
+def free_port(host: str = "") -> int:
+    """A TCP port free on `host` now ("": on every interface). Another process may take it
+    before the caller binds it: use it where the caller cannot bind port 0 itself."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def url_of(host: str, port: int, *, tls: bool = False) -> str:

@@ -1,25 +1,33 @@
 """Ray Serve: a model served as a Ray Serve deployment (`raymesh serve --backend ray-serve`),
 for users who already run Serve. Ray Serve owns the HTTP proxy, the replicas and the batching
-(`@serve.batch`); raymesh gives it the model loader, the input check and the request guard
-(raymesh.serve's `Guard`), so it answers the same requests as raymesh's own front: POST
-/v1/predict {"x": ...} -> {"y": ...}, 401 without the bearer token (when one is set), 400 for
-malformed JSON or a number that is not finite, 408 for a body not in within its deadline, 413
-for a body over the limit, 422 for a wrong input, 500 with the model's error type.
+(`@serve.batch`); raymesh gives it the model loader, the request guard (raymesh.serve's
+`Guard`) and POST /v1/predict's contract (`front.answer_predict`), so it answers the same
+requests as raymesh's own front, the same way: {"x": ...} -> {"y": ...}, 401 without the
+bearer token (when one is set), 400 for malformed JSON or a number that is not finite, 408 for
+a body not in within its deadline, 413 for a body over the limit, 422 for a wrong input, 500
+with the model's error type.
 
 What it enforces is enforced in the deployment's replica, after Serve's proxy has passed the
 request on: the proxy's connections, keep-alive and TLS are Serve's own settings, which is why
-ServeConfig refuses raymesh's for this backend."""
+ServeConfig refuses raymesh's for this backend.
+
+This module and raymesh.data's `_ray_data` are the only ones outside the core's backend that
+import Ray (tests/unit/test_layers.py holds every module to that).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray import serve
+
+from raymesh._common import HTTPError, error_json, free_port
+from raymesh.serve.front import answer_predict
+from raymesh.serve.router import ModelError
 
 __all__ = ["RayServeHandle", "deploy"]
 
@@ -27,8 +35,9 @@ APP_NAME = "raymesh"
 log = logging.getLogger("raymesh.serve")
 
 
-class _Pending:
-    """A DeploymentResponse as `result(timeout)` / `done()`."""
+class _Response:
+    """A DeploymentResponse with a concurrent future's `result(timeout)` / `done()`, for
+    `raymesh._common.Pending`."""
 
     def __init__(self, response: Any) -> None:
         self._response = response
@@ -49,8 +58,8 @@ class RayServeHandle:
         self.port = port
         self._started_serve = started_serve
 
-    def call(self, x: Any) -> _Pending:
-        return _Pending(self._handle.predict_one.remote(x))
+    def call(self, x: Any) -> _Response:
+        return _Response(self._handle.predict_one.remote(x))
 
     def stop(self) -> None:
         try:
@@ -60,15 +69,8 @@ class RayServeHandle:
                 serve.shutdown()
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def deploy(
     load: Callable[[Any], Any],
-    check: Callable[[Any, Any, bool], str | None],
     guard: Any,
     *,
     host: str,
@@ -89,7 +91,7 @@ def deploy(
     receive)` first (raymesh.serve.guard.Guard), whose refusals carry `status`, `body` and
     `headers`."""
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import Response
 
     @serve.deployment(
         num_replicas=replicas,
@@ -109,47 +111,41 @@ def deploy(
             values, errors = self.model.predict(inputs)
             return [(v, errors.get(i)) for i, v in enumerate(values)]
 
-        async def predict_one(self, x: Any) -> Any:
+        async def predict(self, x: Any) -> Any:
             value, error = await self.predict_batch(x)
             if error is not None:
-                raise RuntimeError(f"{error[0]}: {error[1]}")
+                raise ModelError(*error)  # answered here, as a 500 naming the model's error
             return value
+
+        async def predict_one(self, x: Any) -> Any:
+            try:
+                return await self.predict(x)
+            except ModelError as e:  # to a Python caller, through Ray: a plain RuntimeError
+                raise RuntimeError(str(e)) from None
 
         async def __call__(self, request: Request) -> Any:
             if not request.url.path.rstrip("/").endswith("/predict") or request.method != "POST":
-                return _error(404, "NotFound", "POST /v1/predict is the route served")
+                return _answer(HTTPError(404, "NotFound", "POST /v1/predict is the route served"))
             try:
                 guard.authorize(request.scope)
-                body = await guard.read_json(request.scope, request.receive)
-            except Exception as e:
-                refusal: Any = e
-                if not isinstance(getattr(refusal, "status", None), int):
-                    raise  # not a refusal: Serve answers 500
-                return JSONResponse(
-                    {"error": refusal.body}, refusal.status, headers=refusal.headers
-                )
-            if "x" not in body:
-                return _error(422, "ValidationError", 'x: missing; send {"x": <one input>}', "x")
-            why = check(body["x"], self.info.input_shape, self.info.input_dtype == "int64")
-            if why is not None:
-                return _error(422, "ValidationError", why, why.split(":", 1)[0])
-            value, error = await self.predict_batch(body["x"])
-            if error is not None:
-                return _error(500, error[0], error[1])
-            return JSONResponse({"y": value})
+            except HTTPError as e:
+                return _answer(e)
+            status, data, headers = await answer_predict(
+                request.scope, request.receive, guard.read_json, self.info, self.predict
+            )
+            return Response(data, status, headers=headers, media_type="application/json")
 
-    def _error(status: int, kind: str, message: str, field: str | None = None) -> Any:
-        body: dict[str, Any] = {"type": kind, "message": message}
-        if field is not None:
-            body["field"] = field
-        return JSONResponse({"error": body}, status)
+    def _answer(error: HTTPError) -> Any:
+        return Response(
+            error_json(error), error.status, headers=error.headers, media_type="application/json"
+        )
 
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running (raymesh starts it before this)")
     client = serve.context._get_global_client(raise_if_no_controller_running=False)
     started_serve = client is None
     if started_serve:
-        port = port or _free_port(host)
+        port = port or free_port(host)
         serve.start(http_options={"host": host, "port": port})
     else:  # Serve already runs: its proxy serves this app too, on its own port
         running = int(client.http_config.port)  # type: ignore[union-attr]

@@ -1,5 +1,8 @@
 """Ray Data sources: a `ray.data.Dataset` run once by Ray Data's streaming engine, its blocks
-kept in the object store and read back by index (`raymesh.data.sources.RaySource`)."""
+kept in the object store and read back by index (`raymesh.data.sources.RaySource`).
+
+Ray Data is Ray's library, not the core's runtime: it lives here, with its one user. Imported
+only when a Ray dataset is given, so `import raymesh.data` does not import Ray Data."""
 
 from __future__ import annotations
 

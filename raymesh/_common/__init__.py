@@ -1,0 +1,40 @@
+"""What several subsystems share, in one place below them all: field checks and `Range`,
+job-file tables, "module:function" names, the HTTP server thread with its TLS, bearer-token
+middleware and error shape, and a future adapter.
+
+It sits just above the core (it may import the core, and nothing above it), so that
+raymesh.train, .tune, .serve, .federated, .data, .dashboard and the CLI can all use it. Private:
+users meet these through the subsystems (`serve.Tls`, `ServeConfig`'s checks, job files).
+"""
+
+from raymesh._common.auth import BearerAuth, BearerToken
+from raymesh._common.fields import bad, check_int, check_seconds, is_int
+from raymesh._common.functions import resolve
+from raymesh._common.futures import Pending
+from raymesh._common.http_error import HTTPError, error_json
+from raymesh._common.ranges import Range
+from raymesh._common.server import ServerThread, free_port, url_of
+from raymesh._common.tables import TABLES, from_table, read_toml, split_job
+from raymesh._common.tls import Tls
+
+__all__ = [
+    "TABLES",
+    "BearerAuth",
+    "BearerToken",
+    "HTTPError",
+    "Pending",
+    "Range",
+    "ServerThread",
+    "Tls",
+    "bad",
+    "check_int",
+    "check_seconds",
+    "error_json",
+    "free_port",
+    "from_table",
+    "is_int",
+    "read_toml",
+    "resolve",
+    "split_job",
+    "url_of",
+]

@@ -1,0 +1,35 @@
+"""The Ray cluster raymesh runs on, for code above the core (the commands, topology's
+discovery): connect to it, list its nodes, probe them. A facade: the core's `_src` stays
+private, and nothing above the core imports it (tests/unit/test_layers.py checks).
+
+    from raymesh import cluster
+    cluster.ensure_ray()        # RAYMESH_ADDRESS / RAY_ADDRESS, else a local Ray of our own
+    for node in cluster.nodes():
+        print(node.hostname, node.cpus, node.gpus)
+"""
+
+from raymesh._src.backend import (
+    NodeInfo,
+    ProbeReport,
+    address,
+    current_node_id,
+    ensure_ray,
+    nodes,
+    probe,
+    ray_version,
+    started_local,
+)
+from raymesh._src.proc_mesh import RankPlacement
+
+__all__ = [
+    "NodeInfo",
+    "ProbeReport",
+    "RankPlacement",
+    "address",
+    "current_node_id",
+    "ensure_ray",
+    "nodes",
+    "probe",
+    "ray_version",
+    "started_local",
+]
