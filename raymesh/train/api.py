@@ -8,10 +8,10 @@ from typing import Any
 
 from raymesh.testing.injector import FaultInjector
 from raymesh.train.config import TrainConfig
-from raymesh.train.controller import TrainController
+from raymesh.train.control.controller import TrainController
+from raymesh.train.control.warm import WarmRanks
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
-from raymesh.train.warm import WarmRanks
 
 __all__ = ["fit", "resolve_build"]
 
@@ -66,4 +66,4 @@ def fit(
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
     fn = resolve_build(chosen)
     hooks = FaultInjector(config.faults) if config.faults else None
-    return TrainController(fn, config, progress=progress, hooks=hooks, warm=warm).run()
+    return TrainController.create(fn, config, progress=progress, hooks=hooks, warm=warm).run()

@@ -294,7 +294,7 @@ def _packed(concurrent: int, config: train.TrainConfig) -> int:
     `config.max_workers` procs of `config.cpus_per_worker` CPUs, and a GPU each if it uses
     them)."""
     from raymesh.actor import host_mesh
-    from raymesh.train.placement import use_gpus
+    from raymesh.train.control.placement import use_gpus
 
     free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=use_gpus(config))
     procs = sum(free.values())
