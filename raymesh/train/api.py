@@ -6,10 +6,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from raymesh.testing.injector import FaultInjector
 from raymesh.train.config import TrainConfig
 from raymesh.train.control.controller import TrainController
 from raymesh.train.control.warm import WarmRanks
+from raymesh.train.injector import FaultInjector
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raymesh.data import Pipeline
-from raymesh.testing.faults import Fault, parse_fault
+from raymesh.train.faults import Fault, parse_fault
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 

@@ -11,9 +11,10 @@ The layers, lowest first (a module may import its own layer and any lower one):
   model. It reaches the backend's procs, and the backend runs the core's `ProcRuntime` only as
   a function handed down to it (`create_procs(start_runtime=...)`), never by importing it.
 - topology (`raymesh.topology`): plans where ranks run; the core reads a plan through protocols.
-- testing (`raymesh.testing`): faults as plain data; it may import the core at most, so that
-  any layer's tests can use it (not topology, though it sits above it).
 - data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
+- testing (`raymesh.testing`), just above train: the public front of fault injection, whose
+  faults (plain data) and injector live in train (a `TrainConfig` carries faults, so training
+  needs them, and testing is no production dependency of it); not topology.
 - train (`raymesh.train`), tune (`raymesh.tune`: studies whose trials are training jobs),
   serve, federated, dashboard (`raymesh.dashboard`: reads the run folders the others write),
   examples (`raymesh.examples`), cli (`raymesh.cli`).
@@ -45,9 +46,9 @@ ORDER = (
     "backend",
     "core",
     "topology",
-    "testing",
     "data",
     "train",
+    "testing",
     "tune",
     "serve",
     "federated",
