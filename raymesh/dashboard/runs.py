@@ -133,9 +133,10 @@ class Run:
         return next((e for e in reversed(self.events) if e["event"] == name), None)
 
     def status(self) -> str:
-        """ "finished" or "failed" (the job said so), "running" (its controller is alive or
-        on another host), "interrupted" (its controller on this host is gone without a word),
-        or "unknown" (a folder without events: written before raymesh recorded them)."""
+        """ "finished", "failed" or "stopped" (the job said so), "running" (its controller is
+        alive or on another host), "interrupted" (its controller on this host is gone without
+        a word), or "unknown" (a folder without events: written before raymesh recorded
+        them)."""
         end, job = self.last("end"), self.last("job")
         if end is not None and (job is None or end["t"] >= job["t"]):
             return str(end.get("state", "finished")).lower()

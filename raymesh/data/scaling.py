@@ -1,5 +1,6 @@
 """When a pipeline adds or removes a preprocessing proc: a small policy over measured figures,
-returning its decision as data (as `raymesh.train.failure` and `raymesh.train.balance` do).
+returning its decision as data (as `raymesh.train.control.failure` and
+`raymesh.train.control.balance` do).
 
 - Add one when the trainers waited for data for more than `wait_up` of their time since the
   last decision, and the pipeline is below its maximum.

@@ -2,4 +2,11 @@
 
 - `raymesh.examples.tinygpt`: a character-level GPT on the Python standard library's source.
 - `raymesh.examples.mlp`: MLPs on synthetic data (tests, the strategy choice, the benchmark).
+- `raymesh.examples.fedmlp`: the federated anchors' task (`client_fn`).
+
+Why two examples folders: these are modules of the package, because job files name them
+("raymesh.examples.tinygpt:build") and every rank imports them, from a checkout or an installed
+wheel alike. The repository's `examples/` holds what a user runs or copies from a checkout: job
+files (`examples/tinygpt.toml`, the README's main job) and scripts (`examples/counters.py`,
+Monarch's docs examples), which are not importable and not shipped.
 """

@@ -1,6 +1,6 @@
 """How many replicas a server runs: a small policy over measured figures, returning its
-decision as data (as `raymesh.data.scaling` and `raymesh.train.failure` do); the server carries
-it out and logs its reason.
+decision as data (as `raymesh.data.scaling` and `raymesh.train.control.failure` do); the
+server carries it out and logs its reason.
 
 - Add a replica when requests queue up (more than `queue_up` waiting per replica) or the p99
   latency since the last decision is above `latency_up_s` (when set), below the maximum.

@@ -14,9 +14,11 @@ A fault fires once per job, on the rank it names, as that rank starts the given 
 
 `fit` hands a config's faults to `FaultInjector`, which carries them out through
 raymesh.train's hooks (`raymesh.train.hooks`): the training code has no fault of its own.
+They live in `raymesh.train.faults` and `raymesh.train.injector` (a config carries faults, so
+training needs them, not this package); this is their public front for tests and demos.
 """
 
-from raymesh.testing.faults import Fault, InjectedFault, fail, hang, kill, parse_fault, slow
-from raymesh.testing.injector import FaultInjector
+from raymesh.train.faults import Fault, InjectedFault, fail, hang, kill, parse_fault, slow
+from raymesh.train.injector import FaultInjector
 
 __all__ = ["Fault", "FaultInjector", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]

@@ -12,16 +12,16 @@ order and the checkpoints.
 from raymesh import preload
 from raymesh.train.api import fit
 from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
-from raymesh.train.failure import FailureRecord, TooManyFailures
-from raymesh.train.placement import use_gpus
+from raymesh.train.control.failure import FailureRecord, TooManyFailures
+from raymesh.train.control.placement import use_gpus
+from raymesh.train.control.warm import WarmRanks
 from raymesh.train.plot import save_picture
 from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
-from raymesh.train.warm import WarmRanks
 
 # A training rank imports these (with DCP and DTensor, ~2 s and ~0.1 GB here): let warm procs
 # pay for that before they are adopted.
-preload("torch._dynamo", "raymesh.train.worker")
+preload("torch._dynamo", "raymesh.train.rank.worker")
 
 __all__ = [
     "CheckpointConfig",

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 from raymesh._common import resolve
-from raymesh.testing import FaultInjector
 from raymesh.train.config import TrainConfig
-from raymesh.train.controller import TrainController
+from raymesh.train.control.controller import TrainController
+from raymesh.train.control.warm import WarmRanks
+from raymesh.train.injector import FaultInjector
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
-from raymesh.train.warm import WarmRanks
 
 __all__ = ["fit"]
 
@@ -44,4 +44,4 @@ def fit(
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
     fn = resolve(chosen)
     hooks = FaultInjector(config.faults) if config.faults else None
-    return TrainController(fn, config, progress=progress, hooks=hooks, warm=warm).run()
+    return TrainController.create(fn, config, progress=progress, hooks=hooks, warm=warm).run()

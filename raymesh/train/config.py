@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from raymesh._common import Range, bad, check_int, check_seconds, from_table, read_toml, split_job
 from raymesh.data import Pipeline
-from raymesh.testing import Fault, parse_fault
+from raymesh.train.faults import Fault, parse_fault
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 
@@ -101,7 +101,7 @@ class TrainConfig:
     replace_timeout_s: float = 60.0  # wait this long to place a replacement, then shrink/abort
     grow_interval_s: float = 30.0  # elastic: how often to look for capacity to grow back
     # Split each global batch in proportion to the ranks' measured speed (DDP), so a straggler
-    # does not hold every step back (raymesh.train.balance). Off: equal shares, bit-for-bit
+    # does not hold every step back (raymesh.train.control.balance). Off: equal shares, bit-for-bit
     # reproducible runs (a rebalanced run is equal to float precision, not bitwise).
     rebalance: bool = False
     faults: tuple[Fault, ...] = ()  # injected faults, for tests and demos (raymesh.testing)

@@ -5,7 +5,7 @@ same way): `estimate()` adds up what one rank holds unsharded (parameters, gradi
 state, activations) and `probe_activation_bytes()` measures the activations with one forward
 pass; `cpu_budget_bytes()` / `gpu_budget_bytes()` say how much a rank may use. Each rank runs
 these after its build function; the controller hands the resulting `MemoryEstimate` to
-`raymesh.train.strategy` (the decision, pure arithmetic), and `raymesh.train.parallelize`
+`raymesh.train.strategy` (the decision, pure arithmetic), and `raymesh.train.rank.parallelize`
 applies the decision.
 
 The estimate is deliberately simple (no allocator fragmentation, no communication buckets, no
@@ -138,7 +138,7 @@ def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def largest_block_bytes(model: torch.nn.Module) -> int:
     """Biggest parameter footprint among the units FSDP would gather at once.
 
-    The units are those `raymesh.train.parallelize` shards one by one (`fsdp_blocks`: the
+    The units are those `raymesh.train.rank.parallelize` shards one by one (`fsdp_blocks`: the
     children of the first nn.ModuleList) and the root, which owns every parameter outside them
     (embeddings, heads); with no ModuleList the root is the whole model.
     """

@@ -2,8 +2,8 @@
 
 Every endpoint of `TrainWorker` and `Monitor` takes and returns these (or plain numbers), so a
 reader never has to remember which keys a dict carries, and the controller's decisions can be
-unit-tested over hand-made values (see `raymesh.train.detection`). All are frozen dataclasses
-of plain values: cheap to pickle, safe to share.
+unit-tested over hand-made values (see `raymesh.train.control.detection`). All are frozen
+dataclasses of plain values: cheap to pickle, safe to share.
 """
 
 from __future__ import annotations

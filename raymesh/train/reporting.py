@@ -72,7 +72,7 @@ class Event:
 
     `name` and its data (docs/dashboard.md lists every field):
       - "job": name, pid, host, steps, workers, global_batch_size, spares, report_every
-      - "state": state, reason, step (a state entered; "end" too for Finished and Failed)
+      - "state": state, reason, step (a state entered; "end" too for Finished, Failed, Stopped)
       - "strategy": the decision with its memory arithmetic; "placement": ranks on hosts
       - "mesh": the procs of the ranks and spares (pid, host, state, actors)
       - "failure": a rank lost (rank, step, kind, cause); "healed": how, and how long it took

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from raymesh.data import PipelineReport
-from raymesh.train.failure import FailureRecord
+from raymesh.train.control.failure import FailureRecord
 from raymesh.train.protocol import LostRank, StepMetrics
 from raymesh.train.reporting import Event, Report, ReportSink
 from raymesh.train.strategy import StrategyDecision

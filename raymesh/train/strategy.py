@@ -2,7 +2,7 @@
 
 Decide, estimate, apply are three modules (as torchtitan splits parallel_dims.py from
 parallelize.py): `raymesh.train.estimate` measures what one rank holds (a `MemoryEstimate`,
-from the model), this module decides from those numbers alone, and `raymesh.train.parallelize`
+from the model), this module decides from those numbers alone, and `raymesh.train.rank.parallelize`
 wraps the model as decided. `StrategyPolicy.decide()` compares the estimate with the rank's
 memory budget and returns a `StrategyDecision` whose `reason` shows the arithmetic; the
 controller logs the reason and carries the decision out. Nothing here touches a model or a

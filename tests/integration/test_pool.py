@@ -27,7 +27,7 @@ class Probe(Actor):
             "point": dict(current_rank()),
             "omp": os.environ.get("OMP_NUM_THREADS"),
             "modules": sorted(
-                m for m in ("email.mime.text", "raymesh.train.worker") if m in sys.modules
+                m for m in ("email.mime.text", "raymesh.train.rank.worker") if m in sys.modules
             ),
         }
 
@@ -103,7 +103,7 @@ def test_preloaded_modules_are_imported_by_warm_procs_started_after():
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
             [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
-            assert facts["modules"] == ["email.mime.text", "raymesh.train.worker"]
+            assert facts["modules"] == ["email.mime.text", "raymesh.train.rank.worker"]
         finally:
             procs.stop()
     finally:

@@ -225,7 +225,7 @@ ELASTIC = textwrap.dedent(
         replace_timeout_s=2.0, grow_interval_s=0.5, step_timeout_s=20.0,
     )
     # Where the 4 ranks would go: with room on two hosts, the topology planner orders them.
-    from raymesh.train.placement import Placer
+    from raymesh.train.control.placement import Placer
 
     planner = Placer(config, gpus=False)
     planned = [planner.place(4), planner.reason]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raymesh.train.balance import BalancePolicy
+from raymesh.train.control.balance import BalancePolicy
 
 
 def _report(policy: BalancePolicy, sizes: list[int], fixed: list[float], per: list[float]):

@@ -22,11 +22,21 @@ import torch
 from raymesh.actor import MeshFailure, SupervisionError
 from raymesh.train import TooManyFailures, TrainConfig
 from raymesh.train.checkpoint import Checkpointer, Manifest
-from raymesh.train.controller import TrainController
+from raymesh.train.control.controller import TrainController
+from raymesh.train.control.policies import Policies
+from raymesh.train.control.states import (
+    TERMINAL,
+    Failed,
+    Finished,
+    Finishing,
+    Healing,
+    Resizing,
+    Running,
+    Starting,
+)
 from raymesh.train.estimate import MemoryEstimate
-from raymesh.train.monitor import PHASES
 from raymesh.train.protocol import ChunkResult, RankStatus, ReplicaState, SetupInfo, StepMetrics
-from raymesh.train.states import Failed, Finished, Finishing, Healing, Resizing, Running, Starting
+from raymesh.train.rank.monitor import PHASES
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -211,6 +221,9 @@ class FakePlacer:
     def comm_costs(self) -> dict[str, float]:
         return {}
 
+    def choose(self, strategy: str) -> None:
+        pass
+
 
 class FakePool:
     """The rank pool: ranks spawn at once; `die` says which spawned rank dies at which step;
@@ -270,7 +283,7 @@ class FakePool:
         return []
 
     def close(self, *, reuse: bool = False) -> None:
-        self.closed = True
+        self.closed, self.reused = True, reuse
 
 
 def save_checkpoint(config: TrainConfig, step: int) -> Path:
@@ -293,11 +306,17 @@ def save_checkpoint(config: TrainConfig, step: int) -> Path:
 
 
 def controller(
-    pool: type = FakePool, placer: type = FakePlacer, **overrides: Any
+    pool: type = FakePool, placer: type = FakePlacer, progress: Any = None, **overrides: Any
 ) -> TrainController:
-    cls = type("Controller", (TrainController,), {"placer_cls": placer, "rank_pool_cls": pool})
     config = TrainConfig(**{"workers": 2, "steps": 8, "global_batch_size": 4, **overrides})
-    return cls(lambda ctx: None, config)
+    fake = placer(config)
+    return TrainController(
+        config,
+        placer=fake,
+        pool=pool(lambda ctx: None, config, fake, None),
+        policies=Policies.of(config),
+        progress=progress,
+    )
 
 
 def pool_with(**attrs: Any) -> type:
@@ -308,7 +327,7 @@ def drive(c: TrainController, limit: int = 20, start: Any = None) -> list[Any]:
     """Step the controller from Starting (or `start`) to a terminal state (or `limit` states);
     every state it passed."""
     states: list[Any] = [start or Starting("test")]
-    while not isinstance(states[-1], (Finished, Failed)) and len(states) < limit:
+    while not isinstance(states[-1], TERMINAL) and len(states) < limit:
         states.append(c.next_state(states[-1]))
     return states
 
@@ -322,6 +341,22 @@ def test_a_clean_run_goes_from_starting_to_finished_and_returns_every_step():
     assert result.decision.strategy == "ddp" and "fits" in result.decision.reason
     assert result.state_dict()["w"].item() == 8.0
     assert c.pool.closed, "the pool (and its procs) must be closed at the end"
+
+
+def test_a_progress_callback_that_raises_stops_the_job_at_a_step_boundary_and_is_raised():
+    class Prune(Exception):
+        pass
+
+    def progress(report: dict[str, Any]) -> None:
+        if report["step"] >= 4:
+            raise Prune("enough")
+
+    c = controller(report_every=2, progress=progress)
+    with pytest.raises(Prune):
+        c.run()
+    assert [s for s, _ in c.log.transitions] == ["Starting", "Running", "Stopped"]
+    # the chunk queued behind the reported one finished: the procs can serve another job
+    assert c.pool.closed and c.pool.reused
 
 
 def test_a_dead_rank_is_healed_and_training_resumes_at_the_step_in_flight():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raymesh.actor import ActorError, MeshFailure, SupervisionError
-from raymesh.train.detection import describe, failed, find_lost, settle, settle_behind
+from raymesh.train.control.detection import describe, failed, find_lost, settle, settle_behind
 from raymesh.train.protocol import ChunkResult, LostRank, RankStatus
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,11 +1,11 @@
-"""Unit tests for `raymesh.testing.faults`: faults as data and their CLI syntax."""
+"""Unit tests for `raymesh.train.faults`: faults as data and their CLI syntax."""
 
 from __future__ import annotations
 
 import pytest
 
 from raymesh.testing import kill, slow
-from raymesh.testing.faults import Fault, parse_fault
+from raymesh.train.faults import Fault, parse_fault
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_bad_cli_syntax_shows_the_form():
 
 def test_the_injector_gives_each_world_its_pending_faults_and_drops_those_that_fired():
     from raymesh.testing import fail
-    from raymesh.testing.injector import FaultInjector
+    from raymesh.train.injector import FaultInjector
 
     injector = FaultInjector([kill(rank=1, at_step=5), fail(rank=0, at_step=9, when="join")])
     first = injector.for_world(1, rejoin=False)
@@ -61,7 +61,7 @@ def test_the_injector_gives_each_world_its_pending_faults_and_drops_those_that_f
 
 
 def test_a_slow_rank_hook_stretches_only_its_rank_from_its_step(monkeypatch):
-    from raymesh.testing import injector
+    from raymesh.train import injector
 
     slept: list[float] = []
     monkeypatch.setattr(injector.time, "sleep", slept.append)

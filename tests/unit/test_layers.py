@@ -15,9 +15,10 @@ The layers, lowest first (a module may import its own layer and any lower one):
   "module:function", the HTTP server thread, bearer auth, the error shape, a future adapter).
   It may import the core at most.
 - topology (`raymesh.topology`): plans where ranks run; the core reads a plan through protocols.
-- testing (`raymesh.testing`): faults as plain data; it may import the core at most, so that
-  any layer's tests can use it (not common or topology, though it sits above them).
 - data (`raymesh.data`): preprocessing pipelines, on the core's meshes; the sample order.
+- testing (`raymesh.testing`), just above train: the public front of fault injection, whose
+  faults (plain data) and injector live in train (a `TrainConfig` carries faults, so training
+  needs them, and testing is no production dependency of it); not common or topology.
 - train (`raymesh.train`), tune (`raymesh.tune`: studies whose trials are training jobs),
   serve, federated, dashboard (`raymesh.dashboard`: reads the run folders the others write),
   examples (`raymesh.examples`), cli (`raymesh.cli`).
@@ -61,9 +62,9 @@ ORDER = (
     "core",
     "common",
     "topology",
-    "testing",
     "data",
     "train",
+    "testing",
     "tune",
     "serve",
     "federated",
@@ -351,14 +352,22 @@ _FEED = (
     "the trainer's side of a pipeline (the rank's feed, the sample order, the batch reader): "
     "raymesh.train's ranks are the data pipeline's consumers, not users of its API"
 )
+_FRONT = (
+    "raymesh.testing is the public front of fault injection, whose faults and injector live "
+    "in train (a TrainConfig carries faults); train does not export them itself"
+)
 PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
     ("raymesh.cli.federated", "raymesh.federated.edge"): "the edge client is a script of its "
     "own, copied to devices that have no raymesh; `raymesh federated client` runs it",
-    ("raymesh.train.controller", "raymesh.data.order"): _FEED,
-    ("raymesh.train.controller", "raymesh.data.workers"): _FEED,
-    ("raymesh.train.worker", "raymesh.data.order"): _FEED,
-    ("raymesh.train.worker", "raymesh.data.feed"): _FEED,
-    ("raymesh.train.worker", "raymesh.data.sources"): _FEED,
+    ("raymesh.train.control.balance", "raymesh.data.order"): _FEED,
+    ("raymesh.train.control.controller", "raymesh.data.workers"): _FEED,
+    ("raymesh.train.control.reporter", "raymesh.data.workers"): _FEED,
+    ("raymesh.train.rank.batches", "raymesh.data.order"): _FEED,
+    ("raymesh.train.rank.batches", "raymesh.data.feed"): _FEED,
+    ("raymesh.train.rank.worker", "raymesh.data.feed"): _FEED,
+    ("raymesh.train.rank.worker", "raymesh.data.sources"): _FEED,
+    ("raymesh.testing", "raymesh.train.faults"): _FRONT,
+    ("raymesh.testing", "raymesh.train.injector"): _FRONT,
 }
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for `raymesh.train.parallelize`: a decision applied for real, on one gloo rank.
+"""Unit tests for `raymesh.train.rank.parallelize`: a decision applied for real, on one gloo rank.
 
 A process group of one (rank 0 of 1, over an in-memory HashStore) runs the same DDP and FSDP2
 code as a real job, without Ray and without a second process; reductions over one rank leave
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from raymesh.train.estimate import MemoryEstimate, fsdp_blocks
-from raymesh.train.parallelize import no_sync, parallelize
+from raymesh.train.rank.parallelize import no_sync, parallelize
 from raymesh.train.strategy import StrategyDecision
 
 # The first FSDP test imports FSDP2 and DTensor (about 1 s); every test here takes well under 5 s.

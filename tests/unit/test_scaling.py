@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from raymesh.train.failure import FailurePolicy, FailureRecord, GrowPolicy
+from raymesh.train.control.failure import FailurePolicy, FailureRecord, GrowPolicy
 
 
 def _failures(n: int) -> list[FailureRecord]:

@@ -16,17 +16,25 @@ it; successive half moves settle where the measured times meet.
 
 `BalancePolicy.decide` is plain data in, plain data out: given the ranks' reports and the current
 split it returns a `BalanceDecision` (the new split, the ranks too slow to keep, and why) or
-None. The controller logs it and applies it to the next chunk of steps it queues, on every rank
-at once.
+None. `Balancer` keeps the split the next chunks use: it asks the policy after each chunk, and
+the controller logs a new split and sends it with the next chunk it queues, to every rank at
+once.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BalanceDecision", "BalancePolicy"]
+from raymesh.data.order import split_sizes
+from raymesh.train.protocol import StepMetrics
+
+logger = logging.getLogger("raymesh")
+
+__all__ = ["BalanceDecision", "BalancePolicy", "Balancer"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,53 @@ class BalancePolicy:
         if flagged:
             reason += f"; rank(s) {list(flagged)} over {self.flag_factor:g}x the median"
         return BalanceDecision(tuple(proposed), flagged, reason)
+
+
+class Balancer:
+    """The samples per rank of the next chunks (`sizes`; None: the even split of
+    `global_batch_size`), moved by `policy` on DDP worlds of two or more ranks when `enabled`."""
+
+    def __init__(
+        self, *, enabled: bool, global_batch_size: int, policy: BalancePolicy | None = None
+    ) -> None:
+        self.enabled = enabled
+        self.global_batch_size = global_batch_size
+        self.policy = policy or BalancePolicy()
+        self.sizes: list[int] | None = None
+
+    def reset(self) -> None:
+        """A new world starts from the even split."""
+        self.sizes = None
+        self.policy.reset()
+
+    def observe(
+        self, per_rank: list[tuple[StepMetrics, ...]], *, sharded: bool, step: int
+    ) -> dict[str, Any] | None:
+        """Ask the policy for a new split from one chunk's measured speeds; the rebalance
+        record (step, sizes, flagged ranks, reason) when the split moved, else None."""
+        ranks = len(per_rank)
+        if not self.enabled or sharded or ranks < 2:
+            return None
+        steps = len(per_rank[0])
+        samples = [sum(m.samples for m in ms) / steps for ms in per_rank]
+        seconds = [sum(m.compute_s for m in ms) / steps for ms in per_rank]
+        sizes = self.sizes or split_sizes(self.global_batch_size, ranks)
+        balance = self.policy.decide(samples, seconds, sizes)
+        if balance is None:
+            return None
+        self.sizes = list(balance.sizes)
+        logger.info("raymesh.train: rebalance at step %d: %s", step, balance.reason)
+        if balance.flagged:
+            logger.warning(
+                "raymesh.train: rank(s) %s flagged for replacement (far slower than the rest)",
+                list(balance.flagged),
+            )
+        return {
+            "step": step,
+            "sizes": self.sizes,
+            "flagged": list(balance.flagged),
+            "reason": balance.reason,
+        }
 
 
 def _split(models: list[tuple[float, float]], batch: int) -> list[int]:

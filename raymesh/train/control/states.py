@@ -1,22 +1,23 @@
 """The training controller's states: plain data, each carrying what its phase needs.
 
     Starting --> Running --> Finishing --> Finished
-                 |  ^  ^
-                 v  |  |
+                 |  ^  ^ \
+                 v  |  |  Stopped          (a sink ended the job)
            Healing  Resizing              (any state --> Failed on an unrecoverable error)
 
 A state is the phase the controller will run next and why it got there (`reason`, logged and
 kept in `Result.transitions`); what a phase needs from the one before travels in the state
-(`Healing` carries the failed chunk, `Resizing` the grow decision, `Failed` the error), never
-through the controller's attributes. `Finished` and `Failed` are terminal, known by type.
+(`Healing` carries the failed chunk, `Resizing` the grow decision, `Finished` the weights,
+`Failed` and `Stopped` the error), never through the controller's attributes. `Finished`,
+`Failed` and `Stopped` are terminal, known by type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from raymesh.train.failure import FailureDecision
+from raymesh.train.control.failure import FailureDecision
 
 __all__ = [
     "TERMINAL",
@@ -29,6 +30,7 @@ __all__ = [
     "Running",
     "Starting",
     "State",
+    "Stopped",
 ]
 
 
@@ -83,7 +85,9 @@ class Finishing(State):
 
 @dataclass(frozen=True)
 class Finished(State):
-    """Trained to the last step."""
+    """Trained to the last step; `weights`: the full model state, from rank 0."""
+
+    weights: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,4 +97,14 @@ class Failed(State):
     error: BaseException
 
 
-TERMINAL = (Finished, Failed)
+@dataclass(frozen=True)
+class Stopped(State):
+    """A sink ended the job by raising `error` (raymesh.tune prunes a trial so), which `fit`
+    raises. `drained`: the ranks finished the chunks they had, at a step boundary, so their
+    procs can serve another job."""
+
+    error: BaseException
+    drained: bool
+
+
+TERMINAL = (Finished, Failed, Stopped)

@@ -1,17 +1,21 @@
 """The training controller: a run loop over explicit states, driven from the user's process.
 
     Starting --> Running --> Finishing --> Finished
-                 |  ^  ^
-                 v  |  |
+                 |  ^  ^ \
+                 v  |  |  Stopped          (a sink ended the job)
            Healing  Resizing              (any state --> Failed on an unrecoverable error)
 
 `run()` calls `next_state()` until a terminal state; it runs one state's handler, which does
-one phase and returns the next state with its reason (`raymesh.train.states`). Every transition
-is logged and kept in `Result.transitions`. The controller composes rooms, each one concept:
-`Placer` (where ranks go), `RankPool` (ranks, spares, the recruiter), `detection` (who was lost),
-`World` (form, heal, reshape), report sinks, and `RunLog` (the result). Decisions come from
-policy objects as data (`StrategyPolicy`: DDP, FSDP or HSDP; `FailurePolicy`: replace, shrink,
-abort; `GrowPolicy`; `BalancePolicy`) and the handlers carry them out.
+one phase and returns the next state with its reason (`raymesh.train.control.states`). Every
+transition is logged and kept in `Result.transitions`. The controller composes rooms, each one
+concept: `Placer` (where ranks go), `RankPool` (ranks, spares, the recruiter), `detection` (who
+was lost), `World` (form, heal, reshape), `Balancer` (the split of the global batch),
+`Reporter` (what the sinks are told) and `RunLog` (the result). Decisions come from the
+policies it is given (`Policies`: strategy, failure, grow, balance) as data, and the handlers
+carry them out. The rooms that touch the cluster (placer, rank pool) and the policies are
+constructor arguments (`TrainController.create` makes the real ones; a unit test passes fakes).
+(Over 400 lines: one handler per state, kept in one module so that every transition, and what
+each handler asks of which room, reads in one place; the rooms do the work.)
 
 Reporting stays off the critical path: a `run` call trains `report_every` steps and returns
 their metrics, and the controller keeps the next call queued behind the running one, so the
@@ -38,28 +42,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from raymesh.actor import ActorError, SupervisionError
-from raymesh.data.order import split_sizes
 from raymesh.data.workers import Workers
-from raymesh.train import detection
-from raymesh.train.balance import BalancePolicy
 from raymesh.train.config import TrainConfig
-from raymesh.train.failure import FailureDecision, FailurePolicy, GrowPolicy, TooManyFailures
-from raymesh.train.hooks import TrainHooks
-from raymesh.train.placement import Placer
-from raymesh.train.protocol import ChunkResult, Feeders, SetupInfo, StepMetrics
-from raymesh.train.ranks import Rank, RankPool
-from raymesh.train.reporting import ReportSink, sinks
-from raymesh.train.result import Result, RunLog, TrainError
-from raymesh.train.resume import find_resume, latest_checkpoint
-from raymesh.train.states import (
+from raymesh.train.control import detection
+from raymesh.train.control.balance import Balancer
+from raymesh.train.control.failure import FailureDecision, TooManyFailures
+from raymesh.train.control.placement import Placer
+from raymesh.train.control.policies import Policies
+from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.reporter import Reporter
+from raymesh.train.control.resume import find_resume, latest_checkpoint
+from raymesh.train.control.states import (
     TERMINAL,
     Failed,
     FailedChunk,
@@ -70,10 +68,15 @@ from raymesh.train.states import (
     Running,
     Starting,
     State,
+    Stopped,
 )
-from raymesh.train.strategy import StrategyPolicy, host_shard_size, splits_into_shard_groups
-from raymesh.train.warm import WarmRanks
-from raymesh.train.world import World, replaced_by
+from raymesh.train.control.warm import WarmRanks
+from raymesh.train.control.world import World, replaced_by
+from raymesh.train.hooks import TrainHooks
+from raymesh.train.protocol import ChunkResult, Feeders, SetupInfo, StepMetrics
+from raymesh.train.reporting import sinks
+from raymesh.train.result import Result, RunLog, TrainError
+from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
 
 logger = logging.getLogger("raymesh")
 
@@ -83,63 +86,70 @@ __all__ = ["TrainController"]
 class TrainController:
     """Runs one training job (see the module docstring)."""
 
-    # The rooms that touch the cluster, as class attributes: a unit test swaps in fakes (as Ray
-    # Train's controller tests swap the worker group).
-    placer_cls: Callable[..., Placer] = Placer
-    rank_pool_cls: Callable[..., RankPool] = RankPool
-
     def __init__(
         self,
+        config: TrainConfig,
+        *,
+        placer: Placer,
+        pool: RankPool,
+        policies: Policies,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        hooks: TrainHooks | None = None,
+        data: Workers | None = None,
+    ) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.placer = placer
+        self.pool = pool
+        self.policies = policies
+        # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
+        self.data = data
+        self.log = RunLog(sinks(config, progress))
+        self.reporter = Reporter(
+            self.log,
+            self.log.sinks,
+            pool,
+            global_batch_size=config.global_batch_size,
+            steps=config.steps,
+            data=data,
+        )
+        self.world = World(config, pool, self.log, failure_policy=policies.failure, hooks=hooks)
+        self.balancer = Balancer(
+            enabled=config.rebalance,
+            global_batch_size=config.global_batch_size,
+            policy=policies.balance,
+        )
+        self.resumed_from = 0
+
+    @classmethod
+    def create(
+        cls,
         build: Callable | str,
         config: TrainConfig,
         *,
         progress: Callable[[dict[str, Any]], None] | None = None,
         hooks: TrainHooks | None = None,
         warm: WarmRanks | None = None,
-    ) -> None:
-        self.config = config
-        self.hooks = hooks
-        self.sinks: list[ReportSink] = sinks(config, progress)
-        self.log = RunLog(self.sinks)
-        self.placer = self.placer_cls(config)
-        self.pool = self.rank_pool_cls(build, config, self.placer, warm)
-        self.drained = False  # a sink ended the job and the ranks finished their chunks
-        self.world = World(
+    ) -> TrainController:
+        """A controller for `config` with the real rooms: ranks placed on the Ray cluster,
+        taken from `warm` first."""
+        placer = Placer(config)
+        return cls(
             config,
-            self.pool,
-            self.log,
-            failure_policy=FailurePolicy(
-                max_failures=config.max_failures, window_s=config.failure_window_s
-            ),
+            placer=placer,
+            pool=RankPool(build, config, placer, warm),
+            policies=Policies.of(config),
+            progress=progress,
             hooks=hooks,
+            data=Workers(config.data, config.seed) if config.data is not None else None,
         )
-        self.strategy_policy = StrategyPolicy()
-        self.balance_policy = BalancePolicy()
-        self.grow_policy = GrowPolicy()
-        self.sizes: list[int] | None = None  # samples per rank for the next chunks (None: even)
-        self.resumed_from = 0
-        self.weights: dict[str, Any] = {}
-        self.told_spares = -1  # spares in the newest "mesh" event
-        # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
-        self.data = Workers(config.data, config.seed) if config.data is not None else None
 
     # ---- the run loop ------------------------------------------------------------------------
     def run(self) -> Result:
         """Run the job to a terminal state; return its result, or raise what it failed with
         (`TooManyFailures`, `TrainError`; `ValueError` for a config the cluster refutes)."""
         cfg = self.config
-        run_dir = cfg.run_folder()
-        self.log.emit(
-            "job",
-            name=Path(run_dir).name if run_dir else "train",
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            steps=cfg.steps,
-            workers=[cfg.min_workers, cfg.max_workers],
-            global_batch_size=cfg.global_batch_size,
-            spares=cfg.spares,
-            report_every=cfg.report_every,
-        )
+        self.reporter.job(cfg)
         state: State = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
         self.enter(state)
         try:
@@ -147,12 +157,15 @@ class TrainController:
                 state = self.next_state(state)
                 self.enter(state)
         finally:
-            self.pool.close(reuse=isinstance(state, Finished) or self.drained)
+            # Live procs serve another job once the ranks stopped at a step boundary: the
+            # job finished, or a sink ended it and the ranks finished their chunks.
+            reuse = isinstance(state, Finished) or (isinstance(state, Stopped) and state.drained)
+            self.pool.close(reuse=reuse)
             if self.data is not None:
                 self.data.stop()
-        if isinstance(state, Failed):
+        if isinstance(state, (Failed, Stopped)):
             raise state.error
-        assert self.world.decision is not None
+        assert self.world.decision is not None and isinstance(state, Finished)
         return Result(
             history=self.log.history,
             decision=self.world.decision,
@@ -164,7 +177,7 @@ class TrainController:
             placement=self.placer.reason,
             rank_step_s=self.log.rank_step_s,
             data=self.data.report() if self.data is not None else None,
-            _weights=self.weights,
+            _weights=state.weights,
         )
 
     def next_state(self, state: State) -> State:
@@ -241,11 +254,10 @@ class TrainController:
                 # as a shrunk HSDP job does) until it grows back.
                 decide_for = cfg.max_workers
         comm = self.placer.comm_costs() if world == cfg.max_workers and shard else None
-        decision = self.strategy_policy.decide(
+        decision = self.policies.strategy.decide(
             cfg.strategy, infos[0].estimate, decide_for, budget, shard_size=shard, comm=comm
         )
-        if decision.strategy in self.placer.plans:
-            self.placer.reason = self.placer.plans[decision.strategy].reason
+        self.placer.choose(decision.strategy)
         self.resumed_from = self.world.prepare(decision, find_resume(cfg))
         running = self.world.decision  # `decision` resized to this world
         assert running is not None
@@ -255,7 +267,7 @@ class TrainController:
             params=infos[0].params,
             device=infos[0].device,
         )
-        self.emit_placement()
+        self.reporter.placement(self.world.ranks, self.placer)
         self.pool.recruit()
         return Running(f"{world} ranks, {infos[0].params:,} parameters, {running.reason}")
 
@@ -272,20 +284,20 @@ class TrainController:
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
                 futs = [
-                    r.worker.run.call_one(start, stop, self.sizes, self.feeders(r))
+                    r.worker.run.call_one(start, stop, self.balancer.sizes, self.feeders(r))
                     for r in self.world.ranks
                 ]
                 in_flight.append(((start, stop), futs))
             (start, stop), futs = in_flight.pop(0)
             results = detection.settle(futs, self.chunk_timeout(stop - start))
             if not any(detection.failed(r) for r in results):
+                per_rank = [r.metrics for r in results]
                 try:
-                    self.record([r.metrics for r in results])
-                except Exception:
-                    self.drain(in_flight)
-                    raise
-                self.rebalance([r.metrics for r in results])
-                self.scale_data([r.metrics for r in results])
+                    self.record(per_rank)
+                except Exception as e:  # a sink ended the job (raymesh.tune prunes so)
+                    return Stopped(f"a sink ended the job: {e!r}"[:200], e, self.drain(in_flight))
+                self.rebalance(per_rank)
+                self.scale_data(per_rank)
                 continue
             for r in results:  # a sample that cannot be made fails the same way on any rank
                 if isinstance(r, ChunkResult) and r.cause == "data":
@@ -343,7 +355,8 @@ class TrainController:
         world, fresh, decision = self.world.replace_lost(ranks, lost_ranks)
         t_replaced = time.monotonic()
         self.reform(world, fresh=fresh, source=source)
-        self.record_late(chunk, survivors)
+        last = int(self.log.history[-1]["step"]) if self.log.history else self.resumed_from
+        self.advance(self.reporter.record_late(chunk, survivors, since=last, upto=self.world.step))
         logger.info(
             "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop and replace "
             "them %.2fs, re-form and restore %.2fs",
@@ -383,76 +396,30 @@ class TrainController:
         every = cfg.checkpoint.every if cfg.checkpoint else 0
         save = cfg.checkpoint is not None and (every == 0 or step % every != 0)
         weights = self.world.gather([r.worker.finish.call_one(step, save) for r in ranks])[0]
-        self.weights = weights or {}
         self.world.gather([r.worker.close.call_one() for r in ranks])
-        return Finished(f"trained to step {step}")
+        return Finished(f"trained to step {step}", weights or {})
 
     # ---- helpers of the handlers -------------------------------------------------------------
     def reform(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
         self.world.reform(ranks, fresh=fresh, source=source)
-        self.sizes = None  # a new world starts from the even split
-        self.balance_policy.reset()
-        self.emit_mesh()
+        self.balancer.reset()  # a new world starts from the even split
+        self.reporter.mesh()
 
-    def emit_mesh(self, snapshot: dict[str, Any] | None = None) -> None:
-        """The "mesh" event: the procs of the ranks and the spares now (`snapshot`: as just
-        taken)."""
-        snapshot = snapshot or self.pool.snapshot()
-        self.told_spares = len(snapshot["spares"])
-        self.log.emit("mesh", **snapshot)
-
-    def emit_placement(self) -> None:
-        """The "placement" event: each host's ranks, why (the topology plan, on several
-        hosts), and the topology it was planned on (links and measured latencies); then the
-        procs ("mesh")."""
-        hosts: dict[str, list[int]] = {}
-        for i, r in enumerate(self.world.ranks):
-            hosts.setdefault(r.node_id, []).append(i)
-        snapshot = self.pool.snapshot()
-        names = {p["node_id"]: p["host"] for p in snapshot["ranks"]}
-        topo = self.placer.topology
-        self.log.emit(
-            "placement",
-            reason=self.placer.reason,
-            hosts=[{"node_id": n, "host": names[n], "ranks": rs} for n, rs in hosts.items()],
-            topology=topo.to_dict() if topo is not None else None,
-        )
-        self.emit_mesh(snapshot)
-
-    def record_late(self, chunk: FailedChunk, survivors: list[int]) -> None:
-        """Record the steps the restored state holds that no rank reported in time: survivors
-        stuck in a collective with a hung rank answer once it is killed, with the steps they
-        completed before it hung."""
-        late = [i for i in survivors if isinstance(chunk.results[i], TimeoutError)]
-        if not late or not chunk.replies:
-            return
-        replies = dict(zip(late, detection.settle([chunk.replies[i] for i in late], 1.0)))
-        last = int(self.log.history[-1]["step"]) if self.log.history else self.resumed_from
-        new = {
-            i: [m for m in r.metrics if last < m.step <= self.world.step]
-            for i in survivors
-            if isinstance(r := replies.get(i, chunk.results[i]), ChunkResult)
-        }
-        common = min((len(m) for m in new.values()), default=0)
-        if common:
-            who = [i in new for i in range(len(chunk.results))]
-            self.record([tuple(new[i][:common]) for i in sorted(new)], reported=who)
-
-    def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> None:
+    def drain(self, in_flight: list[tuple[tuple[int, int], list[Any]]]) -> bool:
         """A sink (the progress callback) ended the job: let the ranks finish the chunks
-        queued behind this one, so that they stop at a step boundary, out of any collective,
-        and their procs can serve another job (`drained`)."""
+        queued behind this one, so that they stop at a step boundary, out of any collective;
+        whether they did (their procs can then serve another job)."""
         results = [
             r for (a, b), fs in in_flight for r in detection.settle(fs, self.chunk_timeout(b - a))
         ]
-        self.drained = not any(detection.failed(r) for r in results)
+        return not any(detection.failed(r) for r in results)
 
     def can_grow(self) -> FailureDecision | None:
         """The grow decision, when recruited ranks are ready for an elastic job below max."""
         decision = self.world.decision
         if decision is not None and decision.sharded and self.config.checkpoint is None:
             return None  # shards move through a checkpoint
-        return self.grow_policy.decide(
+        return self.policies.grow.decide(
             len(self.world.ranks), max_workers=self.config.max_workers, ready=self.pool.ready()
         )
 
@@ -482,52 +449,20 @@ class TrainController:
     def record(
         self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
     ) -> None:
-        """Fold one chunk's per-rank metrics into the log, and report it to every sink
-        (`reported`: which ranks `per_rank` are, when not all; see `RunLog.record`). The
-        procs are told again when the spares ready changed (the recruiter refills them)."""
-        report = self.log.record(
-            [list(m) for m in per_rank],
-            global_batch_size=self.config.global_batch_size,
-            steps=self.config.steps,
-            data=self.data.figures() if self.data is not None else None,
-            spares=self.pool.ready(),
-            reported=reported,
-        )
-        if report is None:
-            return
-        if report.spares != self.told_spares:
-            self.emit_mesh()
-        self.world.step = max(self.world.step, report.step)  # late steps never move it back
-        for sink in self.sinks:
-            sink.on_report(report)
+        """Report one chunk's metrics (see `Reporter.record`); the world is at the newest step
+        a chunk completed."""
+        self.advance(self.reporter.record(per_rank, reported))
+
+    def advance(self, step: int | None) -> None:
+        if step is not None:  # late steps never move it back
+            self.world.step = max(self.world.step, step)
 
     def rebalance(self, per_rank: list[tuple[StepMetrics, ...]]) -> None:
-        """Ask the balance policy for a new split from the chunk's measured speeds; a new split
-        applies from the next chunk queued (every rank gets it with that chunk)."""
+        """A new split of the global batch, from the chunk's measured speeds, applies from the
+        next chunk queued (every rank gets it with that chunk)."""
         decision = self.world.decision
-        ranks = len(self.world.ranks)
-        if not self.config.rebalance or (decision and decision.sharded) or ranks < 2:
-            return
-        steps = len(per_rank[0])
-        samples = [sum(m.samples for m in ms) / steps for ms in per_rank]
-        seconds = [sum(m.compute_s for m in ms) / steps for ms in per_rank]
-        sizes = self.sizes or split_sizes(self.config.global_batch_size, ranks)
-        balance = self.balance_policy.decide(samples, seconds, sizes)
-        if balance is None:
-            return
-        self.sizes = list(balance.sizes)
-        step = self.world.step
-        logger.info("raymesh.train: rebalance at step %d: %s", step, balance.reason)
-        if balance.flagged:
-            logger.warning(
-                "raymesh.train: rank(s) %s flagged for replacement (far slower than the rest)",
-                list(balance.flagged),
-            )
-        record = {
-            "step": step,
-            "sizes": self.sizes,
-            "flagged": list(balance.flagged),
-            "reason": balance.reason,
-        }
-        self.log.rebalances.append(record)
-        self.log.emit("rebalance", **record)
+        sharded = decision is not None and decision.sharded
+        record = self.balancer.observe(per_rank, sharded=sharded, step=self.world.step)
+        if record is not None:
+            self.log.rebalances.append(record)
+            self.log.emit("rebalance", **record)

@@ -3,7 +3,7 @@
 The trainer marks each phase of each step here; the Monitor, a second actor on the trainer's
 proc (actors sharing a proc run concurrently), reads the marks. So the controller can ask a
 rank where it is even while its trainer is stuck, which is how a hung rank is told apart from
-the ranks waiting for it in a collective (`raymesh.train.detection`).
+the ranks waiting for it in a collective (`raymesh.train.control.detection`).
 """
 
 from __future__ import annotations

@@ -15,10 +15,8 @@ uninterrupted one at the same world size):
 
 from __future__ import annotations
 
-import datetime
 import gc
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +27,6 @@ import torch.distributed as dist
 from raymesh._common import free_port
 from raymesh.actor import Actor, context, endpoint, this_host
 from raymesh.data import DataError
-from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
 from raymesh.data.sources import batch_reader
 from raymesh.train.checkpoint import Checkpointer, Manifest
@@ -41,8 +38,6 @@ from raymesh.train.estimate import (
     probe_activation_bytes,
 )
 from raymesh.train.hooks import RankHooks
-from raymesh.train.monitor import mark
-from raymesh.train.parallelize import parallelize, settle_buckets
 from raymesh.train.protocol import (
     ChunkResult,
     Feeders,
@@ -51,7 +46,11 @@ from raymesh.train.protocol import (
     SetupInfo,
     StepMetrics,
 )
-from raymesh.train.step import Timing, mix, run_step, seed_step, to_device
+from raymesh.train.rank import group
+from raymesh.train.rank.batches import Batches
+from raymesh.train.rank.monitor import mark
+from raymesh.train.rank.parallelize import parallelize, settle_buckets
+from raymesh.train.rank.step import Timing, mix, run_step, seed_step
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import Context, Task
 
@@ -80,21 +79,12 @@ class TrainWorker(Actor):
         # With a pipeline (TrainConfig.data), batches come from its workers, made ahead; the
         # rank makes one itself only when no worker is left (see raymesh.data.feed).
         self.feed = Feed(config.data, config.seed) if config.data is not None else None
-        self.current = 0  # the step being trained (0-based), whose batches `_batch` loads
-        mark(0, "idle")  # a proc kept warm (raymesh.train.warm) last marked its previous job
+        mark(0, "idle")  # a proc kept warm (control.warm) last marked its previous job
 
     @endpoint
     def warm(self) -> None:
-        """Get a spare ready to join fast: pay the one-time costs of a process while waiting,
-        not while the job waits for it. The first use_deterministic_algorithms imports
-        torch._inductor (0.7-2.5 s here); a first process group loads gloo."""
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if dist.is_initialized():
-            return
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        dist.all_reduce(torch.zeros(1))
-        dist.destroy_process_group()
+        """Get a spare ready to join fast (`group.warm_up`)."""
+        group.warm_up()
 
     @endpoint
     def address(self) -> tuple[str, int]:
@@ -112,23 +102,7 @@ class TrainWorker(Actor):
         if self.hooks is not None:
             self.hooks.on_join(rdv.rank, rdv.next_step)
         self.rank, self.world_size, self.next_step = rdv.rank, rdv.world_size, rdv.next_step
-        os.environ.update(
-            RANK=str(rdv.rank),
-            WORLD_SIZE=str(rdv.world_size),
-            LOCAL_RANK=str(rdv.local.rank),
-            LOCAL_WORLD_SIZE=str(rdv.local.size),
-            MASTER_ADDR=rdv.addr,
-            MASTER_PORT=str(rdv.port),
-        )
-        if rdv.addr.startswith("127."):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{rdv.addr}:{rdv.port}",
-            rank=rdv.rank,
-            world_size=rdv.world_size,
-            timeout=datetime.timedelta(seconds=self.config.timeout_s),
-        )
+        group.join(rdv, device=self.device, timeout_s=self.config.timeout_s)
 
     @endpoint
     def setup(self, rdv: Rendezvous, measure: bool = True) -> SetupInfo:
@@ -173,17 +147,20 @@ class TrainWorker(Actor):
             )
         task.model.to(self.device)
         self.task = task
-        self.n = len(cfg.data) if cfg.data is not None else len(task.dataset)
-        self.read = (
-            batch_reader(task.dataset, task.collate_fn) if task.dataset is not None else None
+        self.batches = Batches(
+            cfg,
+            n=len(cfg.data) if cfg.data is not None else len(task.dataset),
+            read=batch_reader(task.dataset, task.collate_fn) if task.dataset is not None else None,
+            feed=self.feed,
+            device=self.device,
         )
         params = sum(p.numel() for p in task.model.parameters())
         if not measure:
             return SetupInfo(params=params, device=str(self.device))
         activation = cfg.activation_bytes
         if activation is None:
-            first = data_order.micro_batches(self._indices(0), cfg.micro_batch_size)[0]
-            activation = probe_activation_bytes(task.model, task.loss_fn, self._batch(first))
+            first = self._micro(0)[0]
+            activation = probe_activation_bytes(task.model, task.loss_fn, self.batches.load(first))
         if use_cuda:
             budget = gpu_budget_bytes(self.device.index or 0)
         else:
@@ -290,43 +267,28 @@ class TrainWorker(Actor):
         assert self.task is not None
         if settle and self.model is not None:
             task, model = self.task, self.model
-            self.current = state.done
+            self.batches.current = state.done
             first = self._micro(state.done)[0]
-            settle_buckets(model, lambda: task.loss_fn(model, self._batch(first)))
+            settle_buckets(model, lambda: task.loss_fn(model, self.batches.load(first)))
         self.task.model.load_state_dict(_clone(state.model))
         self.optimizer.load_state_dict(_clone(state.optim))
         self.done = state.done
         return self.done
 
-    def _indices(self, step: int) -> list[int]:
-        cfg = self.config
-        batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
-        return data_order.rank_share(batch, self.world_size, self.rank, self.sizes)
-
     def _micro(self, step: int) -> list[list[int]]:
-        return data_order.micro_batches(self._indices(step), self.config.micro_batch_size)
-
-    def _batch(self, indices: Any) -> Any:
-        assert self.task is not None
-        if self.feed is not None:
-            return to_device(self.feed.get(self.current, indices), self.device)
-        assert self.read is not None
-        return to_device(self.read(indices), self.device)
+        return self.batches.micro(step, self.rank, self.world_size, self.sizes)
 
     def _step(self, step: int) -> float:
         assert self.task is not None and self.model is not None
         cfg = self.config
-        self.current = step
-        if self.feed is not None:  # this step's batches and the next ones', made ahead
-            ahead = range(step, min(step + self.feed.pipe.prefetch, cfg.steps))
-            self.feed.ahead((s, tuple(m)) for s in ahead for m in self._micro(s))
+        self.batches.start(step, self.rank, self.world_size, self.sizes)
         seed_step(mix(cfg.seed, step, self.rank), self.device)
         return run_step(
             model=self.model,
             optimizer=self.optimizer,
             loss_fn=self.task.loss_fn,
             micro=self._micro(step),
-            load=self._batch,
+            load=self.batches.load,
             device=self.device,
             step=step,
             rank=self.rank,
@@ -379,7 +341,7 @@ class TrainWorker(Actor):
         except Exception as e:
             error = f"{type(e).__name__}: {str(e)[:500]}"
             cause: Literal["own", "peer", "data"] = (
-                "data" if isinstance(e, DataError) else "peer" if _is_comm_error(e) else "own"
+                "data" if isinstance(e, DataError) else "peer" if group.is_comm_error(e) else "own"
             )
         else:
             return ChunkResult(tuple(out), self.done)
@@ -434,7 +396,7 @@ class TrainWorker(Actor):
 
     @endpoint
     def release(self) -> None:
-        """Leave the job, so the proc can serve another (raymesh.train.warm): wait for a
+        """Leave the job, so the proc can serve another (raymesh.train.control.warm): wait for a
         checkpoint in flight, leave the process group, drop the model, optimizer and data."""
         self._abort()
         self.task = None
@@ -447,14 +409,6 @@ class TrainWorker(Actor):
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-
-
-def _is_comm_error(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    markers = ("Connection closed", "Connection reset", "Broken pipe", "gloo", "NCCL", "Socket")
-    return any(m in text for m in markers)
 
 
 def _clone(value: Any) -> Any:

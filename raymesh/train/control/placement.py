@@ -103,6 +103,12 @@ class Placer:
         logger.info("raymesh.train: placement: %s", placement.reason)
         return nodes
 
+    def choose(self, strategy: str) -> None:
+        """The job runs `strategy`: the placement planned for it (if any) is the one that
+        stands, and its reason the placement's."""
+        if strategy in self.plans:
+            self.reason = self.plans[strategy].reason
+
     def comm_costs(self) -> dict[str, float]:
         """The planned communication seconds per step, by strategy (empty without a plan)."""
         return {k: p.cost for k, p in self.plans.items()}

@@ -22,13 +22,13 @@ from typing import Any
 
 from raymesh.actor import SupervisionError
 from raymesh.train.config import TrainConfig
-from raymesh.train.detection import settle
-from raymesh.train.failure import FailureDecision, FailurePolicy, TooManyFailures
+from raymesh.train.control.detection import settle
+from raymesh.train.control.failure import FailureDecision, FailurePolicy, TooManyFailures
+from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.resume import latest_checkpoint
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.protocol import LostRank, Rendezvous, ReplicaState, SetupInfo
-from raymesh.train.ranks import Rank, RankPool
 from raymesh.train.result import RunLog, TrainError
-from raymesh.train.resume import latest_checkpoint
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import local_ranks
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from raymesh.testing.faults import Fault
+from raymesh.train.faults import Fault
 
 __all__ = ["FaultInjector", "RankFaults"]
 

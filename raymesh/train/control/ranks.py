@@ -25,10 +25,10 @@ from typing import Any
 
 from raymesh.actor import PlacementError, ProcMesh, host_mesh, this_host
 from raymesh.train.config import TrainConfig
-from raymesh.train.monitor import Monitor
-from raymesh.train.placement import Placer
-from raymesh.train.warm import WarmRanks
-from raymesh.train.worker import TrainWorker
+from raymesh.train.control.placement import Placer
+from raymesh.train.control.warm import WarmRanks
+from raymesh.train.rank.monitor import Monitor
+from raymesh.train.rank.worker import TrainWorker
 
 logger = logging.getLogger("raymesh")
 

@@ -3,7 +3,7 @@
 `run_step` runs the forward and backward of each micro batch (reducing gradients only on the
 last, `parallelize.no_sync`) and the optimizer step, marking each phase for the Monitor.
 `Timing` keeps the rank's own compute time per step, without the time spent waiting for its
-peers in the gradient reduction: that is what `raymesh.train.balance` compares across ranks.
+peers in the gradient reduction: that is what `raymesh.train.control.balance` compares across ranks.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from raymesh.train.hooks import RankHooks
-from raymesh.train.monitor import mark
-from raymesh.train.parallelize import no_sync
+from raymesh.train.rank.monitor import mark
+from raymesh.train.rank.parallelize import no_sync
 
 __all__ = ["Timing", "mix", "run_step", "seed_step", "to_device"]
 

@@ -24,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from raymesh.train.ranks import Rank
+    from raymesh.train.control.ranks import Rank
 
 logger = logging.getLogger("raymesh")
 

@@ -1,0 +1,134 @@
+"""What a job tells as it goes: each chunk's metrics, folded into the `RunLog` and reported to
+every sink, and the events that say what runs ("job") and where the ranks are ("placement",
+"mesh").
+
+The controller hands it what the ranks answered; it never reaches into the ranks itself, and
+it moves the world's step only through the step it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raymesh.data.workers import Workers
+from raymesh.train.config import TrainConfig
+from raymesh.train.control import detection
+from raymesh.train.control.placement import Placer
+from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.states import FailedChunk
+from raymesh.train.protocol import ChunkResult, StepMetrics
+from raymesh.train.reporting import ReportSink
+from raymesh.train.result import RunLog
+
+__all__ = ["Reporter"]
+
+
+class Reporter:
+    """Reports a job's progress to its sinks (see the module docstring)."""
+
+    def __init__(
+        self,
+        log: RunLog,
+        sinks: Sequence[ReportSink],
+        pool: RankPool,
+        *,
+        global_batch_size: int,
+        steps: int,
+        data: Workers | None = None,
+    ) -> None:
+        self.log = log
+        self.sinks = sinks
+        self.pool = pool
+        self.global_batch_size = global_batch_size
+        self.steps = steps
+        self.data = data
+        self.told_spares = -1  # spares in the newest "mesh" event
+
+    def job(self, config: TrainConfig) -> None:
+        """The "job" event: what runs, from where (the controller's pid and host)."""
+        run_dir = config.run_folder()
+        self.log.emit(
+            "job",
+            name=Path(run_dir).name if run_dir else "train",
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            steps=config.steps,
+            workers=[config.min_workers, config.max_workers],
+            global_batch_size=config.global_batch_size,
+            spares=config.spares,
+            report_every=config.report_every,
+        )
+
+    def record(
+        self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
+    ) -> int | None:
+        """Fold one chunk's per-rank metrics into the log and report it to every sink
+        (`reported`: which ranks `per_rank` are, when not all; see `RunLog.record`); the step
+        it reached, or None when no step completed. The procs are told again when the spares
+        ready changed (the recruiter refills them). A sink's exception propagates: it ends
+        the job (raymesh.tune prunes a trial that way)."""
+        report = self.log.record(
+            [list(m) for m in per_rank],
+            global_batch_size=self.global_batch_size,
+            steps=self.steps,
+            data=self.data.figures() if self.data is not None else None,
+            spares=self.pool.ready(),
+            reported=reported,
+        )
+        if report is None:
+            return None
+        if report.spares != self.told_spares:
+            self.mesh()
+        for sink in self.sinks:
+            sink.on_report(report)
+        return report.step
+
+    def record_late(
+        self, chunk: FailedChunk, survivors: list[int], *, since: int, upto: int
+    ) -> int | None:
+        """Record the steps in (`since`, `upto`] that the restored state holds but no rank
+        reported in time: survivors stuck in a collective with a hung rank answer once it is
+        killed, with the steps they completed before it hung. The step reached, if any."""
+        late = [i for i in survivors if isinstance(chunk.results[i], TimeoutError)]
+        if not late or not chunk.replies:
+            return None
+        replies = dict(zip(late, detection.settle([chunk.replies[i] for i in late], 1.0)))
+        new = {
+            i: [m for m in r.metrics if since < m.step <= upto]
+            for i in survivors
+            if isinstance(r := replies.get(i, chunk.results[i]), ChunkResult)
+        }
+        common = min((len(m) for m in new.values()), default=0)
+        if not common:
+            return None
+        who = [i in new for i in range(len(chunk.results))]
+        return self.record([tuple(new[i][:common]) for i in sorted(new)], reported=who)
+
+    def mesh(self, snapshot: dict[str, Any] | None = None) -> None:
+        """The "mesh" event: the procs of the ranks and the spares now (`snapshot`: as just
+        taken)."""
+        snapshot = snapshot or self.pool.snapshot()
+        self.told_spares = len(snapshot["spares"])
+        self.log.emit("mesh", **snapshot)
+
+    def placement(self, ranks: list[Rank], placer: Placer) -> None:
+        """The "placement" event: each host's ranks, why (the topology plan, on several
+        hosts), and the topology it was planned on (links and measured latencies); then the
+        procs ("mesh")."""
+        hosts: dict[str, list[int]] = {}
+        for i, r in enumerate(ranks):
+            hosts.setdefault(r.node_id, []).append(i)
+        snapshot = self.pool.snapshot()
+        names = {p["node_id"]: p["host"] for p in snapshot["ranks"]}
+        topo = placer.topology
+        self.log.emit(
+            "placement",
+            reason=placer.reason,
+            hosts=[{"node_id": n, "host": names[n], "ranks": rs} for n, rs in hosts.items()],
+            topology=topo.to_dict() if topo is not None else None,
+        )
+        self.mesh(snapshot)
