@@ -3,6 +3,9 @@
 A config file (`raymesh train job.toml`) and the Python API are the same schema: the file's
 top-level keys are TrainConfig's fields, `[checkpoint]` is CheckpointConfig's. Every field is
 checked on construction; a bad one raises ValueError naming the field, the value and the fix.
+The fields are written flat, and read in sections (`TrainConfig.scaling`, `.parallelism`,
+`.failure`, `.run`, `.checkpoint`; `raymesh.train.sections`): each room of the controller is
+handed the section it needs.
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raymesh._common import Range, bad, check_int, check_seconds, from_table, read_toml, split_job
+from raymesh._common import Range, bad, check_int, from_table, read_toml, split_job
 from raymesh.data import Pipeline
-from raymesh.train.faults import Fault, parse_fault
+from raymesh.train.faults import Fault
+from raymesh.train.sections import (
+    FailureConfig,
+    ParallelismConfig,
+    RunConfig,
+    ScalingConfig,
+    Strategy,
+    section_of,
+)
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
-
-Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
-_STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,9 +121,16 @@ class TrainConfig:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "workers", Range.check("workers", self.workers))
-        check_int("steps", self.steps, minimum=1)
-        check_int("global_batch_size", self.global_batch_size, minimum=1)
+        if isinstance(self.checkpoint, dict):
+            checkpoint = from_table(CheckpointConfig, self.checkpoint, "checkpoint")
+            object.__setattr__(self, "checkpoint", checkpoint)
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
+        # Each section checks its own fields; keep the values they normalised.
+        for section in (self.scaling, self.parallelism, self.failure, self.run):
+            for field in dataclasses.fields(section):
+                object.__setattr__(self, field.name, getattr(section, field.name))
+        # What spans sections.
         if self.global_batch_size < self.max_workers:
             raise bad(
                 "global_batch_size",
@@ -123,69 +138,36 @@ class TrainConfig:
                 f"gives some of the {self.max_workers} workers no samples; use at least "
                 f"{self.max_workers} (a multiple of the world size splits evenly)",
             )
-        if self.micro_batch_size is not None:
-            check_int("micro_batch_size", self.micro_batch_size, minimum=1)
-        if self.strategy not in _STRATEGIES:
-            raise bad("strategy", self.strategy, f"use one of {list(_STRATEGIES)}")
-        if self.shard_size is not None:
-            check_int("shard_size", self.shard_size, minimum=2)
-            if self.strategy not in ("auto", "hsdp"):
-                raise bad(
-                    "shard_size",
-                    self.shard_size,
-                    f"is for strategy 'hsdp' (or 'auto'), not {self.strategy!r}; drop it or "
-                    "use strategy='hsdp'",
-                )
-            if self.max_workers % self.shard_size or self.max_workers == self.shard_size:
-                raise bad(
-                    "shard_size",
-                    self.shard_size,
-                    f"must split workers={self.max_workers} into 2 or more equal shard groups; "
-                    f"use a divisor of {self.max_workers} below it",
-                )
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise bad("memory_budget_gb", self.memory_budget_gb, "must be > 0 (GiB per rank)")
-        if isinstance(self.checkpoint, dict):
-            checkpoint = from_table(CheckpointConfig, self.checkpoint, "checkpoint")
-            object.__setattr__(self, "checkpoint", checkpoint)
-        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
-            raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
-        if self.resume not in (True, False, "auto"):
-            raise bad("resume", self.resume, "use 'auto', True or False")
-        check_int("report_every", self.report_every, minimum=1)
-        if not self.cpus_per_worker >= 0:
-            raise bad("cpus_per_worker", self.cpus_per_worker, "must be >= 0")
-        if self.gpus not in (True, False, "auto"):
-            raise bad("gpus", self.gpus, "use 'auto', True or False")
-        if self.build is not None and (not isinstance(self.build, str) or ":" not in self.build):
-            raise bad("build", self.build, "name the build function as 'module:function'")
-        check_seconds("timeout_s", self.timeout_s)
-        check_seconds("step_timeout_s", self.step_timeout_s)
-        check_int("max_failures", self.max_failures, minimum=0)
-        if self.failure_window_s is not None and not self.failure_window_s > 0:
-            raise bad("failure_window_s", self.failure_window_s, "must be > 0 seconds, or None")
-        check_int("spares", self.spares, minimum=0)
-        if self.rebalance not in (True, False):
-            raise bad("rebalance", self.rebalance, "use True or False")
-        check_seconds("replace_timeout_s", self.replace_timeout_s)
-        check_seconds("grow_interval_s", self.grow_interval_s)
-        faults = tuple(parse_fault(f) if isinstance(f, str) else f for f in self.faults)
-        for f in faults:
-            if not isinstance(f, Fault):
-                raise bad(
-                    "faults", f, "use raymesh.testing.kill/fail/hang(...) or 'kill:rank=1:step=30'"
-                )
+        shard = self.shard_size
+        if shard is not None and (self.max_workers % shard or self.max_workers == shard):
+            raise bad(
+                "shard_size",
+                shard,
+                f"must split workers={self.max_workers} into 2 or more equal shard groups; "
+                f"use a divisor of {self.max_workers} below it",
+            )
+        for f in self.faults:
             if f.rank >= self.max_workers:
                 raise bad(
                     "faults", str(f), f"rank {f.rank} does not exist with workers={self.workers}"
                 )
-        object.__setattr__(self, "faults", faults)
-        if isinstance(self.data, dict):
-            object.__setattr__(self, "data", Pipeline.from_dict(self.data))
-        if self.data is not None and not isinstance(self.data, Pipeline):
-            raise bad("data", self.data, "pass a raymesh.data.Pipeline(source=...) or None")
-        if not isinstance(self.params, dict) or not all(isinstance(k, str) for k in self.params):
-            raise bad("params", self.params, "give a dict of named values, e.g. {'lr': 0.01}")
+
+    # ---- the sections (raymesh.train.sections): what each room is given --------------------
+    @property
+    def scaling(self) -> ScalingConfig:
+        return section_of(ScalingConfig, self)
+
+    @property
+    def parallelism(self) -> ParallelismConfig:
+        return section_of(ParallelismConfig, self)
+
+    @property
+    def failure(self) -> FailureConfig:
+        return section_of(FailureConfig, self)
+
+    @property
+    def run(self) -> RunConfig:
+        return section_of(RunConfig, self)
 
     @property
     def min_workers(self) -> int:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raymesh.train.config import TrainConfig
-
 __all__ = ["Event", "Progress", "Report", "ReportSink", "RunFolder", "TensorBoard", "sinks"]
 
 
@@ -161,12 +159,11 @@ class Progress(ReportSink):
 
 
 def sinks(
-    config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
+    run_dir: str | None, progress: Callable[[dict[str, Any]], None] | None
 ) -> list[ReportSink]:
-    """The sinks a job's config asks for: the run folder (`run_dir`, else the checkpoint
-    folder) with TensorBoard in it, and the progress callable."""
+    """The sinks a job asks for: its run folder (`TrainConfig.run_folder()`), with TensorBoard
+    in it, and the progress callable."""
     out: list[ReportSink] = []
-    run_dir = config.run_folder()
     if run_dir:
         out.append(RunFolder(Path(run_dir)))
         board = TensorBoard.open(Path(run_dir) / "tensorboard")

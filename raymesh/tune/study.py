@@ -295,7 +295,9 @@ def _packed(concurrent: int, config: train.TrainConfig) -> int:
     them)."""
     from raymesh.actor import host_mesh
 
-    free = host_mesh().free_procs(cpus_per_proc=config.cpus_per_worker, gpu=train.use_gpus(config))
+    free = host_mesh().free_procs(
+        cpus_per_proc=config.cpus_per_worker, gpu=train.use_gpus(config.scaling)
+    )
     procs = sum(free.values())
     room = procs // config.max_workers
     if room >= concurrent:

@@ -227,7 +227,7 @@ ELASTIC = textwrap.dedent(
     # Where the 4 ranks would go: with room on two hosts, the topology planner orders them.
     from raymesh.train.control.placement import Placer
 
-    planner = Placer(config, gpus=False)
+    planner = Placer(config.scaling, config.parallelism, gpus=False)
     planned = [planner.place(4), planner.reason]
     t0 = time.time()
     clean = train.fit(mlp.build, dataclasses.replace(config, report_every=50))

@@ -314,7 +314,7 @@ def controller(
         config,
         placer=fake,
         pool=pool(lambda ctx: None, config, fake, None),
-        policies=Policies.of(config),
+        policies=Policies.of(config.failure),
         progress=progress,
     )
 

@@ -104,7 +104,7 @@ class TrainController:
         self.policies = policies
         # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
         self.data = data
-        self.log = RunLog(sinks(config, progress))
+        self.log = RunLog(sinks(config.run_folder(), progress))
         self.reporter = Reporter(
             self.log,
             self.log.sinks,
@@ -113,7 +113,15 @@ class TrainController:
             steps=config.steps,
             data=data,
         )
-        self.world = World(config, pool, self.log, failure_policy=policies.failure, hooks=hooks)
+        self.world = World(
+            config.scaling,
+            config.failure,
+            config.checkpoint,
+            pool,
+            self.log,
+            failure_policy=policies.failure,
+            hooks=hooks,
+        )
         self.balancer = Balancer(
             enabled=config.rebalance,
             global_batch_size=config.global_batch_size,
@@ -133,12 +141,12 @@ class TrainController:
     ) -> TrainController:
         """A controller for `config` with the real rooms: ranks placed on the Ray cluster,
         taken from `warm` first."""
-        placer = Placer(config)
+        placer = Placer(config.scaling, config.parallelism)
         return cls(
             config,
             placer=placer,
             pool=RankPool(build, config, placer, warm),
-            policies=Policies.of(config),
+            policies=Policies.of(config.failure),
             progress=progress,
             hooks=hooks,
             data=Workers(config.data, config.seed) if config.data is not None else None,
@@ -169,7 +177,7 @@ class TrainController:
         return Result(
             history=self.log.history,
             decision=self.world.decision,
-            checkpoint=latest_checkpoint(self.config),
+            checkpoint=latest_checkpoint(self.config.checkpoint),
             resumed_from=self.resumed_from,
             transitions=self.log.transitions,
             failures=self.log.failures,
@@ -340,7 +348,7 @@ class TrainController:
         )
         if budget.action == "abort":
             logger.warning("raymesh.train: abort: %s", budget.reason)
-            raise TooManyFailures(self.log.failures, latest_checkpoint(self.config))
+            raise TooManyFailures(self.log.failures, latest_checkpoint(self.config.checkpoint))
         # The survivor with the most completed steps holds the newest state. A survivor that
         # did not report was stuck in a collective with the lost rank, which fails (and frees
         # it) now that the rank is killed.

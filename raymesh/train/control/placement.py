@@ -15,7 +15,7 @@ import logging
 from raymesh import topology
 from raymesh.actor import host_mesh
 from raymesh.topology import Placement, used
-from raymesh.train.config import TrainConfig
+from raymesh.train.sections import ParallelismConfig, ScalingConfig
 from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
 
 logger = logging.getLogger("raymesh")
@@ -23,23 +23,30 @@ logger = logging.getLogger("raymesh")
 __all__ = ["Placer", "use_gpus"]
 
 
-def use_gpus(config: TrainConfig) -> bool:
-    """Whether the job's ranks get a GPU each: `gpus=True` demands one per min_workers rank,
-    "auto" takes them when the cluster has that many, False never."""
-    if config.gpus is False:
+def use_gpus(scaling: ScalingConfig) -> bool:
+    """Whether the job's ranks get a GPU each (`TrainConfig.scaling`): `gpus=True` demands one
+    per min_workers rank, "auto" takes them when the cluster has that many, False never."""
+    if scaling.gpus is False:
         return False
     have = host_mesh().gpus
-    if config.gpus is True and have < config.min_workers:
-        raise ValueError(f"gpus=True asks for {config.min_workers} GPUs; the cluster has {have:g}")
-    return have >= config.min_workers
+    if scaling.gpus is True and have < scaling.min_workers:
+        raise ValueError(f"gpus=True asks for {scaling.min_workers} GPUs; the cluster has {have:g}")
+    return have >= scaling.min_workers
 
 
 class Placer:
     """Nodes for a job's ranks (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, *, gpus: bool | None = None) -> None:
-        self.config = config
-        self.gpus = use_gpus(config) if gpus is None else gpus  # one GPU per rank
+    def __init__(
+        self,
+        scaling: ScalingConfig,
+        parallelism: ParallelismConfig,
+        *,
+        gpus: bool | None = None,
+    ) -> None:
+        self.scaling = scaling
+        self.parallelism = parallelism
+        self.gpus = use_gpus(scaling) if gpus is None else gpus  # one GPU per rank
         # The topology plans of the last `place`, by strategy, on the places the ranks hold
         # (several only where HSDP may be chosen), and why the ranks run where they do.
         self.plans: dict[str, Placement] = {}
@@ -48,7 +55,7 @@ class Placer:
 
     def free(self) -> dict[str, int]:
         """How many more ranks fit on each node now, this host first."""
-        return host_mesh().free_procs(cpus_per_proc=self.config.cpus_per_worker, gpu=self.gpus)
+        return host_mesh().free_procs(cpus_per_proc=self.scaling.cpus_per_worker, gpu=self.gpus)
 
     def pick_nodes(self, n: int, free: dict[str, int] | None = None) -> list[str]:
         """Up to `n` nodes (one per new rank, repeated) with room now (or in `free`, ranks
@@ -65,7 +72,7 @@ class Placer:
         groups can be one host each). Where HSDP may be chosen, the strategies are planned on
         the same places too (`plans`), so the decision can weigh their communication; on one
         host there is nothing to choose."""
-        cfg = self.config
+        cfg = self.parallelism
         self.plans = {}
         free = self.free()
         if len(free) < 2:  # one look at the room: a second could see more, without a plan

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raymesh.train.config import TrainConfig
 from raymesh.train.control.balance import BalancePolicy
 from raymesh.train.control.failure import FailurePolicy, GrowPolicy
+from raymesh.train.sections import FailureConfig
 from raymesh.train.strategy import StrategyPolicy
 
 __all__ = ["Policies"]
@@ -23,8 +23,9 @@ class Policies:
     balance: BalancePolicy = field(default_factory=BalancePolicy)
 
     @classmethod
-    def of(cls, config: TrainConfig) -> Policies:
-        """The policies `config` asks for (its failure budget; the others' defaults)."""
+    def of(cls, config: FailureConfig) -> Policies:
+        """The policies a job's failure section asks for (its failure budget; the others'
+        defaults)."""
         return cls(
             failure=FailurePolicy(
                 max_failures=config.max_failures, window_s=config.failure_window_s

@@ -5,18 +5,19 @@ from __future__ import annotations
 import logging
 
 from raymesh.train.checkpoint import Checkpointer, Manifest
-from raymesh.train.config import TrainConfig
+from raymesh.train.config import CheckpointConfig, TrainConfig
 
 logger = logging.getLogger("raymesh")
 
 __all__ = ["find_resume", "latest_checkpoint"]
 
 
-def latest_checkpoint(config: TrainConfig) -> str | None:
-    """The newest committed, verified checkpoint folder of the job, if checkpoints are on."""
-    if config.checkpoint is None:
+def latest_checkpoint(checkpoint: CheckpointConfig | None) -> str | None:
+    """The newest committed, verified checkpoint folder of a job's checkpoint section, if
+    checkpoints are on."""
+    if checkpoint is None:
         return None
-    found = Checkpointer(config.checkpoint.dir).latest()
+    found = Checkpointer(checkpoint.dir).latest()
     return str(found) if found else None
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raymesh.actor import SupervisionError
-from raymesh.train.config import TrainConfig
+from raymesh.train.config import CheckpointConfig
 from raymesh.train.control.detection import settle
 from raymesh.train.control.failure import FailureDecision, FailurePolicy, TooManyFailures
 from raymesh.train.control.ranks import Rank, RankPool
@@ -29,6 +29,7 @@ from raymesh.train.control.resume import latest_checkpoint
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.protocol import LostRank, Rendezvous, ReplicaState, SetupInfo
 from raymesh.train.result import RunLog, TrainError
+from raymesh.train.sections import FailureConfig, ScalingConfig
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import local_ranks
 
@@ -51,14 +52,18 @@ class World:
 
     def __init__(
         self,
-        config: TrainConfig,
+        scaling: ScalingConfig,
+        failure: FailureConfig,
+        checkpoint: CheckpointConfig | None,
         pool: RankPool,
         log: RunLog,
         *,
         failure_policy: FailurePolicy,
         hooks: TrainHooks | None = None,
     ) -> None:
-        self.config = config
+        self.scaling = scaling
+        self.failure = failure
+        self.checkpoint = checkpoint
         self.pool = pool
         self.log = log
         self.failure_policy = failure_policy
@@ -74,7 +79,7 @@ class World:
         return self.pool.ranks
 
     def gather(self, futures: Sequence[Any]) -> list[Any]:
-        return [f.get(timeout=self.config.timeout_s) for f in futures]
+        return [f.get(timeout=self.failure.timeout_s) for f in futures]
 
     def _install(self, ranks: Sequence[Rank], *, rejoin: bool) -> None:
         """Give the ranks the hooks for the world they join, before they join it."""
@@ -84,7 +89,7 @@ class World:
             settle([r.worker.install.call_one(hooks) for r in ranks], 10.0)
 
     def _rendezvous(self, ranks: Sequence[Rank]) -> list[Rendezvous]:
-        addr, port = ranks[0].worker.address.call_one().get(timeout=self.config.timeout_s)
+        addr, port = ranks[0].worker.address.call_one().get(timeout=self.failure.timeout_s)
         local = local_ranks([r.node_id for r in ranks])
         n = len(ranks)
         return [Rendezvous(addr, port, i, n, local[i], self.step + 1) for i in range(n)]
@@ -112,7 +117,7 @@ class World:
             world,
             replacements=replacements,
             lost=lost,
-            min_workers=self.config.min_workers,
+            min_workers=self.scaling.min_workers,
         )
 
     def replace_lost(
@@ -125,7 +130,7 @@ class World:
         results at the same world size), the replacements, and the decision."""
         for i in lost:  # make sure a rank that raised or hung is gone, its room freed
             ranks[i].stop(kill=True)
-        got = self.pool.replacements(len(lost), self.config.replace_timeout_s)
+        got = self.pool.replacements(len(lost), self.scaling.replace_timeout_s)
         decision = self.decide(world=len(ranks), lost=len(lost), replacements=len(got))
         logger.warning("raymesh.train: %s: %s", decision.action, decision.reason)
         if decision.action == "abort":
@@ -160,7 +165,7 @@ class World:
                     "abort"
                 ):
                     raise TooManyFailures(
-                        self.log.failures, latest_checkpoint(self.config)
+                        self.log.failures, latest_checkpoint(self.checkpoint)
                     ) from None
                 gone = {ranks[i] for i in lost}
                 if source in gone:
@@ -182,7 +187,6 @@ class World:
         """Make `ranks` the world (see the module docstring). Raises WorldBroken (naming the
         ranks, and carrying the DDP state it fetched) when a rank dies, or is stuck once
         another failed, while the world forms."""
-        cfg = self.config
         assert self.decision is not None and self.base is not None
         decision = self.base.resized(len(ranks))
         if decision.strategy != self.decision.strategy:
@@ -193,7 +197,7 @@ class World:
         if not decision.sharded and (source is not None or state is not None):
             if state is None:
                 assert source is not None
-                state = source.worker.get_state.call_one().get(timeout=cfg.timeout_s)
+                state = source.worker.get_state.call_one().get(timeout=self.failure.timeout_s)
             assert state is not None
             calls = []
             for i, r in enumerate(ranks):
@@ -213,7 +217,7 @@ class World:
             self.converge([[r.worker.set_state.call_one(state, settle)] for r in ranks], state)
             self.step = state.done
         else:
-            path = latest_checkpoint(cfg)
+            path = latest_checkpoint(self.checkpoint)
             if path is None:
                 why = (
                     f"{decision.strategy.upper()} ranks hold only shards"
@@ -245,7 +249,7 @@ class World:
         failed (in a rendezvous that cannot complete), breaks the world: WorldBroken. An error
         on a live rank is collateral when another rank was lost (a peer gone mid-rendezvous),
         else it is raised as it is."""
-        results = settle([f for fs in calls for f in fs], self.config.timeout_s)
+        results = settle([f for fs in calls for f in fs], self.failure.timeout_s)
         lost: list[LostRank] = []
         errors: list[BaseException] = []
         k = 0

@@ -16,8 +16,8 @@ import torch
 
 from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
-from raymesh.train.config import TrainConfig
 from raymesh.train.rank.step import to_device
+from raymesh.train.sections import RunConfig
 
 __all__ = ["Batches"]
 
@@ -28,7 +28,7 @@ class Batches:
 
     def __init__(
         self,
-        config: TrainConfig,
+        config: RunConfig,
         *,
         n: int,
         read: Callable[[Any], Any] | None,

@@ -148,7 +148,7 @@ class TrainWorker(Actor):
         task.model.to(self.device)
         self.task = task
         self.batches = Batches(
-            cfg,
+            cfg.run,
             n=len(cfg.data) if cfg.data is not None else len(task.dataset),
             read=batch_reader(task.dataset, task.collate_fn) if task.dataset is not None else None,
             feed=self.feed,

@@ -1,0 +1,70 @@
+"""`TrainConfig` is written flat and read in sections (raymesh.train.sections): the same job
+either way, every field checked once, by its section, under its own name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from raymesh.testing import kill
+from raymesh.train import TrainConfig, load_config
+from raymesh.train.sections import FailureConfig, ParallelismConfig, RunConfig, ScalingConfig
+
+
+def test_the_sections_hold_every_field_once_and_nothing_else():
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    sections = (ScalingConfig, ParallelismConfig, FailureConfig, RunConfig)
+    held = [f.name for s in sections for f in dataclasses.fields(s)] + ["checkpoint"]
+    assert sorted(held) == sorted(names)
+
+
+def test_a_flat_config_reads_the_same_in_sections_with_its_values_normalised():
+    config = TrainConfig(
+        workers=[2, 4],  # a TOML array
+        global_batch_size=8,
+        strategy="hsdp",
+        shard_size=2,
+        faults=["kill:rank=1:step=3"],
+        max_failures=5,
+        checkpoint={"dir": "runs/x", "every": 2},
+    )
+    assert config.workers == (2, 4) and config.scaling.workers == (2, 4)
+    assert (config.scaling.min_workers, config.scaling.max_workers) == (2, 4)
+    assert config.faults == (kill(rank=1, at_step=3),) == config.failure.faults
+    assert config.parallelism.shard_size == 2 and config.failure.max_failures == 5
+    assert config.run.global_batch_size == 8 and config.checkpoint is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fix"),
+    [
+        ("workers", 0, "give an integer >= 1"),
+        ("spares", -1, "give an integer >= 0"),
+        ("strategy", "zero", "use one of"),
+        ("max_failures", 1.5, "give an integer >= 0"),
+        ("step_timeout_s", 0, "seconds > 0"),
+        ("steps", True, "give an integer >= 1"),
+        ("seed", "7", "give an integer"),
+        ("activation_bytes", -1, "give an integer >= 0"),
+    ],
+)
+def test_each_section_names_the_field_the_value_and_the_fix(field, value, fix):
+    with pytest.raises(ValueError, match=f"^{field}={value!r}: .*{fix}"):
+        TrainConfig(**{field: value})
+
+
+def test_what_spans_sections_is_checked_by_the_config():
+    with pytest.raises(ValueError, match=r"^global_batch_size=2: gives some of the 4 workers"):
+        TrainConfig(workers=4, global_batch_size=2)
+    with pytest.raises(ValueError, match=r"^shard_size=4: must split workers=4"):
+        TrainConfig(workers=4, global_batch_size=4, shard_size=4)
+    with pytest.raises(ValueError, match="rank 2 does not exist with workers=2"):
+        TrainConfig(workers=2, global_batch_size=2, faults=["kill:rank=2:step=1"])
+
+
+def test_a_flat_job_file_is_read_as_before(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text("workers = [1, 2]\nsteps = 3\nglobal_batch_size = 4\nspares = 1\n")
+    config = load_config(job)
+    assert config.scaling.spares == 1 and config.run.steps == 3 and config.workers == (1, 2)
