@@ -35,7 +35,7 @@ from raymesh.topology.model import GIB, Host, Topology
 from raymesh.topology.search import Problem, Slot, exact, heuristic
 
 if TYPE_CHECKING:
-    from raymesh._src.proc_mesh import RankPlacement
+    from raymesh._src.host_mesh import RankPlacement
 
 __all__ = ["EXACT_MAX_SLOTS", "Assignment", "JobShape", "Placement", "plan", "used"]
 
