@@ -7,8 +7,8 @@ busy, and whether it is held out of rotation (reloading, retiring). The pool gua
 - `maintain` starts replicas until the count, less those retiring, plus those starting, reaches
   `target`, but not while it backs off after a failed start (2, 4, 8... up to 30 s);
 - a retiring replica leaves when it is idle, never with a batch in flight;
-- a replica started while the weights changed (`spec`, which the reloader sets) is handed to
-  `on_ready` with the spec it loaded, so that it can be brought up to date before it serves.
+- each replica that joins is handed to `on_ready` with the spec it loaded, which is not `spec`
+  when the weights changed while it started (the reloader sets `spec`).
 
 Starting and stopping procs blocks, so it runs on the pool's threads (`blocking`); the event
 loop never waits on a replica.

@@ -3,8 +3,9 @@
 One replica at a time is held out of rotation while it loads, after its batch in flight has
 finished on the old weights; the others keep serving. A checkpoint that does not load on one
 replica is rolled back on those already moved, so every replica serves the old weights again
-(ValueError). A replica lost while it loads is replaced by one that starts with the new weights,
-as is any replica that finishes starting during the reload (the pool's `spec` is the new one).
+(ValueError). A replica lost while it loads is replaced by one that starts with the new weights
+(the pool's `spec`); one that was starting when the reload began is brought up to date when it
+joins (`reload_slot`, from the router).
 """
 
 from __future__ import annotations
