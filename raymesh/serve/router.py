@@ -33,6 +33,8 @@ from raymesh.serve.pool import ReplicaPool, Slot
 from raymesh.serve.reloader import Reloader
 from raymesh.serve.replica import ReplicaProc, spawn_replica
 
+# ModelError and Unavailable are the dispatcher's; named here too, as the errors a router's
+# caller handles (the front, raymesh.serve's exports).
 __all__ = ["ModelError", "Router", "Unavailable"]
 
 TICK_S = 0.1  # how often the router looks at its replicas (replacements, autoscaling)
