@@ -19,7 +19,7 @@ from raymesh._src.backend import (
     ray_version,
     started_local,
 )
-from raymesh._src.proc_mesh import RankPlacement
+from raymesh._src.host_mesh import RankPlacement
 
 __all__ = [
     "NodeInfo",

@@ -113,8 +113,9 @@ class _Mailboxes:
 
 def _spawn_mailbox() -> tuple[Any, Mailbox | None]:
     from raymesh._src.actor_mesh import spawn_actors
+    from raymesh._src.host_mesh import this_host
+    from raymesh._src.local_proc import this_proc
     from raymesh._src.proc import current_runtime
-    from raymesh._src.proc_mesh import this_host, this_proc
 
     runtime = current_runtime()
     if runtime is None:  # the controller: a proc of its own, which ends with the controller

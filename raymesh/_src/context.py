@@ -94,7 +94,7 @@ class ActorInstance:
     @property
     def proc(self) -> Any:
         """This actor's proc as a proc mesh of one: spawn helpers beside the actor on it."""
-        from raymesh._src.proc_mesh import this_proc  # above this module: imported on use
+        from raymesh._src.local_proc import this_proc  # above this module: imported on use
 
         return this_proc()
 

@@ -37,7 +37,8 @@ from raymesh._src import backend
 from raymesh._src.actor_mesh import ActorMesh
 from raymesh._src.errors import MeshFailure, SupervisionError
 from raymesh._src.future import Future
-from raymesh._src.proc_mesh import ProcMesh, host_mesh
+from raymesh._src.host_mesh import host_mesh
+from raymesh._src.proc_mesh import ProcMesh
 
 logger = logging.getLogger("raymesh")
 

@@ -8,6 +8,7 @@ and length, each example count (an int in 1..max_examples), each figure (a finit
 a short name), each update (float32 of the model's size, finite) or masked vector (uint64 of the
 model's size + 1), each revealed share's form. A failed check raises `BadUpdate(reason)`, and
 the round drops that answer's clients with the reason; nothing here raises anything else.
+`sum_problem` checks what secure aggregation decodes from the answers, before it is applied.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from raymesh.federated.protocol import (
 )
 from raymesh.federated.secagg import SEED_BYTES, SHARE_BYTES, advert_problem
 
-__all__ = ["MAX_FIGURES", "BadUpdate", "Checks"]
+__all__ = ["MAX_FIGURES", "BadUpdate", "Checks", "sum_problem"]
 
 MAX_FIGURES = 32  # figures per client (a loss, an accuracy, ...); names up to 64 characters
 _EXPECTED = {Advertise: Adverts, ShareSeeds: Shares, Fit: Fitted, Unmask: Unmasked}
@@ -191,3 +192,29 @@ class Checks:
                     raise BadUpdate(
                         f"client {c}: a revealed share is not (which, index, {SEED_BYTES} bytes)"
                     )
+
+
+def sum_problem(total: np.ndarray, counts: Sequence[int], clip: float | None) -> str:
+    """Why a decoded secure sum (the weighted updates, then the weights) must not be applied,
+    or "". `counts`: the example counts the clients in it reported; `clip`: DP's clip norm
+    (each update then weighs 1), None without DP. Each check catches a client that masked
+    another vector than it reported, or shares that rebuilt a wrong seed."""
+    if not np.all(np.isfinite(total)):
+        return "the decoded sum is not finite: the round is not applied"
+    reported = float(len(counts)) if clip is not None else float(sum(counts))
+    if total[-1] != reported:
+        what = "clients" if clip is not None else "examples reported"
+        return (
+            f"the decoded weight {total[-1]:g} is not the {reported:g} {what}: a client "
+            "masked another vector than it reported; the round is not applied"
+        )
+    if clip is not None:
+        # n clipped updates sum to at most n * clip, give or take fixed point's rounding.
+        bound = len(counts) * (clip + np.sqrt(total.size) * 2.0**-24)
+        norm = float(np.linalg.norm(total[:-1]))
+        if norm > bound:
+            return (
+                f"the decoded sum's norm {norm:.4g} exceeds {len(counts)} clipped updates' "
+                f"{bound:.4g}: a client did not clip; the round is not applied"
+            )
+    return ""

@@ -6,29 +6,28 @@ client its own, waits at most `timeout_s` per step, and applies the strategy's s
 update. A client that raises, is not started within the step's time, or sends an answer that
 fails its checks (raymesh.federated.checks: every field, every step) is dropped from the round
 with the reason recorded; a proc that dies or does not answer drops all its clients for that
-round and is replaced before the next. No answer, however formed, ends the run: at worst its
-round is not applied, with the reason in its record. A round with fewer than `min_clients`
-updates is not applied, nor one whose new weights would not be finite.
+round and is replaced before the next (raymesh.federated.host_pool). No answer, however formed,
+ends the run: at worst its round is not applied, with the reason in its record. A round with
+fewer than `min_clients` updates is not applied, nor one whose new weights would not be finite.
 
-With secure aggregation, each client masks (its update times its example count, then the
-count) and the controller only ever holds masked vectors and their exact sum; dropped clients'
-masks are removed from the survivors' shares (raymesh.federated.secagg), each rebuilt seed
-verified before use. A round whose decoded sum is not finite, whose decoded count differs from
-the counts the clients reported, or (with DP) whose sum is longer than the clipped updates can
-add up to, is not applied. With DP, clients are Poisson-sampled, clip their updates (and the
-controller clips each update it sees in the clear), every update counts once, and the
-controller adds Gaussian noise to the sum before dividing by the expected number sampled
-(DP-FedAvg); Opacus's accountant gives epsilon per round (raymesh.federated.privacy).
+With secure aggregation (raymesh.federated.secure_round), each client masks (its update times
+its example count, then the count) and the controller only ever holds masked vectors and their
+exact sum; dropped clients' masks are removed from the survivors' shares
+(raymesh.federated.secagg), each rebuilt seed verified before use. A round whose decoded sum is
+not finite, whose decoded count differs from the counts the clients reported, or (with DP)
+whose sum is longer than the clipped updates can add up to, is not applied. With DP, clients
+are Poisson-sampled, clip their updates (and the controller clips each update it sees in the
+clear), every update counts once, and the controller adds Gaussian noise to the sum before
+dividing by the expected number sampled (DP-FedAvg); Opacus's accountant gives epsilon per
+round (raymesh.federated.privacy).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,123 +36,24 @@ import torch
 from raymesh.actor import host_mesh
 from raymesh.federated.checks import BadUpdate, Checks
 from raymesh.federated.client import Layout
+from raymesh.federated.config import RunConfig
 from raymesh.federated.host import HostProc, spawn_host
+from raymesh.federated.host_pool import HostPool
 from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
-from raymesh.federated.protocol import (
-    FIXED,
-    Advertise,
-    Combine,
-    Fit,
-    Fitted,
-    Message,
-    ShareSeeds,
-    Unmask,
-)
-from raymesh.federated.secagg import SecAggError, SecAggServer, default_degree, neighbours
-from raymesh.federated.server import EdgeConfig, EdgeServer
+from raymesh.federated.protocol import Fit, Fitted, Message
+from raymesh.federated.result import Outcome, Result, RoundRecord, state_dict
+from raymesh.federated.secure_round import SecureRound
+from raymesh.federated.server import EdgeServer
 from raymesh.federated.strategy import Strategy, Update
 
+# RunConfig, Result and RoundRecord live in their own modules; they are named here too, where
+# a run's config goes in and its result comes out (raymesh.federated.jobfile imports RunConfig
+# from here).
 __all__ = ["Federation", "Result", "RoundRecord", "RunConfig", "run"]
 
 logger = logging.getLogger("raymesh.federated")
 
 SPAWN_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """How a federated run is laid out. `clients`: simulated clients, ids 0..clients-1 (edge
-    clients get the ids after); `hosts`: procs carrying them (default: one per free CPU, at
-    most 8); `keep_clients`: clients a proc keeps built; `timeout_s`: the most one step of a
-    round waits; `degree`: secure aggregation's neighbours per client (default O(log n));
-    `max_examples`: the largest example count one client may report (its weight in the mean:
-    a client reporting more is dropped, so no client outweighs this many examples)."""
-
-    clients: int
-    rounds: int
-    secure_aggregation: bool = False
-    dp: DP | None = None
-    hosts: int | None = None
-    cpus_per_host: float = 1.0
-    keep_clients: int = 512
-    timeout_s: float = 60.0
-    degree: int | None = None
-    seed: int = 0
-    edge: EdgeConfig | None = None
-    max_examples: int = 1_000_000
-
-    def __post_init__(self) -> None:
-        def bad(name: str, fix: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r}: {fix}")
-
-        if not isinstance(self.clients, int) or self.clients < 0:
-            raise bad("clients", "give the number of simulated clients, an integer >= 0")
-        if self.clients == 0 and (self.edge is None or self.edge.wait_for == 0):
-            raise bad("clients", "give simulated clients, or edge clients to wait for")
-        if not isinstance(self.rounds, int) or self.rounds < 1:
-            raise bad("rounds", "give an integer >= 1")
-        if self.hosts is not None and (not isinstance(self.hosts, int) or self.hosts < 1):
-            raise bad("hosts", "give a number of procs >= 1, or None for one per free CPU")
-        if not self.cpus_per_host > 0:
-            raise bad("cpus_per_host", "give CPUs per proc, > 0 (0.5 packs two on a core)")
-        if not isinstance(self.keep_clients, int) or self.keep_clients < 1:
-            raise bad("keep_clients", "give an integer >= 1")
-        if not self.timeout_s > 0:
-            raise bad("timeout_s", "give seconds > 0")
-        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 2):
-            raise bad("degree", "give an even neighbour count >= 2, or None for O(log n)")
-        if self.dp is not None and not isinstance(self.dp, DP):
-            raise bad("dp", "give raymesh.federated.DP(clip=..., noise_multiplier=...)")
-        if self.edge is not None and not isinstance(self.edge, EdgeConfig):
-            raise bad("edge", "give raymesh.federated.EdgeConfig(...)")
-        if (
-            isinstance(self.max_examples, bool)
-            or not isinstance(self.max_examples, int)
-            or not 1 <= self.max_examples < 2**31
-        ):
-            raise bad("max_examples", "give the largest count one client may report, 1..2**31-1")
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """What one round did. `dropped[cid]` says why a sampled client is not in the update;
-    `ignored[cid]` why a client whose update is in it had a later answer refused (its shares
-    for removing masks went unused); `reason` why the round was not applied; `metrics` are
-    the evaluation's and the clients' mean figures ("loss")."""
-
-    round: int
-    sampled: int
-    responded: int
-    dropped: dict[int, str]
-    applied: bool
-    seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    epsilon: float | None = None
-    replaced_hosts: int = 0
-    reason: str = ""
-    ignored: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class Result:
-    history: list[RoundRecord]
-    epsilon: float | None
-    layout: Layout
-    weights: np.ndarray
-    template: dict[str, torch.Tensor]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The final global model, in the template model's state_dict form."""
-        return _state_dict(self.layout, self.weights, self.template)
-
-
-def _state_dict(
-    layout: Layout, weights: np.ndarray, template: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    out = {k: v.clone() for k, v in template.items()}
-    for name, value in layout.unflatten(weights).items():
-        out[name] = torch.from_numpy(value.copy()).to(out[name].dtype)
-    return out
 
 
 class _Edge:
@@ -170,19 +70,6 @@ class _Edge:
 
 
 Target = HostProc | _Edge
-
-
-@dataclass
-class _Outcome:
-    """What a round's steps gathered: `total` (the summed update, `weight` its divisor) or,
-    when None, the `fitted` answers for the strategy to aggregate; `reason` when the round
-    must not be applied; `ignored` as in RoundRecord."""
-
-    total: np.ndarray | None
-    weight: float
-    fitted: list[Fitted]
-    reason: str = ""
-    ignored: dict[int, str] = field(default_factory=dict)
 
 
 class Federation:
@@ -209,14 +96,12 @@ class Federation:
         self.weights = self.layout.flatten(state)
         self._check = Checks(self.layout.size, config.max_examples)
         self.accountant = PrivacyAccountant(config.dp) if config.dp else None
-        self.hosts: list[HostProc] = []
-        self._lost: set[int] = set()
+        self.pool = HostPool(self._spawn)
         self.edge: EdgeServer | None = None
         try:
             if config.clients:
                 n = config.hosts or self._default_hosts()
-                with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                    self.hosts = list(pool.map(self._spawn, range(min(n, config.clients))))
+                self.pool.start(min(n, config.clients))
             if config.edge is not None:
                 self.edge = EdgeServer(config.edge, first_cid=config.clients)
                 if config.edge.token is None:  # never its value: logs are read by many
@@ -233,6 +118,11 @@ class Federation:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def hosts(self) -> list[HostProc]:
+        """The client procs, by index (a replaced one takes its predecessor's place)."""
+        return self.pool.hosts
 
     def _default_hosts(self) -> int:
         # The embedded local Ray counts 64 logical CPUs whatever the cores, so count cores too.
@@ -251,8 +141,7 @@ class Federation:
     def stop(self) -> None:
         if self.edge is not None:
             self.edge.finish("the run is over")
-        for h in self.hosts:
-            h.stop()
+        self.pool.stop()
 
     # --- one round -----------------------------------------------------------------------
 
@@ -301,12 +190,7 @@ class Federation:
             try:
                 reply = waiting.get(timeout=max(0.0, deadline - time.monotonic()))
                 if not isinstance(t, _Edge):  # the edge server checked it before accepting it
-                    try:
-                        self._check(msg, clients, reply)
-                    except BadUpdate:
-                        raise
-                    except Exception as e:  # Checks raises only BadUpdate; be sure of it here
-                        raise BadUpdate(f"{type(e).__name__}: {str(e)[:200]}") from None
+                    self._check(msg, clients, reply)  # raises BadUpdate only
                 out[t] = reply
             except BadUpdate as e:
                 reason = f"refused: {str(e)[:300]}"
@@ -316,7 +200,7 @@ class Federation:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 if isinstance(t, HostProc):
                     reason = f"its proc failed ({reason})"
-                    self._lost.add(t.index)
+                    self.pool.lose(t.index)
                 logger.warning("raymesh.federated: %s: %s", t, reason)
                 dropped.update(dict.fromkeys(clients, reason))
         return out
@@ -335,7 +219,15 @@ class Federation:
         groups = self._assign(sampled)
         config = self.strategy.client_config(r)
         if self.config.secure_aggregation:
-            out = self._secure(r, groups, config, dropped)
+            out = SecureRound(
+                r,
+                self.config,
+                exchange=self._exchange,
+                fit=lambda cs, inbox: self._fit(r, cs, config, inbox),
+                size=self.layout.size,
+                min_clients=self.strategy.min_clients,
+                hosts=self.pool,
+            ).run(groups, dropped)
         else:
             out = self._plain(r, groups, config, dropped)
         responded = sum(len(f.examples) for f in out.fitted)
@@ -354,7 +246,7 @@ class Federation:
         if self.accountant is not None:  # spent whether or not the round is applied
             epsilon = self.accountant.step(sample_rate=self.strategy.fraction)
         metrics = self._metrics(out.fitted)
-        replaced = self._replace_lost()
+        replaced = self.pool.replace_lost()
         return RoundRecord(
             round=r,
             sampled=len(sampled),
@@ -369,7 +261,7 @@ class Federation:
             ignored=out.ignored,
         )
 
-    def _step(self, out: _Outcome, population: int) -> tuple[str, np.ndarray | None]:
+    def _step(self, out: Outcome, population: int) -> tuple[str, np.ndarray | None]:
         """The next global weights from the round's outcome, or the reason there are none."""
         current = self.layout.unflatten(self.weights)
         if out.total is None:
@@ -414,133 +306,20 @@ class Federation:
         groups: Mapping[Target, list[int]],
         config: dict[str, Any],
         dropped: dict[int, str],
-    ) -> _Outcome:
+    ) -> Outcome:
         msgs = {t: (self._fit(r, cs, config, {}), cs) for t, cs in groups.items()}
         fitted = list(self._exchange(msgs, dropped).values())
         for f in fitted:
             dropped.update(f.failed)
         if self.config.dp is None:
-            return _Outcome(None, 0.0, fitted)  # the strategy sees every update
+            return Outcome(None, 0.0, fitted)  # the strategy sees every update
         clip = self.config.dp.clip
         total = np.zeros(self.layout.size, np.float64)
         for f in fitted:
             for d in f.deltas.values():
                 # Clipped here too: an edge client runs whatever code it likes.
                 total += clip_update({"u": d}, clip)["u"]
-        return _Outcome(total, float(sum(len(f.deltas) for f in fitted)), fitted)
-
-    def _secure(
-        self,
-        r: int,
-        groups: Mapping[Target, list[int]],
-        config: dict[str, Any],
-        dropped: dict[int, str],
-    ) -> _Outcome:
-        replies = self._exchange(
-            {t: (Advertise(r, tuple(cs)), cs) for t, cs in groups.items()}, dropped
-        )
-        adverts = [a for rep in replies.values() for a in rep.adverts]
-        if len(adverts) < 2:
-            return _Outcome(None, 0.0, [], f"{len(adverts)} clients advertised keys: too few")
-        ids = [a.client for a in adverts]
-        degree = self.config.degree or default_degree(len(ids))
-        graph = neighbours(ids, degree, seed=self.config.seed * 1_000_003 + r)
-        threshold = min(len(vs) for vs in graph.values()) // 2 + 1
-        server = SecAggServer(r, self.layout.size + 1, threshold=threshold)
-        peers = server.advertised(adverts, graph)
-        alive = {t: [c for c in cs if c in peers] for t, cs in groups.items() if t in replies}
-        shares = self._exchange(
-            {
-                t: (ShareSeeds(r, threshold, {c: peers[c] for c in cs}), cs)
-                for t, cs in alive.items()
-            },
-            dropped,
-        )
-        outgoing: dict[int, dict[int, bytes]] = {}
-        for rep in shares.values():
-            outgoing.update(rep.outgoing)
-            dropped.update(rep.failed)
-        inbox = server.route(outgoing)
-        alive = {t: [c for c in cs if c in outgoing] for t, cs in alive.items() if t in shares}
-        fits = self._exchange(
-            {t: (self._fit(r, cs, config, inbox), cs) for t, cs in alive.items() if cs}, dropped
-        )
-        for t, f in list(fits.items()):
-            dropped.update(f.failed)
-            if not f.examples:
-                continue
-            try:
-                server.add(f.examples, f.masked)
-            except SecAggError as e:
-                dropped.update(dict.fromkeys(f.examples, f"refused: {e}"))
-                del fits[t]
-        fitted = list(fits.values())
-        if len(server.survivors) < self.strategy.min_clients:
-            return _Outcome(None, 0.0, fitted)  # run_round gives the reason
-        holders = {t: list(f.examples) for t, f in fits.items() if f.examples}
-        unmask = Unmask(r, tuple(server.dropped))
-        refused: dict[int, str] = {}  # their updates count; their shares do not
-        answers: dict[int, Any] = {}
-        msgs = {t: (unmask, cs) for t, cs in holders.items()}
-        for rep in self._exchange(msgs, refused).values():
-            answers.update(rep.answers)
-        try:
-            total = FIXED.decode(server.finish(answers, self._combine(server.needed(answers))))
-        except SecAggError as e:
-            return _Outcome(None, 0.0, fitted, f"secure aggregation failed: {e}", refused)
-        problem, ignored = self._sum_problem(total, fitted), {**server.ignored, **refused}
-        return _Outcome(total[:-1], float(total[-1]), fitted, problem, ignored)
-
-    def _sum_problem(self, total: np.ndarray, fitted: Sequence[Fitted]) -> str:
-        """Why a decoded secure sum (the weighted updates, then the weights) must not be
-        applied, or "". Each check catches a client that masked something other than what it
-        reported, or shares that rebuilt a wrong seed."""
-        if not np.all(np.isfinite(total)):
-            return "the decoded sum is not finite: the round is not applied"
-        dp = self.config.dp
-        counts = [n for f in fitted for n in f.examples.values()]
-        reported = float(len(counts)) if dp is not None else float(sum(counts))
-        if total[-1] != reported:
-            what = "clients" if dp is not None else "examples reported"
-            return (
-                f"the decoded weight {total[-1]:g} is not the {reported:g} {what}: a client "
-                "masked another vector than it reported; the round is not applied"
-            )
-        if dp is not None:
-            # n clipped updates sum to at most n * clip, give or take fixed point's rounding.
-            bound = len(counts) * (dp.clip + np.sqrt(total.size) * 2.0**-24)
-            norm = float(np.linalg.norm(total[:-1]))
-            if norm > bound:
-                return (
-                    f"the decoded sum's norm {norm:.4g} exceeds {len(counts)} clipped updates' "
-                    f"{bound:.4g}: a client did not clip; the round is not applied"
-                )
-        return ""
-
-    def _combine(self, jobs: Mapping[tuple[str, int], list[Any]]) -> dict[tuple[str, int], Any]:
-        """Candidate Shamir secrets, rebuilt on the procs in parallel (PyCryptodome's combine
-        is pure Python, a few ms each). Unverified: SecAggServer.finish checks each and
-        rebuilds what is missing or wrong."""
-        keys = list(jobs)
-        live = [h for h in self.hosts if h.index not in self._lost]
-        if not keys or not live:
-            return {}
-        chunks = [keys[i :: len(live)] for i in range(len(live))]
-        waiting = [
-            (chunk, h.send(Combine(tuple(tuple(jobs[k]) for k in chunk))))
-            for h, chunk in zip(live, chunks, strict=True)
-            if chunk
-        ]
-        out: dict[tuple[str, int], Any] = {}
-        for chunk, future in waiting:
-            try:
-                secrets = future.get(timeout=self.config.timeout_s)
-            except Exception as e:  # the controller rebuilds this chunk itself
-                logger.info("raymesh.federated: a proc's Shamir combines failed: %r", e)
-                continue
-            if isinstance(secrets, list) and len(secrets) == len(chunk):
-                out.update(zip(chunk, secrets, strict=True))
-        return out
+        return Outcome(total, float(sum(len(f.deltas) for f in fitted)), fitted)
 
     def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> Result:
         """All the config's rounds (after waiting for its edge clients), then `stop()`."""
@@ -572,28 +351,11 @@ class Federation:
         if losses:
             out["loss"] = float(np.mean(losses))
         if self.evaluate_fn is not None:
-            self._model.load_state_dict(_state_dict(self.layout, self.weights, self.template))
+            self._model.load_state_dict(state_dict(self.layout, self.weights, self.template))
             got = self.evaluate_fn(self._model)
             figures = got if isinstance(got, Mapping) else {"accuracy": got}
             out.update({k: float(v) for k, v in figures.items()})
         return out
-
-    def _replace_lost(self) -> int:
-        lost, self._lost = sorted(self._lost), set()
-        for i in lost:
-            old = self.hosts[i]
-            try:
-                old.procs.kill()
-            except Exception:
-                pass
-            self.hosts[i] = self._spawn(i)
-            logger.warning(
-                "raymesh.federated: client proc %d replaced (pid %d -> %d)",
-                i,
-                old.pid,
-                self.hosts[i].pid,
-            )
-        return len(lost)
 
 
 def run(

@@ -1,7 +1,7 @@
 """A replica: one actor on a proc of its own, holding the model and answering batches.
 
-The front (raymesh.serve.router) starts and stops replicas; a replica only computes. An actor
-runs one message at a time, so a batch, a token stream and a reload never overlap on one
+The replica pool (raymesh.serve.pool) starts and stops replicas; a replica only computes. An
+actor runs one message at a time, so a batch, a token stream and a reload never overlap on one
 replica: a reload lands between two batches, and a batch sees either the old weights or the new.
 """
 

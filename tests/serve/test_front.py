@@ -240,14 +240,14 @@ def test_a_full_queue_is_503_with_retry_after_and_what_it_took_is_answered() -> 
 def test_the_latency_window_stays_bounded_however_many_requests(
     replicas: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raymesh.serve import router
+    from raymesh.serve import autoscaler
 
-    monkeypatch.setattr(router, "LATENCY_SAMPLES", 50)
+    monkeypatch.setattr(autoscaler, "LATENCY_SAMPLES", 50)
     # cooldown_s: the autoscaled window is never closed by a decision during the test either
     with fake_app(replicas=replicas, cooldown_s=3600) as (app, _):
         replies = [app.predict.call_one(float(i)) for i in range(300)]
         assert [r.get(timeout=30) for r in replies] == [float(i) for i in range(300)]
-        assert len(app.router._window.latencies) == 50
+        assert len(app.router.autoscaler.window.latencies) == 50
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,318 @@
+"""The dispatcher: requests in, batches out to the pool's free replicas, results back to each
+caller; token streams, a replica each.
+
+- The `BatchQueue` decides when a batch leaves for a free replica: when it is full, when its
+  oldest request has waited `batch_wait_ms`, or at once when no batch is being computed anywhere
+  (an idle server has nothing to gain by waiting). Token streams waiting for a replica go first.
+- A batch whose replica dies, or runs past `request_timeout_s` (the replica is killed), loses
+  the replica; its requests go back to the front of the queue and are sent again, at most
+  `max_retries` times each (then Unavailable). So a replica SIGKILLed under load fails no
+  request. A stream whose replica dies continues on another from the text already sent.
+- Every wait is bounded: a request that nothing answers in `request_timeout_s` is a
+  TimeoutError (HTTP 504).
+
+Nothing polls: `pump` runs whenever what may leave can change (a request in, a replica free or
+added, a batch's wait over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raymesh.actor import ActorError, Channel, Future
+from raymesh.serve.batching import BatchQueue, Overloaded
+from raymesh.serve.config import ServeConfig
+from raymesh.serve.metrics import Metrics
+from raymesh.serve.pool import ReplicaPool, Slot, wait_reply
+
+logger = logging.getLogger("raymesh.serve")
+
+__all__ = ["Dispatcher", "ModelError", "Outcome", "Unavailable"]
+
+
+class ModelError(Exception):
+    """The model raised on this request (HTTP 500). The replica keeps serving."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+
+
+class Unavailable(Exception):
+    """No replica could answer: the request was resent `max_retries` times, or the server is
+    stopping (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request's result: its output, or the error the model raised on it."""
+
+    value: Any = None
+    error: tuple[str, str] | None = None  # (exception type, message)
+
+
+@dataclass(eq=False)
+class _Request:
+    x: Any
+    future: asyncio.Future[Outcome]
+    arrived: float
+    tries: int = 0
+
+
+class Dispatcher:
+    """observe(sent, answered, arrivals): sees each batch answered (the autoscaler's
+    measurements); spawn: runs a coroutine as a task of the server's."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        config: ServeConfig,
+        metrics: Metrics,
+        *,
+        observe: Callable[[float, float, Sequence[float]], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    ) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics
+        self.queue: BatchQueue[_Request] = BatchQueue(config.batch())
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self.retried = 0  # requests resent after their replica died
+        self._observe = observe
+        self._spawn = spawn
+        self._streams: collections.deque[asyncio.Future[Slot]] = collections.deque()
+        self._stopping = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to the server's event loop (before any request)."""
+        self._loop = loop
+        self._timer: asyncio.TimerHandle | None = None
+
+    def stop(self) -> None:
+        """Refuse new requests, fail the waiting ones (Unavailable)."""
+        self._stopping = True
+        for r in self.queue.take_all():
+            if not r.future.done():
+                r.future.set_exception(Unavailable("the server is stopping"))
+        for waiter in self._streams:
+            waiter.cancel()
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, x: Any) -> asyncio.Future[Outcome]:
+        """Queue one input; its future resolves with its Outcome, or raises Unavailable.
+        Raises Overloaded when the queue is full."""
+        if self._stopping:
+            raise Unavailable("the server is stopping")
+        now = time.monotonic()
+        request = _Request(x, self._loop.create_future(), now)
+        self.queue.put(request, now)
+        self.pump()
+        return request.future
+
+    async def predict(self, x: Any) -> Any:
+        """The output for `x`, within `request_timeout_s` (TimeoutError), or ModelError."""
+        future = self.submit(x)
+        expire = self._loop.call_later(self.config.request_timeout_s, _expire, future, self.config)
+        try:
+            outcome = await future
+        finally:
+            expire.cancel()
+        if outcome.error is not None:
+            raise ModelError(*outcome.error)
+        return outcome.value
+
+    async def stream(
+        self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
+    ) -> AsyncIterator[str]:
+        """The generated text, a token at a time. A replica lost mid-stream is replaced by
+        another that continues from the text already sent (the prompt plus it), so the caller
+        sees one unbroken stream."""
+        info = self.pool.info
+        if info is not None and not info.generates:
+            raise ModelError("ValueError", "this model has no generate function")
+        pieces: list[str] = []
+        tries = 0
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            slot = await self._acquire(deadline)
+            lost = False
+            try:
+                async for piece in self._stream_on(
+                    slot, prompt + "".join(pieces), max_tokens - len(pieces), temperature, seed,
+                    deadline,
+                ):  # fmt: skip
+                    pieces.append(piece)
+                    yield piece
+                return
+            except _Lost as e:
+                lost = True
+                tries += 1
+                self.pool.lose(slot, str(e))
+                if tries > self.config.max_retries:
+                    raise Unavailable(f"the stream's replica failed {tries} times") from None
+                self.retried += 1
+                logger.warning("raymesh.serve: a stream's replica was lost; continuing elsewhere")
+            finally:
+                if not lost:
+                    self.release(slot)
+
+    async def _stream_on(
+        self,
+        slot: Slot,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        deadline: float,
+    ) -> AsyncIterator[str]:
+        port, receiver = Channel[tuple[str, Any]].open()
+        call = slot.replica.actor.generate.call_one(prompt, max_tokens, temperature, seed, port)
+        call_done = asyncio.ensure_future(wait_reply(call))
+        try:
+            while True:
+                recv = asyncio.ensure_future(wait_reply(receiver.recv()))
+                while not recv.done():
+                    waiting = {recv} if call_done.done() else {recv, call_done}
+                    left = deadline - time.monotonic()
+                    done, _ = await asyncio.wait(
+                        waiting, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:
+                        recv.cancel()
+                        raise TimeoutError("the stream did not finish within request_timeout_s")
+                    error = call_done.exception() if call_done in done else None
+                    if isinstance(error, ActorError):  # the endpoint itself failed
+                        recv.cancel()
+                        raise ModelError(*_type(error))
+                    if error is not None:  # SupervisionError: the replica is gone
+                        recv.cancel()
+                        raise _Lost(str(error).splitlines()[0][:200])
+                kind, value = recv.result()
+                if kind == "text":
+                    yield value
+                elif kind == "end":
+                    return
+                else:
+                    raise ModelError(*value)
+        finally:
+            if not call_done.done():
+                call_done.cancel()
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Send what may leave now to the free replicas; called whenever that can change (a
+        request in, a replica free or added, a batch's wait over), so nothing polls."""
+        now = time.monotonic()
+        while (slot := self.pool.free()) is not None:
+            if self._streams:  # token streams waiting for a replica go first
+                waiter = self._streams.popleft()
+                if not waiter.done():
+                    slot.busy = True
+                    waiter.set_result(slot)
+                continue
+            if not self.queue.ready(now, idle=self.pool.idle()):
+                break
+            batch = [r for r in self.queue.take(now) if not r.future.done()]
+            if batch:
+                self._send(slot, batch)
+        self.metrics.queue_depth.set(len(self.queue))
+        deadline = self.queue.deadline()
+        if deadline is not None and self.pool.free() is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_later(max(0.0, deadline - now), self.pump)
+
+    def _send(self, slot: Slot, batch: list[_Request]) -> None:
+        slot.busy = True
+        self.batch_sizes[len(batch)] += 1
+        self.metrics.batch_size.observe(len(batch))
+        future = slot.replica.actor.predict.call_one([r.x for r in batch])
+        self._spawn(self._finish(slot, batch, future, time.monotonic()))
+
+    async def _finish(
+        self, slot: Slot, batch: list[_Request], future: Future[Any], sent: float
+    ) -> None:
+        # A batch past request_timeout_s means a hung replica: kill it, which fails the await.
+        hung = self._loop.call_later(self.config.request_timeout_s, self._hung, slot)
+        try:
+            values, errors, _ = await future
+        except ActorError as e:  # the endpoint itself failed (not the model: see predict)
+            values, errors = [None] * len(batch), dict.fromkeys(range(len(batch)), _type(e))
+        except Exception as e:  # SupervisionError: the replica's proc is gone
+            self.pool.lose(slot, str(e).splitlines()[0][:200])
+            self._resend(batch)
+            return
+        finally:
+            hung.cancel()
+        now = time.monotonic()
+        self._observe(sent, now, [r.arrived for r in batch])
+        for i, r in enumerate(batch):
+            if not r.future.done():
+                error = errors.get(i) if errors else None
+                r.future.set_result(Outcome(values[i], error))
+        self.release(slot)
+
+    def _hung(self, slot: Slot) -> None:
+        logger.warning(
+            "raymesh.serve: replica %s ran a batch past request_timeout_s=%s: killing it",
+            slot.replica.name,
+            self.config.request_timeout_s,
+        )
+        self.pool.kill(slot)
+
+    def release(self, slot: Slot) -> None:
+        """`slot` has finished its batch or stream: it may take the next."""
+        slot.busy = False
+        self.pump()
+
+    def _resend(self, batch: list[_Request]) -> None:
+        again = []
+        for r in batch:
+            if r.future.done():
+                continue
+            r.tries += 1
+            if r.tries > self.config.max_retries:
+                r.future.set_exception(
+                    Unavailable(f"its replica failed {r.tries} times; giving up on it")
+                )
+            else:
+                again.append(r)
+        self.retried += len(again)
+        self.metrics.retries.inc(len(again))
+        self.queue.requeue([(r.arrived, r) for r in again])
+        self.pump()
+
+    async def _acquire(self, deadline: float) -> Slot:
+        if self._stopping:
+            raise Unavailable("the server is stopping")
+        if len(self._streams) + len(self.queue) >= self.config.max_queue:
+            raise Overloaded(len(self._streams) + len(self.queue), 1)
+        waiter: asyncio.Future[Slot] = self._loop.create_future()
+        self._streams.append(waiter)
+        self.pump()
+        try:
+            return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, asyncio.TimeoutError):
+            raise TimeoutError("no replica was free within request_timeout_s") from None
+
+
+def _expire(future: asyncio.Future[Outcome], config: ServeConfig) -> None:
+    if not future.done():  # cancelled: a batch that takes it later skips it
+        future.set_exception(
+            TimeoutError(f"no reply within request_timeout_s={config.request_timeout_s}")
+        )
+
+
+def _type(e: ActorError) -> tuple[str, str]:
+    return e.remote_type.rsplit(".", 1)[-1], e.remote_message
+
+
+class _Lost(Exception):
+    """A stream's replica died."""
