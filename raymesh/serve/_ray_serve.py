@@ -26,8 +26,8 @@ import ray
 from ray import serve
 
 from raymesh._common import HTTPError, error_json, free_port
+from raymesh.serve.dispatcher import ModelError
 from raymesh.serve.front import answer_predict
-from raymesh.serve.router import ModelError
 
 __all__ = ["RayServeHandle", "deploy"]
 

@@ -22,6 +22,7 @@ from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelSpec
 from raymesh.serve.replica import ReplicaProc, spawn_replica
 from raymesh.serve.router import Router
+from raymesh.serve.sections import FrontConfig
 
 __all__ = ["App", "Reply", "deploy"]
 
@@ -57,7 +58,9 @@ def deploy(
     if config is not None and fields:
         raise ValueError(f"give config= or its fields {sorted(fields)} as keywords, not both")
     config = config or ServeConfig(**fields)
-    config.admin()  # an admin token from the environment that cannot be used: ValueError now
+    # The tokens are settled here, once (an admin token from the environment that cannot be
+    # used is a ValueError now, before anything starts).
+    front = config.front
     spec = ModelSpec(
         model=model,
         build=build,
@@ -76,9 +79,9 @@ def deploy(
 
         handle = _ray_serve.deploy(
             functools.partial(LoadedModel, spec),
-            guard_of(config),  # the same token check and body limits as raymesh's front
-            host=config.host,
-            port=config.port,
+            guard_of(front),  # the same token check and body limits as raymesh's front
+            host=front.host,
+            port=front.port,
             max_batch_size=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000.0,
             replicas=config.min_replicas,
@@ -87,7 +90,7 @@ def deploy(
             timeout=config.start_timeout_s,
         )
         return RayServeApp(handle, config)  # type: ignore[return-value]
-    app = App(spec, config)
+    app = App(spec, config, front)
     app._start()
     return app
 
@@ -115,13 +118,17 @@ class App:
         self,
         spec: ModelSpec,
         config: ServeConfig,
+        front: FrontConfig,
         *,
         start_replica: Callable[..., ReplicaProc] = spawn_replica,
     ) -> None:
         self.spec = spec
         self.config = config
+        self.front = front
         self.metrics = Metrics(config.max_batch_size)
-        self.router = Router(spec, config, self.metrics, start_replica=start_replica)
+        self.router = Router(
+            spec, config.router, config.batch, self.metrics, start_replica=start_replica
+        )
         self.predict = _Endpoint(self, "predict")
         self.generate = _Endpoint(self, "generate")
         self._server: ServerThread | None = None
@@ -135,7 +142,7 @@ class App:
         # The HTTP front and the router share the server's loop: the router starts there
         # before the server binds and stops there after it closes.
         self._server = ServerThread(
-            make_app(self.router, self.config, self.metrics),
+            make_app(self.router, self.front, self.metrics),
             host=self.config.host,
             port=self.config.port,
             name="raymesh-serve",

@@ -152,7 +152,8 @@ def fake_app(
 ) -> Iterator[tuple[App, Fakes]]:
     """A real server (uvicorn, router, HTTP on a free port) over fake replicas."""
     fakes = fakes or Fakes()
-    app = App(spec_of(checkpoint), ServeConfig(port=0, **fields), start_replica=fakes.start)
+    config = ServeConfig(port=0, **fields)
+    app = App(spec_of(checkpoint), config, config.front, start_replica=fakes.start)
     app._start()
     try:
         yield app, fakes
