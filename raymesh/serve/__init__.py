@@ -19,7 +19,8 @@ except ImportError as e:  # pragma: no cover (the dev install has them)
     raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
 
 from raymesh._common import Tls
-from raymesh.serve.app import App, Reply, deploy
+from raymesh.serve.api import deploy
+from raymesh.serve.app import App, Reply
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.config import ADMIN_TOKEN_ENV, TOKEN_ENV, ServeConfig
 from raymesh.serve.dispatcher import ModelError, Unavailable
