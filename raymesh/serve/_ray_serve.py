@@ -174,11 +174,11 @@ def deploy(
         raise RuntimeError("Ray is not running (raymesh starts it before this)")
     client = serve.context._get_global_client(raise_if_no_controller_running=False)
     started_serve = client is None
-    if started_serve:
+    if client is None:
         port = port or free_port(host)
         serve.start(http_options={"host": host, "port": port})
     else:  # Serve already runs: its proxy serves this app too, on its own port
-        running = int(client.http_config.port)  # type: ignore[union-attr]
+        running = int(client.http_config.port)
         if port not in (0, running):
             log.warning("Ray Serve already runs on port %d: port=%d is not used", running, port)
         port = running

@@ -35,7 +35,8 @@ _RAYMESH_FRONT_ONLY = {
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Every field is checked on construction: a bad one raises ValueError naming it, the
-    value and the fix. `replicas` is a count, or (min, max) to autoscale between them."""
+    value and the fix. `replicas` is a count, or (min, max) to autoscale between them.
+    `router`, `batch` and `front` are its sections, what each room of a server is handed."""
 
     replicas: int | tuple[int, int] = 1
     # Dynamic batching (see raymesh.serve.batching).
