@@ -26,17 +26,15 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from raymesh import __version__
 from raymesh.cli import dashboard as dashboard_cli
-from raymesh.cli import errors
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
+from raymesh.cli import train as train_cli
 from raymesh.cli import tune as tune_cli
-from raymesh.cli.args import count_or_range
 
 
 def _info() -> dict[str, Any]:
@@ -85,114 +83,13 @@ def _print_info(info: dict[str, Any]) -> None:
         print(topology_cli.SLOTS_NOTE)
 
 
-def _train(args: argparse.Namespace) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.verbose:  # Ray's own messages too, e.g. its paragraph on each dead worker
-        logging.getLogger("raymesh.ray").setLevel(logging.DEBUG)
-    return errors.run("train", lambda: _train_job(args))
-
-
-def _train_job(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from raymesh import train
-    from raymesh.cli.progress import ProgressBar
-
-    config = train.load_config(args.job, build=True)
-    pairs = (("steps", args.steps), ("workers", args.workers), ("spares", args.spares))
-    overrides: dict[str, Any] = {k: v for k, v in pairs if v is not None}
-    if args.inject:
-        overrides["faults"] = tuple(args.inject)
-    if args.resume:
-        overrides["resume"] = True
-    if overrides:
-        config = dataclasses.replace(config, **overrides)
-    if args.dashboard and config.run_folder() is None:  # the page reads the run folder
-        config = dataclasses.replace(config, run_dir=f"runs/{Path(args.job).stem}")
-    board = None
-    if args.dashboard:
-        board = dashboard_cli.serve_for(Path(str(config.run_folder())), args.dashboard_port)
-    try:
-        result = train.fit(None, config, progress=ProgressBar())
-    finally:
-        if board is not None:
-            _linger(board)
-    last = result.history[-1] if result.history else {"step": result.resumed_from, "loss": 0.0}
-    for f in result.failures:
-        print(
-            f"healed: {f} (recovered in {f.recovery_s or 0:.2f}s, "
-            f"{f.steps_recomputed or 0} step(s) recomputed)"
-        )
-    print(
-        f"done: step {last['step']}, loss {last['loss']:.4f}, "
-        f"strategy {result.decision.strategy}, checkpoint {result.checkpoint}"
-    )
-    run_dir = config.run_folder()
-    if run_dir and result.history:
-        try:
-            picture = train.save_picture(result, Path(run_dir) / "run.png", title=args.job)
-            print(f"picture: {picture}")
-        except ImportError as e:  # matplotlib is optional
-            print(f"no picture: {e}")
-    return 0
-
-
-def _linger(board: Any) -> None:
-    """The job ended: keep its page up until Enter where someone is at the terminal."""
-    if sys.stdin.isatty():
-        try:
-            input(f"dashboard: still at {board.url}; press Enter to stop it ")
-        except (EOFError, KeyboardInterrupt):
-            pass
-    board.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="raymesh", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"raymesh {__version__}")
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="show the Ray cluster raymesh would use, and versions")
     info.add_argument("--json", action="store_true", help="print JSON for machines")
-    tr = sub.add_parser("train", help="run a training job described by a TOML file")
-    tr.add_argument("job", help="TOML file whose keys are TrainConfig's fields")
-    tr.add_argument("--steps", type=int, help="override steps (e.g. to train further)")
-    tr.add_argument(
-        "--workers",
-        type=count_or_range,
-        help="override workers: N, or MIN:MAX for elastic training",
-    )
-    tr.add_argument("--spares", type=int, help="override spares (warm procs for healing)")
-    tr.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest valid checkpoint (e.g. after the controller died)",
-    )
-    tr.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="KIND:rank=R:step=S",
-        help="inject a fault (kill, fail, hang), e.g. kill:rank=1:step=30; repeatable",
-    )
-    tr.add_argument(
-        "--verbose",
-        action="store_true",
-        help="also show Ray's own messages (raymesh reports worker deaths itself)",
-    )
-    tr.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="serve the job's web page while it runs (prints the URL; needs raymesh[dashboard])",
-    )
-    tr.add_argument(
-        "--dashboard-port",
-        type=int,
-        default=dashboard_cli.DEFAULT_PORT,
-        metavar="PORT",
-        help=f"the dashboard's port (default {dashboard_cli.DEFAULT_PORT}; taken: any free one)",
-    )
+    train_cli.add_parser(sub)
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     serve_cli.add_parser(sub)
@@ -210,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dashboard":
         return dashboard_cli.run(args)
     if args.command == "train":
-        return _train(args)
+        return train_cli.run(args)
     if args.command == "info":
         data = _info()
         if args.json:

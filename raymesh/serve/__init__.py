@@ -19,12 +19,13 @@ except ImportError as e:  # pragma: no cover (the dev install has them)
     raise ImportError(f"raymesh.serve needs {e.name}: pip install 'raymesh[serve]'") from e
 
 from raymesh._common import Tls
-from raymesh.serve.app import App, Reply, deploy
+from raymesh.serve.api import deploy
+from raymesh.serve.app import App, Reply
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.config import ADMIN_TOKEN_ENV, TOKEN_ENV, ServeConfig
+from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.jobfile import load_serving
 from raymesh.serve.model import ModelSpec
-from raymesh.serve.router import ModelError, Unavailable
 from raymesh.serve.scaling import AutoscalePolicy, ReplicaScale
 
 __all__ = [

@@ -1,5 +1,6 @@
 """Ray Serve: a model served as a Ray Serve deployment (`raymesh serve --backend ray-serve`),
-for users who already run Serve. Ray Serve owns the HTTP proxy, the replicas and the batching
+for users who already run Serve; `deploy` returns it as a `RayServeApp`, an `App` as raymesh's
+own server is. Ray Serve owns the HTTP proxy, the replicas and the batching
 (`@serve.batch`); raymesh gives it the model loader, the request guard (raymesh.serve's
 `Guard`) and POST /v1/predict's contract (`front.answer_predict`), so it answers the same
 requests as raymesh's own front, the same way: {"x": ...} -> {"y": ...}, 401 without the
@@ -19,17 +20,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray import serve
 
 from raymesh._common import HTTPError, error_json, free_port
-from raymesh.serve.front import answer_predict
-from raymesh.serve.router import ModelError
+from raymesh.serve.app import App, Endpoint, Reply
+from raymesh.serve.batching import BatchConfig
+from raymesh.serve.dispatcher import ModelError
+from raymesh.serve.front import answer_predict, guard_of
+from raymesh.serve.model import LoadedModel, ModelSpec
+from raymesh.serve.sections import FrontConfig, ReplicaConfig
 
-__all__ = ["RayServeHandle", "deploy"]
+__all__ = ["RayServeApp", "deploy"]
 
 APP_NAME = "raymesh"
 log = logging.getLogger("raymesh.serve")
@@ -52,14 +56,37 @@ class _Response:
         return self._done
 
 
-class RayServeHandle:
-    def __init__(self, handle: Any, port: int, started_serve: bool) -> None:
+class RayServeApp(App):
+    """The model as the Ray Serve app "raymesh": `url`, `predict.call_one(x)` and `stop()`.
+    Ray Serve does the batching, routing and replicas: reload, /v1/generate, statistics and
+    replica processes are Serve's business, and raise NotImplementedError saying so."""
+
+    def __init__(self, handle: Any, host: str, port: int, started_serve: bool) -> None:
         self._handle = handle
+        self._host = host
         self.port = port
         self._started_serve = started_serve
+        self.predict = Endpoint(self._predict)
+        self.generate = Endpoint(self._generate)
 
-    def call(self, x: Any) -> _Response:
-        return _Response(self._handle.predict_one.remote(x))
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    def _predict(self, x: Any) -> Reply:
+        return Reply(_Response(self._handle.predict_one.remote(x)))
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Reply:
+        raise _not_served("/v1/generate")
+
+    def reload(self, checkpoint: str) -> str:
+        raise _not_served("reload")
+
+    def replica_pids(self) -> list[int]:
+        raise _not_served("replica_pids()")
+
+    def stats(self) -> dict[str, Any]:
+        raise _not_served("stats()")
 
     def stop(self) -> None:
         try:
@@ -69,32 +96,33 @@ class RayServeHandle:
                 serve.shutdown()
 
 
-def deploy(
-    load: Callable[[Any], Any],
-    guard: Any,
-    *,
-    host: str,
-    port: int,
-    max_batch_size: int,
-    batch_wait_s: float,
-    replicas: int,
-    cpus: float,
-    gpus: bool,
-    timeout: float,
-) -> RayServeHandle:
-    """Deploy `load(device)` (a raymesh.serve LoadedModel) as the Serve app "raymesh" on
-    route prefix "/v1" (so it sits beside apps on "/"); returns once it answers. Starts Serve's
-    HTTP proxy on host:port (port 0: a free one) unless Serve is already running, whose proxy
-    is then used as it is.
+def _not_served(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f'{what} is not served with backend="ray-serve": Ray Serve runs the deployment (its '
+        'own APIs update and inspect it); deploy with backend="raymesh" for it'
+    )
 
-    guard: every request passes `guard.authorize(scope)` and `await guard.read_json(scope,
-    receive)` first (raymesh.serve.guard.Guard), whose refusals carry `status`, `body` and
-    `headers`."""
+
+def deploy(
+    spec: ModelSpec, *, replicas: ReplicaConfig, batch: BatchConfig, front: FrontConfig
+) -> RayServeApp:
+    """Deploy `spec`'s model (loaded by each replica as raymesh's replicas load it) as the
+    Serve app "raymesh" on route prefix "/v1" (so it sits beside apps on "/"), with
+    `replicas.replicas.min` replicas; returns once it answers, or raises TimeoutError after
+    `replicas.start_timeout_s`. Starts Serve's HTTP proxy on the front's host and port (port 0:
+    a free one) unless Serve is already running, whose proxy is then used as it is.
+
+    Every request passes the front's guard first (raymesh.serve.guard.Guard: its token, body
+    limit, body deadline and finite numbers), as on raymesh's own front."""
     from starlette.requests import Request
     from starlette.responses import Response
 
+    guard = guard_of(front)
+    host, port = front.host, front.port
+    cpus, gpus, timeout = replicas.cpus, replicas.gpus, replicas.start_timeout_s
+
     @serve.deployment(
-        num_replicas=replicas,
+        num_replicas=replicas.replicas.min,
         ray_actor_options={"num_cpus": cpus, "num_gpus": 1 if gpus else 0},
     )
     class RaymeshModel:
@@ -103,10 +131,12 @@ def deploy(
 
             torch.set_num_threads(max(1, int(cpus)))
             cuda = gpus and torch.cuda.is_available()
-            self.model = load(torch.device("cuda" if cuda else "cpu"))
+            self.model = LoadedModel(spec, torch.device("cuda" if cuda else "cpu"))
             self.info = self.model.info
 
-        @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_s)
+        @serve.batch(
+            max_batch_size=batch.max_batch_size, batch_wait_timeout_s=batch.batch_wait_ms / 1000
+        )
         async def predict_batch(self, inputs: list[Any]) -> list[tuple[Any, Any]]:
             values, errors = self.model.predict(inputs)
             return [(v, errors.get(i)) for i, v in enumerate(values)]
@@ -144,11 +174,11 @@ def deploy(
         raise RuntimeError("Ray is not running (raymesh starts it before this)")
     client = serve.context._get_global_client(raise_if_no_controller_running=False)
     started_serve = client is None
-    if started_serve:
+    if client is None:
         port = port or free_port(host)
         serve.start(http_options={"host": host, "port": port})
     else:  # Serve already runs: its proxy serves this app too, on its own port
-        running = int(client.http_config.port)  # type: ignore[union-attr]
+        running = int(client.http_config.port)
         if port not in (0, running):
             log.warning("Ray Serve already runs on port %d: port=%d is not used", running, port)
         port = running
@@ -175,4 +205,4 @@ def deploy(
                 f"the Ray Serve app did not start within start_timeout_s={timeout}"
             ) from None
         raise
-    return RayServeHandle(handle, port, started_serve)
+    return RayServeApp(handle, host, port, started_serve)

@@ -1,5 +1,6 @@
 """`ServeConfig`: how a model is served (replicas, batching, the HTTP front), checked on
-construction; and the `[serve]` table of a job file."""
+construction; and the `[serve]` table of a job file. Written flat; its sections (`router`,
+`batch`, `front`: raymesh.serve.sections) are what the server's rooms are handed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from raymesh._common import Range, Tls, bad, check_int, check_seconds, from_table
 from raymesh.serve.batching import BatchConfig
 from raymesh.serve.scaling import AutoscalePolicy
+from raymesh.serve.sections import FrontConfig, ReplicaConfig, RouterConfig
 
 __all__ = ["ADMIN_TOKEN_ENV", "TOKEN_ENV", "ServeConfig"]
 
@@ -33,7 +35,8 @@ _RAYMESH_FRONT_ONLY = {
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Every field is checked on construction: a bad one raises ValueError naming it, the
-    value and the fix. `replicas` is a count, or (min, max) to autoscale between them."""
+    value and the fix. `replicas` is a count, or (min, max) to autoscale between them.
+    `router`, `batch` and `front` are its sections, what each room of a server is handed."""
 
     replicas: int | tuple[int, int] = 1
     # Dynamic batching (see raymesh.serve.batching).
@@ -120,8 +123,9 @@ class ServeConfig:
                     )
         elif self.admin_token is not None:
             self.check_reload(self.admin_token)
-        self.batch()  # checks the batching fields
-        self.autoscale()  # checks the autoscaling fields and min <= max
+        # The sections check what spans fields: batching's queue holds a batch, autoscaling's
+        # min <= max and its thresholds.
+        _ = self.batch, self.router
 
     @property
     def min_replicas(self) -> int:
@@ -165,6 +169,30 @@ class ServeConfig:
                 "give a token of its own: a client that may predict must not be able to reload",
             )
 
+    # ---- the sections, each handed only to the rooms that read it (raymesh.serve.sections)
+    @property
+    def router(self) -> RouterConfig:
+        latency = self.latency_up_ms
+        return RouterConfig(
+            replicas=ReplicaConfig(
+                replicas=Range.of(self.replicas),
+                cpus=self.cpus_per_replica,
+                gpus=self.gpus,
+                start_timeout_s=self.start_timeout_s,
+            ),
+            autoscale=AutoscalePolicy(
+                min=self.min_replicas,
+                max=self.max_replicas,
+                queue_up=self.queue_up,
+                latency_up_s=None if latency is None else latency / 1000.0,
+                busy_down=self.busy_down,
+                cooldown_s=self.cooldown_s,
+            ),
+            request_timeout_s=self.request_timeout_s,
+            max_retries=self.max_retries,
+        )
+
+    @property
     def batch(self) -> BatchConfig:
         return BatchConfig(
             max_batch_size=self.max_batch_size,
@@ -172,15 +200,22 @@ class ServeConfig:
             max_queue=self.max_queue,
         )
 
-    def autoscale(self) -> AutoscalePolicy:
-        latency = self.latency_up_ms
-        return AutoscalePolicy(
-            min=self.min_replicas,
-            max=self.max_replicas,
-            queue_up=self.queue_up,
-            latency_up_s=None if latency is None else latency / 1000.0,
-            busy_down=self.busy_down,
-            cooldown_s=self.cooldown_s,
+    @property
+    def front(self) -> FrontConfig:
+        """With the tokens settled now (`bearer()`, `admin()`): ValueError when an admin
+        token from the environment cannot be used."""
+        return FrontConfig(
+            host=self.host,
+            port=self.port,
+            token=self.bearer(),
+            admin_token=self.admin(),
+            checkpoint_root=self.checkpoint_root,
+            tls=self.tls,
+            max_body_bytes=self.max_body_bytes,
+            body_timeout_s=self.body_timeout_s,
+            max_connections=self.max_connections,
+            keep_alive_s=self.keep_alive_s,
+            max_tokens=self.max_tokens,
         )
 
     @classmethod

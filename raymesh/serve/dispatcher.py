@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raymesh.actor import ActorError, Channel, Future
-from raymesh.serve.batching import BatchQueue, Overloaded
-from raymesh.serve.config import ServeConfig
+from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.pool import ReplicaPool, Slot, wait_reply
 
@@ -67,22 +66,27 @@ class _Request:
 
 
 class Dispatcher:
-    """observe(sent, answered, arrivals): sees each batch answered (the autoscaler's
-    measurements); spawn: runs a coroutine as a task of the server's."""
+    """batch: the batcher's config (its `max_queue` bounds the streams waiting too);
+    request_timeout_s and max_retries: each request's bounds; observe(sent, answered,
+    arrivals): sees each batch answered (the autoscaler's measurements); spawn: runs a
+    coroutine as a task of the server's."""
 
     def __init__(
         self,
         pool: ReplicaPool,
-        config: ServeConfig,
+        batch: BatchConfig,
         metrics: Metrics,
         *,
+        request_timeout_s: float,
+        max_retries: int,
         observe: Callable[[float, float, Sequence[float]], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self.pool = pool
-        self.config = config
         self.metrics = metrics
-        self.queue: BatchQueue[_Request] = BatchQueue(config.batch())
+        self.timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.queue: BatchQueue[_Request] = BatchQueue(batch)
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.retried = 0  # requests resent after their replica died
         self._observe = observe
@@ -119,7 +123,7 @@ class Dispatcher:
     async def predict(self, x: Any) -> Any:
         """The output for `x`, within `request_timeout_s` (TimeoutError), or ModelError."""
         future = self.submit(x)
-        expire = self._loop.call_later(self.config.request_timeout_s, _expire, future, self.config)
+        expire = self._loop.call_later(self.timeout_s, _expire, future, self.timeout_s)
         try:
             outcome = await future
         finally:
@@ -139,7 +143,7 @@ class Dispatcher:
             raise ModelError("ValueError", "this model has no generate function")
         pieces: list[str] = []
         tries = 0
-        deadline = time.monotonic() + self.config.request_timeout_s
+        deadline = time.monotonic() + self.timeout_s
         while True:
             slot = await self._acquire(deadline)
             lost = False
@@ -155,7 +159,7 @@ class Dispatcher:
                 lost = True
                 tries += 1
                 self.pool.lose(slot, str(e))
-                if tries > self.config.max_retries:
+                if tries > self.max_retries:
                     raise Unavailable(f"the stream's replica failed {tries} times") from None
                 self.retried += 1
                 logger.warning("raymesh.serve: a stream's replica was lost; continuing elsewhere")
@@ -240,7 +244,7 @@ class Dispatcher:
         self, slot: Slot, batch: list[_Request], future: Future[Any], sent: float
     ) -> None:
         # A batch past request_timeout_s means a hung replica: kill it, which fails the await.
-        hung = self._loop.call_later(self.config.request_timeout_s, self._hung, slot)
+        hung = self._loop.call_later(self.timeout_s, self._hung, slot)
         try:
             values, errors, _ = await future
         except ActorError as e:  # the endpoint itself failed (not the model: see predict)
@@ -263,7 +267,7 @@ class Dispatcher:
         logger.warning(
             "raymesh.serve: replica %s ran a batch past request_timeout_s=%s: killing it",
             slot.replica.name,
-            self.config.request_timeout_s,
+            self.timeout_s,
         )
         self.pool.kill(slot)
 
@@ -278,7 +282,7 @@ class Dispatcher:
             if r.future.done():
                 continue
             r.tries += 1
-            if r.tries > self.config.max_retries:
+            if r.tries > self.max_retries:
                 r.future.set_exception(
                     Unavailable(f"its replica failed {r.tries} times; giving up on it")
                 )
@@ -292,7 +296,7 @@ class Dispatcher:
     async def _acquire(self, deadline: float) -> Slot:
         if self._stopping:
             raise Unavailable("the server is stopping")
-        if len(self._streams) + len(self.queue) >= self.config.max_queue:
+        if len(self._streams) + len(self.queue) >= self.queue.config.max_queue:
             raise Overloaded(len(self._streams) + len(self.queue), 1)
         waiter: asyncio.Future[Slot] = self._loop.create_future()
         self._streams.append(waiter)
@@ -303,11 +307,9 @@ class Dispatcher:
             raise TimeoutError("no replica was free within request_timeout_s") from None
 
 
-def _expire(future: asyncio.Future[Outcome], config: ServeConfig) -> None:
+def _expire(future: asyncio.Future[Outcome], timeout_s: float) -> None:
     if not future.done():  # cancelled: a batch that takes it later skips it
-        future.set_exception(
-            TimeoutError(f"no reply within request_timeout_s={config.request_timeout_s}")
-        )
+        future.set_exception(TimeoutError(f"no reply within request_timeout_s={timeout_s}"))
 
 
 def _type(e: ActorError) -> tuple[str, str]:

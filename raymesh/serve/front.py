@@ -37,11 +37,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raymesh._common import BearerAuth
 from raymesh.serve.batching import Overloaded
-from raymesh.serve.config import ServeConfig
+from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.guard import Guard, HTTPError
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, check_input
-from raymesh.serve.router import ModelError, Router, Unavailable
+from raymesh.serve.router import Router
+from raymesh.serve.sections import FrontConfig
 
 __all__ = ["answer_predict", "guard_of", "make_app"]
 
@@ -93,12 +94,12 @@ async def answer_predict(
         return error.status, _json(error.payload()), error.headers
 
 
-def guard_of(config: ServeConfig) -> Guard:
+def guard_of(front: FrontConfig) -> Guard:
     """The token check and body reader of /v1 and /metrics (the Ray Serve backend's too)."""
     return Guard(
-        token=config.bearer(),
-        max_body_bytes=config.max_body_bytes,
-        body_timeout_s=config.body_timeout_s,
+        token=front.token,
+        max_body_bytes=front.max_body_bytes,
+        body_timeout_s=front.body_timeout_s,
     )
 
 
@@ -106,10 +107,12 @@ def guard_of(config: ServeConfig) -> Guard:
 _ROUTES = {"/v1/predict": "predict", "/v1/generate": "generate", "/admin/reload": "reload"}
 
 
-def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
-    admin_token = config.admin()
-    root = None if config.checkpoint_root is None else Path(config.checkpoint_root)
-    read_json = guard_of(config).read_json  # the tokens are checked by BearerAuth, below
+def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
+    """The routes above over `router`, with `front`'s tokens and limits, counted in
+    `metrics`."""
+    admin_token = front.admin_token
+    root = None if front.checkpoint_root is None else Path(front.checkpoint_root)
+    read_json = guard_of(front).read_json  # the tokens are checked by BearerAuth, below
     counters: dict[tuple[str, int], Any] = {}
     latencies = {
         route: metrics.latency.labels(route) for route in ("predict", "generate", "reload")
@@ -147,8 +150,8 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         if not isinstance(prompt, str):
             raise _field_error(f'prompt: give a string, e.g. "def " (got {prompt!r:.40})')
         n = body.get("max_tokens", 64)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= config.max_tokens:
-            raise _field_error(f"max_tokens: give an integer 1..{config.max_tokens} (got {n!r})")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= front.max_tokens:
+            raise _field_error(f"max_tokens: give an integer 1..{front.max_tokens} (got {n!r})")
         t = body.get("temperature", 0.0)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
             raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r})")
@@ -233,7 +236,7 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
         ]
     )
 
-    async def front(scope: Scope, receive: Receive, send: Send) -> None:
+    async def routed(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/predict" and scope["method"] == "POST":
             await predict(scope, receive, send)  # straight to it, past Starlette's routing
         else:
@@ -245,7 +248,7 @@ def make_app(router: Router, config: ServeConfig, metrics: Metrics) -> ASGIApp:
             count(route, error.status)
 
     # /healthz and /readyz need no token; the admin token opens /admin/reload only.
-    guarded = BearerAuth(front, config.bearer(), paths=("/v1/", "/metrics"), refused=refused)
+    guarded = BearerAuth(routed, front.token, paths=("/v1/", "/metrics"), refused=refused)
     return BearerAuth(
         guarded, admin_token, paths=("/admin/",), what="the admin token", refused=refused
     )

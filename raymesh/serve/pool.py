@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from raymesh.serve.config import ServeConfig
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, ModelSpec
 from raymesh.serve.replica import ReplicaProc
+from raymesh.serve.sections import ReplicaConfig
 
 logger = logging.getLogger("raymesh.serve")
 
@@ -47,14 +47,15 @@ class Slot:
 
 
 class ReplicaPool:
-    """start_replica: how a replica starts, `spawn_replica`'s signature (tests pass a fake);
+    """config: how many replicas (`min` at the start) and how each starts; start_replica: how a
+    replica starts, `spawn_replica`'s signature (tests pass a fake);
     spawn: runs a coroutine as a task of the server's (cancelled when it stops); on_ready: sees
     each replica that joins, with the spec it loaded."""
 
     def __init__(
         self,
         spec: ModelSpec,
-        config: ServeConfig,
+        config: ReplicaConfig,
         metrics: Metrics,
         *,
         start_replica: Callable[..., ReplicaProc],
@@ -65,7 +66,7 @@ class ReplicaPool:
         self.config = config
         self.metrics = metrics
         self.slots: list[Slot] = []
-        self.target = config.min_replicas
+        self.target = config.replicas.min
         self.info: ModelInfo | None = None  # the first replica's, for the front
         self.replaced = 0  # replicas lost and replaced
         self.starting = 0
@@ -76,7 +77,7 @@ class ReplicaPool:
         self._backoff_until = 0.0
         self._names = itertools.count()
         self._threads = ThreadPoolExecutor(
-            config.max_replicas + 2, thread_name_prefix="raymesh-serve"
+            config.replicas.max + 2, thread_name_prefix="raymesh-serve"
         )
         self._stopping = False
 
@@ -114,7 +115,7 @@ class ReplicaPool:
                     self._start_replica,
                     name,
                     spec,
-                    cpus=self.config.cpus_per_replica,
+                    cpus=self.config.cpus,
                     gpus=self.config.gpus,
                     timeout=self.config.start_timeout_s,
                 )

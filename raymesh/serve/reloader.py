@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raymesh.actor import ActorError
-from raymesh.serve.config import ServeConfig
 from raymesh.serve.model import ModelSpec, check_under_root
 from raymesh.serve.pool import ReplicaPool, Slot, wait_reply
 
@@ -28,11 +27,11 @@ __all__ = ["Reloader"]
 
 
 class Reloader:
-    """pump: called when a replica comes back into rotation (it may take work at once)."""
+    """pump: called when a replica comes back into rotation (it may take work at once). A
+    replica's load is bounded as its start is (the pool's `start_timeout_s`)."""
 
-    def __init__(self, pool: ReplicaPool, config: ServeConfig, *, pump: Callable[[], None]):
+    def __init__(self, pool: ReplicaPool, *, pump: Callable[[], None]) -> None:
         self.pool = pool
-        self.config = config
         self._pump = pump
         self._reloading = False
 
@@ -91,7 +90,8 @@ class Reloader:
             if slot not in self.pool.slots:
                 return
             info = await asyncio.wait_for(
-                wait_reply(slot.replica.actor.reload.call_one(spec)), self.config.start_timeout_s
+                wait_reply(slot.replica.actor.reload.call_one(spec)),
+                self.pool.config.start_timeout_s,
             )
             slot.replica.info = info
         except ActorError:

@@ -25,48 +25,54 @@ from typing import Any
 
 from raymesh.actor import Channel
 from raymesh.serve.autoscaler import Autoscaler
-from raymesh.serve.config import ServeConfig
-from raymesh.serve.dispatcher import Dispatcher, ModelError, Outcome, Unavailable
+from raymesh.serve.batching import BatchConfig
+from raymesh.serve.dispatcher import Dispatcher, Outcome
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, ModelSpec
 from raymesh.serve.pool import ReplicaPool, Slot
 from raymesh.serve.reloader import Reloader
 from raymesh.serve.replica import ReplicaProc, spawn_replica
+from raymesh.serve.sections import RouterConfig
 
-# ModelError and Unavailable are the dispatcher's; named here too, as the errors a router's
-# caller handles (the front, raymesh.serve's exports).
-__all__ = ["ModelError", "Router", "Unavailable"]
+__all__ = ["Router"]
 
 TICK_S = 0.1  # how often the router looks at its replicas (replacements, autoscaling)
 
 
 class Router:
-    """start_replica: how a replica starts, `spawn_replica`'s signature (tests pass a fake)."""
+    """Each room gets its part of `config` (the pool its `ReplicaConfig`, the autoscaler the
+    policy, the dispatcher the request bounds and the batcher's `batch`), and `metrics`.
+    start_replica: how a replica starts, `spawn_replica`'s signature (tests pass a fake)."""
 
     def __init__(
         self,
         spec: ModelSpec,
-        config: ServeConfig,
+        config: RouterConfig,
+        batch: BatchConfig,
         metrics: Metrics,
         *,
         start_replica: Callable[..., ReplicaProc] = spawn_replica,
     ) -> None:
-        self.config = config
-        self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pool = ReplicaPool(
             spec,
-            config,
+            config.replicas,
             metrics,
             start_replica=start_replica,
             spawn=self._spawn,
             on_ready=self._ready,
         )
-        self.autoscaler = Autoscaler(config.autoscale(), self.pool, metrics)
+        self.autoscaler = Autoscaler(config.autoscale, self.pool, metrics)
         self.dispatcher = Dispatcher(
-            self.pool, config, metrics, observe=self.autoscaler.observe, spawn=self._spawn
+            self.pool,
+            batch,
+            metrics,
+            request_timeout_s=config.request_timeout_s,
+            max_retries=config.max_retries,
+            observe=self.autoscaler.observe,
+            spawn=self._spawn,
         )
-        self.reloader = Reloader(self.pool, config, pump=self.dispatcher.pump)
+        self.reloader = Reloader(self.pool, pump=self.dispatcher.pump)
 
     @property
     def spec(self) -> ModelSpec:

@@ -1,6 +1,6 @@
 """Replicas without Ray, so that the front and the router run for real (uvicorn, the router's
 loop, real HTTP) in a test that starts no proc: `Fakes.start` has `spawn_replica`'s signature
-and is passed to `App(start_replica=...)`, as Ray Train v2's tests swap in a fake worker group.
+and is passed to `Server(start_replica=...)`, as Ray Train v2's tests swap in a fake worker group.
 
 A fake replica's "weights" are its checkpoint folder's name: folder `w3` answers 3 * x for each
 input x (no checkpoint: 1 * x), so an answer says which weights computed it. An input of -1
@@ -22,9 +22,9 @@ import torch
 
 from raymesh.actor import ActorError
 from raymesh.serve import ModelSpec, ServeConfig
-from raymesh.serve.app import App
 from raymesh.serve.model import ModelInfo
 from raymesh.serve.replica import ReplicaProc
+from raymesh.serve.server import Server
 
 HANG = -1
 
@@ -149,11 +149,17 @@ def spec_of(checkpoint: Path | None) -> ModelSpec:
 @contextlib.contextmanager
 def fake_app(
     checkpoint: Path | None = None, fakes: Fakes | None = None, **fields: Any
-) -> Iterator[tuple[App, Fakes]]:
+) -> Iterator[tuple[Server, Fakes]]:
     """A real server (uvicorn, router, HTTP on a free port) over fake replicas."""
     fakes = fakes or Fakes()
-    app = App(spec_of(checkpoint), ServeConfig(port=0, **fields), start_replica=fakes.start)
-    app._start()
+    config = ServeConfig(port=0, **fields)
+    app = Server(
+        spec_of(checkpoint),
+        router=config.router,
+        batch=config.batch,
+        front=config.front,
+        start_replica=fakes.start,
+    ).start()
     try:
         yield app, fakes
     finally:

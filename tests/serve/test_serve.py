@@ -336,6 +336,7 @@ def test_the_ray_serve_backend_answers_and_refuses_the_same_requests(mlp_app, ch
         max_body_bytes=4096,
     )
     try:
+        assert isinstance(app, serve.App) and isinstance(mlp_app, serve.App)
         client = Client(app.url, TOKEN)
         status, _, body = client.post("/v1/predict", {"x": XS[5]})
         assert status == 200
@@ -348,5 +349,11 @@ def test_the_ray_serve_backend_answers_and_refuses_the_same_requests(mlp_app, ch
         assert Client(app.url, "wrong").post("/v1/predict", {"x": XS[5]})[0] == 401
         assert client.post("/v1/predict", {"x": [0.5] * 2000})[0] == 413
         assert client.post("/v1/predict", raw=b'{"x": 1e400}')[0] == 400
+        # From Python too; what Serve runs itself is refused, naming the backend that has it.
+        torch.testing.assert_close(
+            torch.tensor(app.predict.call_one(XS[5]).get(timeout=30)), torch.tensor(ours["y"])
+        )
+        with pytest.raises(NotImplementedError, match='backend="raymesh"'):
+            app.reload(str(checkpoints[0]))
     finally:
         app.stop()

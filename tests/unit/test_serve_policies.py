@@ -163,9 +163,48 @@ def test_a_serve_config_from_a_job_file_takes_lists_and_refuses_unknown_keys():
 
     config = ServeConfig.from_dict({"replicas": [1, 4], "port": 0})
     assert config.replicas == (1, 4) and config.min_replicas == 1 and config.max_replicas == 4
-    assert config.autoscale().max == 4 and config.batch().max_batch_size == 32
+    assert config.router.autoscale.max == 4 and config.batch.max_batch_size == 32
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['replica'\]"):
         ServeConfig.from_dict({"replica": 2})
+
+
+def test_each_room_is_handed_its_section_of_the_flat_config(monkeypatch, tmp_path):
+    from raymesh._common import Range
+    from raymesh.serve import ServeConfig
+    from raymesh.serve.sections import ReplicaConfig
+
+    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env")
+    monkeypatch.setenv("RAYMESH_SERVE_ADMIN_TOKEN", "admin-from-env")
+    config = ServeConfig(
+        replicas=(2, 5),
+        max_batch_size=8,
+        batch_wait_ms=2,
+        max_queue=64,
+        port=0,
+        checkpoint_root=str(tmp_path),
+        request_timeout_s=7,
+        max_retries=1,
+        max_tokens=16,
+        cpus_per_replica=0.5,
+        start_timeout_s=9,
+        latency_up_ms=250,
+    )
+    router, batch, front = config.router, config.batch, config.front
+    assert router.replicas == ReplicaConfig(
+        replicas=Range(2, 5), cpus=0.5, gpus=False, start_timeout_s=9
+    )
+    scale = router.autoscale
+    assert (scale.min, scale.max, scale.latency_up_s) == (2, 5, 0.25)
+    assert (router.request_timeout_s, router.max_retries) == (7, 1)
+    assert batch == BatchConfig(max_batch_size=8, batch_wait_ms=2, max_queue=64)
+    # The front's tokens are settled when it is read: no room reads the environment later.
+    assert (front.token, front.admin_token) == ("from-env", "admin-from-env")
+    assert (front.port, front.checkpoint_root, front.max_tokens) == (0, str(tmp_path), 16)
+    monkeypatch.delenv("RAYMESH_SERVE_TOKEN")
+    assert front.token == "from-env" and config.front.token is None
+    # An admin token from the environment that cannot be used: ValueError when it is read.
+    with pytest.raises(ValueError, match="checkpoint_root=None"):
+        _ = ServeConfig().front
 
 
 def test_the_token_comes_from_the_environment_when_not_given(monkeypatch):
