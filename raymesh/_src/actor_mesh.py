@@ -1,5 +1,9 @@
 """Actor meshes and the adverbs that message them.
 
+One module of about 400 lines on purpose: the mesh and its adverbs are one concept (Monarch's
+`ActorMesh` and its `EndpointRef`), sharing one send path: per-sender sequence numbers, one put
+of a large argument, a slice's ranks.
+
 `mesh.incr` is an `EndpointRef`:
 - `call(*args)` -> `Future[ValueMesh]`: every actor of the mesh (or slice), replies gathered.
 - `call_one(*args)` -> `Future[value]`: the mesh must hold exactly one actor.

@@ -1,5 +1,8 @@
 """The inside of a proc: the actors it hosts, message ordering, and its supervision events.
 
+This module is the runtime that enforces what follows; each hosted actor's state, its turn and
+its end are `hosted_actor`'s, and the proc's event loop is `proc_loop`.
+
 One `ProcRuntime` lives in each proc process (inside the backend's proc host actor), and one in
 the controller for `this_proc()`. It is called from many threads at once (the host's thread pool
 delivers messages concurrently) and enforces the actor guarantees itself rather than relying on
@@ -34,98 +37,25 @@ the transport's ordering:
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from raymesh._src import context as _ctx
 from raymesh._src import ownership
-from raymesh._src.actor import Actor, ActorStopped, ActorThread, Job
+from raymesh._src.actor import Actor, ActorStopped, Job
 from raymesh._src.endpoint import Endpoint, Port, Reply, endpoints_of
 from raymesh._src.errors import MeshFailure, RemoteFailure
+from raymesh._src.hosted_actor import HostedActor, refused, stopped
 from raymesh._src.logs import name_actors_in_records
+from raymesh._src.proc_loop import ProcLoop, awaited, guarded
 from raymesh._src.shape import Point
 
 logger = logging.getLogger("raymesh")
-
-# A message that waits for an earlier sequence number for this long, while its actor is idle,
-# is delivered anyway (and logged): an earlier message can only be missing if its sender died
-# between numbering and sending it, and one lost sender must not wedge the actor.
-_GAP_TIMEOUT_S = 30.0
-
 # How long stopping one actor waits for each of its steps: its async endpoints to end once
 # cancelled, and its __cleanup__ (an actor stuck in an endpoint must not block stop() forever).
 CLEANUP_TIMEOUT_S = 10.0
-
-
-async def _guarded(ctx: _ctx.ActorContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """`fn(*args, **kwargs)` (awaited if it gives an awaitable) as (ok, result or exception).
-    Never raises: asyncio re-raises a task's SystemExit or KeyboardInterrupt out of the event
-    loop, which would end the loop of every actor on the proc."""
-    token = _ctx.enter(ctx)
-    try:
-        result = fn(*args, **kwargs)
-        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-            result = await result
-        return True, result
-    except BaseException as e:
-        return False, e
-    finally:
-        _ctx.leave(token)
-
-
-def _awaited(coro: Coroutine) -> Coroutine:
-    return coro
-
-
-class _Slot:
-    """One hosted actor: its instance, its thread and the turn-taking state."""
-
-    def __init__(
-        self, key: str, mesh_name: str, point: Point, info: _ctx.ActorInstance, thread_name: str
-    ) -> None:
-        self.key = key
-        self.mesh_name = mesh_name
-        self.point = point
-        self.info = info
-        self.instance: Any = None
-        self.endpoints: dict[str, Endpoint] = {}
-        self.thread = ActorThread(thread_name)
-        self.cv = threading.Condition()
-        self.busy = False
-        self.expected: dict[str, int] = {}
-        self.failed: MeshFailure | None = None
-        self.stopped = False
-        self.supervising = threading.Lock()  # one __supervise__ at a time
-        self.tasks: set[asyncio.Task] = set()  # async endpoints started as tasks (loop thread)
-        self.cleaned = False  # __cleanup__ ran (or was started): it runs once
-
-    def acquire(self, sender: str, seq: int) -> None:
-        """Take the actor's turn for message `seq` of `sender`, after its earlier ones."""
-        with self.cv:
-            idle_since: float | None = None
-            while self.busy or self.expected.get(sender, 0) != seq:
-                if not self.busy and self.expected.get(sender, 0) < seq:
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > _GAP_TIMEOUT_S:
-                        logger.warning(
-                            "actor %s: message %d from %s never arrived; skipping it",
-                            self.key,
-                            self.expected.get(sender, 0),
-                            sender,
-                        )
-                        break
-                self.cv.wait(timeout=1.0)
-            self.expected[sender] = seq + 1
-            self.busy = True
-
-    def release(self) -> None:
-        with self.cv:
-            self.busy = False
-            self.cv.notify_all()
 
 
 class ProcRuntime:
@@ -143,11 +73,10 @@ class ProcRuntime:
         # Where events go: by default they queue for the owner's `watch`; an in-process proc
         # (the controller's `this_proc()`) hands them straight to its supervision instead.
         self._on_event = on_event
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, HostedActor] = {}
         self._events: list[tuple[str | None, MeshFailure]] = []
         self._events_cv = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_lock = threading.Lock()
+        self._loop = ProcLoop()
         name_actors_in_records()
 
     # ---- actors ----------------------------------------------------------------------------
@@ -165,15 +94,17 @@ class ProcRuntime:
             _ctx.proc_id(self.proc_mesh_name, self.point), mesh_name, actor_key, point.rank
         )
         info = _ctx.ActorInstance(actor_id, point, f"{cls.__module__}.{cls.__qualname__}")
-        slot = _Slot(actor_key, mesh_name, point, info, f"raymesh-actor-{actor_key}")
+        slot = HostedActor(
+            actor_key, mesh_name, point, info, f"raymesh-actor-{actor_key}", self.proc_mesh_name
+        )
         info._abort = lambda reason: self._fail(slot, f"aborted: {reason or 'no reason provided'}")
-        ctx = _ctx.ActorContext(point, point, mesh_name, actor_key, self.proc_mesh_name, info)
+        ctx = slot.context()
         endpoints = endpoints_of(cls)
         try:
             if endpoints and all(e.is_async for e in endpoints.values()):
                 # An async actor is constructed on the event loop its endpoints run on, so that
                 # thread-local state set in __init__ is theirs (as in Monarch).
-                slot.instance = self._await(ctx, cls, args, kwargs)
+                slot.instance = self._loop.run(ctx, cls, args, kwargs)
             else:
                 slot.instance = slot.thread.call(ctx, cls, args, kwargs)
         except BaseException as exc:  # the spawn reports it
@@ -195,53 +126,15 @@ class ProcRuntime:
         if slot is None:
             return
         slot.stopped = True
-        self._cancel_tasks(slot, timeout)
+        slot.cancel_tasks(self._loop, timeout)
         ownership.stop_owned(actor_key)
-        self._cleanup(slot, None, timeout)
+        slot.cleanup(None, timeout, self._loop)
         slot.thread.close()
 
     def stop_all(self, timeout: float = CLEANUP_TIMEOUT_S) -> None:
         """Stop every actor of this proc, the newest first, before the proc is ended."""
         for key in reversed(list(self._slots)):
             self.stop_actor(key, timeout)
-
-    def _cancel_tasks(self, slot: _Slot, timeout: float) -> None:
-        """Cancel the actor's running async endpoint tasks and wait (bounded) until they have
-        ended, so their `finally` blocks run before `__cleanup__` (as in Monarch)."""
-        loop = self._loop
-        if loop is None:
-            return
-
-        async def cancel() -> None:
-            tasks = list(slot.tasks)
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout)
-
-        try:
-            asyncio.run_coroutine_threadsafe(cancel(), loop).result(timeout + 1.0)
-        except Exception:
-            logger.warning("raymesh: endpoints of %s did not end when cancelled", slot.key)
-
-    def _cleanup(self, slot: _Slot, exc: Exception | None, timeout: float) -> None:
-        """Run the actor's `__cleanup__(exc)` once (a sync one on its thread, an async one on
-        the event loop), waiting at most `timeout`. What it raises is logged: its mesh is
-        stopped or already failed, so there is nobody left to tell."""
-        method = getattr(type(slot.instance), "__cleanup__", None)
-        if method is None or method is Actor.__cleanup__ or slot.cleaned:
-            return
-        slot.cleaned = True
-        ctx = _ctx.ActorContext(
-            slot.point, slot.point, slot.mesh_name, slot.key, self.proc_mesh_name, slot.info
-        )
-        run = self._await if inspect.iscoroutinefunction(method) else slot.thread.call
-        try:
-            run(ctx, slot.instance.__cleanup__, (exc,), {}, timeout)
-        except (TimeoutError, ActorStopped):
-            logger.warning("raymesh: __cleanup__ of %s did not end within %ss", slot.key, timeout)
-        except BaseException as e:  # whatever it raised: logged, the stop goes on
-            logger.error("raymesh: __cleanup__ of %s raised", slot.key, exc_info=e)
 
     def handle(
         self,
@@ -260,32 +153,30 @@ class ProcRuntime:
         turn (later ones from the sender wait for it) and fails with that error."""
         slot = self._slots.get(actor_key)
         if slot is None:
-            return _stopped(actor_key)
+            return stopped(actor_key)
         slot.acquire(sender, seq)
         passed = False  # whether the turn went on to the endpoint, which gives it back itself
         try:
             if slot.stopped:
-                return _stopped(actor_key)
+                return stopped(actor_key)
             if slot.failed is not None:
-                return _refused(slot)
+                return refused(slot)
             if undeliverable is not None:
                 raise undeliverable
             spec = slot.endpoints.get(endpoint)
             if spec is None:
                 raise TypeError(f"{type(slot.instance).__name__}.{endpoint} is not an endpoint")
-            ctx = _ctx.ActorContext(
-                slot.point, message_point, slot.mesh_name, actor_key, self.proc_mesh_name, slot.info
-            )
+            ctx = slot.context(message_point)
             fn = getattr(slot.instance, endpoint)
             if spec.concurrent or spec.explicit_response_port:
                 box = self._start(slot, spec, ctx, fn, args, kwargs, reply)
                 passed = True
                 return box.wait() if reply else None
             if spec.is_async:
-                return self._await(ctx, fn, args, kwargs)
+                return self._loop.run(ctx, fn, args, kwargs)
             result = slot.thread.call(ctx, fn, args, kwargs)
             if asyncio.iscoroutine(result):  # a sync method that returned a coroutine
-                result = self._await(ctx, _awaited, (result,), {})
+                result = self._loop.run(ctx, awaited, (result,), {})
             return result
         except BaseException as exc:  # each kind is handled below
             return self._raised(slot, endpoint, exc, reply)
@@ -295,7 +186,7 @@ class ProcRuntime:
 
     def _start(
         self,
-        slot: _Slot,
+        slot: HostedActor,
         spec: Endpoint,
         ctx: _ctx.ActorContext,
         fn: Callable,
@@ -317,7 +208,7 @@ class ProcRuntime:
                     box.settle(value)
                 return  # explicit: its port replies, or its drop does
             if isinstance(value, asyncio.CancelledError) and slot.stopped:
-                box.settle(_stopped(slot.key))
+                box.settle(stopped(slot.key))
                 return
             box.settle(RemoteFailure.from_exception(value))  # unless it replied already
             if explicit or not isinstance(value, Exception):
@@ -335,8 +226,8 @@ class ProcRuntime:
             slot.thread.submit(ctx, fn, args, kwargs, done)
             return box
 
-        loop = self._event_loop()
-        coro = _guarded(ctx, fn, args, kwargs)
+        loop = self._loop.get()
+        coro = guarded(ctx, fn, args, kwargs)
         del args  # the Port lives in the coroutine only, so that dropping it is seen
 
         def start() -> None:  # on the event loop
@@ -357,10 +248,10 @@ class ProcRuntime:
         loop.call_soon_threadsafe(start)
         return box
 
-    def _raised(self, slot: _Slot, endpoint: str, exc: BaseException, reply: bool) -> Any:
+    def _raised(self, slot: HostedActor, endpoint: str, exc: BaseException, reply: bool) -> Any:
         """The reply for a message whose endpoint raised `exc`."""
         if isinstance(exc, ActorStopped):
-            return _stopped(slot.key)
+            return stopped(slot.key)
         failure = RemoteFailure.from_exception(exc)
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, ...: the actor dies
             self._fail(slot, f"{endpoint} raised {failure.remote_type}: {failure.remote_message}")
@@ -368,7 +259,7 @@ class ProcRuntime:
             self._broadcast_failed(slot, endpoint, failure)
         return failure
 
-    def _broadcast_failed(self, slot: _Slot, endpoint: str, failure: RemoteFailure) -> None:
+    def _broadcast_failed(self, slot: HostedActor, endpoint: str, failure: RemoteFailure) -> None:
         self.post(
             slot.key,
             MeshFailure(
@@ -381,7 +272,7 @@ class ProcRuntime:
             ),
         )
 
-    def _fail(self, slot: _Slot, cause: str) -> None:
+    def _fail(self, slot: HostedActor, cause: str) -> None:
         """Mark the actor failed (once) and tell its owner."""
         with slot.cv:
             if slot.failed is not None or slot.stopped:
@@ -398,8 +289,8 @@ class ProcRuntime:
         # Its __cleanup__ runs now, with the failure (as in Monarch), on a thread of its own:
         # _fail may run on the actor's thread, which the cleanup needs.
         threading.Thread(
-            target=self._cleanup,
-            args=(slot, RuntimeError(failure.cause), CLEANUP_TIMEOUT_S),
+            target=slot.cleanup,
+            args=(RuntimeError(failure.cause), CLEANUP_TIMEOUT_S, self._loop),
             name=f"raymesh-cleanup-{slot.key}",
             daemon=True,
         ).start()
@@ -417,18 +308,11 @@ class ProcRuntime:
         if slot is not None and slot.failed is None:
             hook = getattr(type(slot.instance), "__supervise__", None)
             if hook is not None and hook is not Actor.__supervise__:
-                ctx = _ctx.ActorContext(
-                    slot.point,
-                    slot.point,
-                    slot.mesh_name,
-                    owner_key,
-                    self.proc_mesh_name,
-                    slot.info,
-                )
+                ctx = slot.context()
                 with slot.supervising:
                     try:
                         bound = slot.instance.__supervise__
-                        handled = self._await(ctx, bound, (failure,), {}) is True
+                        handled = self._loop.run(ctx, bound, (failure,), {}) is True
                     except BaseException:
                         logger.exception(
                             "__supervise__ of %s raised; treating as unhandled", owner_key
@@ -449,35 +333,6 @@ class ProcRuntime:
             )
         return handled
 
-    def _await(
-        self,
-        ctx: _ctx.ActorContext,
-        fn: Callable,
-        args: tuple,
-        kwargs: dict,
-        timeout: float | None = None,
-    ) -> Any:
-        """Run `fn` on the event loop (awaiting what it returns) and wait for it here, at most
-        `timeout` seconds (TimeoutError; it still runs)."""
-        future = asyncio.run_coroutine_threadsafe(
-            _guarded(ctx, fn, args, kwargs), self._event_loop()
-        )
-        ok, value = future.result(timeout)
-        if not ok:
-            raise value
-        return value
-
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        if loop is not None:
-            return loop
-        with self._loop_lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="raymesh-async", daemon=True).start()
-                self._loop = loop
-            return self._loop
-
     # ---- supervision events ---------------------------------------------------------------
     def post(self, actor_key: str | None, failure: MeshFailure) -> None:
         """Report a failure of `actor_key` (None: of the proc itself) to the proc's owner."""
@@ -494,20 +349,6 @@ class ProcRuntime:
             self._events_cv.wait_for(lambda: bool(self._events), timeout=timeout)
             events, self._events = self._events, []
         return events
-
-
-def _stopped(actor_key: str) -> RemoteFailure:
-    return RemoteFailure(
-        "raymesh.ActorStopped", f"actor {actor_key} is not on this proc (stopped?)", ""
-    )
-
-
-def _refused(slot: _Slot) -> RemoteFailure:
-    return RemoteFailure(
-        "raymesh.ActorFailed",
-        f"{slot.failed}; it takes no more messages (its owner got the supervision event)",
-        "",
-    )
 
 
 _current_runtime: ProcRuntime | None = None

@@ -10,12 +10,13 @@ accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) 
 
 from raymesh._common import Tls
 from raymesh.federated.client import Client
+from raymesh.federated.config import EdgeConfig
 from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
 from raymesh.federated.jobfile import load_job
 from raymesh.federated.partition import dirichlet_partition
 from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
-from raymesh.federated.secagg import FixedPoint, SecAggClient, SecAggError, SecAggServer
-from raymesh.federated.server import EdgeConfig
+from raymesh.federated.secagg import FixedPoint, SecAggClient, SecAggError
+from raymesh.federated.secagg_server import SecAggServer
 from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy, Update
 
 __all__ = [

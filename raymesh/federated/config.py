@@ -1,13 +1,64 @@
-"""`RunConfig`: how a federated run is laid out, checked on construction."""
+"""`RunConfig`: how a federated run is laid out, and `EdgeConfig`: where its edge clients
+connect and the limits they meet; each checked on construction."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from raymesh._common import Tls
 from raymesh.federated.privacy import DP
-from raymesh.federated.server import EdgeConfig
 
-__all__ = ["RunConfig"]
+__all__ = ["EdgeConfig", "RunConfig"]
+
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: it travels in a header
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeConfig:
+    """Where edge clients connect, and the limits they meet."""
+
+    host: str = "127.0.0.1"  # the address to bind; 0.0.0.0 for every interface
+    port: int = 0  # 0: any free port (EdgeServer.port / .url say which)
+    token: str | None = None  # the bearer token; None: generated (EdgeServer.token), not logged
+    wait_for: int = 0  # the first round waits for this many edge clients to join...
+    join_timeout_s: float = 300.0  # ...for at most this long
+    poll_s: float = 20.0  # a long poll's wait before 204
+    max_body_bytes: int = 256 << 20  # an answer's body limit (413 beyond)
+    max_clients: int = 1000  # devices that may enrol (403 beyond)
+    tls: Tls | None = None  # serve HTTPS with this certificate and key
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"edge.port={self.port!r}: give a TCP port, or 0 for any free one")
+        if self.token is not None and (
+            not isinstance(self.token, str)
+            or len(self.token) < 8
+            or not _TOKEN.fullmatch(self.token)
+        ):
+            raise ValueError(
+                "edge.token must be at least 8 printable ASCII characters without spaces: give "
+                "a longer secret (python -c 'import secrets; print(secrets.token_urlsafe())')"
+            )
+        if not isinstance(self.wait_for, int) or self.wait_for < 0:
+            raise ValueError(f"edge.wait_for={self.wait_for!r}: give a count >= 0")
+        for name in ("join_timeout_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"edge.{name}={getattr(self, name)!r}: give seconds > 0")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024")
+        if not isinstance(self.max_clients, int) or self.max_clients < 1:
+            raise ValueError(f"edge.max_clients={self.max_clients!r}: give a count >= 1")
+        if self.wait_for > self.max_clients:
+            raise ValueError(
+                f"edge.wait_for={self.wait_for} > edge.max_clients={self.max_clients}: "
+                "raise max_clients or wait for fewer"
+            )
+        if self.tls is not None and not isinstance(self.tls, Tls):
+            raise ValueError(
+                f"edge.tls={self.tls!r}: give raymesh.federated.Tls(cert=..., key=...) "
+                "([edge.tls] cert and key in a job file)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

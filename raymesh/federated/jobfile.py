@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from raymesh._common import Tls, from_table, read_toml, resolve
+from raymesh.federated.config import EdgeConfig
 from raymesh.federated.federation import RunConfig
 from raymesh.federated.privacy import DP
-from raymesh.federated.server import EdgeConfig
 from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy
 
 __all__ = ["STRATEGIES", "FederatedJob", "load_job"]

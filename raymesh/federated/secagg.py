@@ -37,13 +37,15 @@ step 4; a seed is used only once it verifies, so a wrong share can make a round 
 What no protocol without proofs can stop: a client that takes part may mask any vector it
 likes, or deal shares nobody can read; the first is its own update (see docs/federated.md for
 what raymesh bounds), the second makes the round fail when its seeds are needed.
+
+This module is the protocol's vocabulary (messages, keys, masks, fixed point, the neighbour
+graph) and the client's side: all that an edge device copies. The server's side is
+`secagg_server`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
-import itertools
 import math
 import os
 import random
@@ -69,7 +71,6 @@ __all__ = [
     "KeyAdvert",
     "SecAggClient",
     "SecAggError",
-    "SecAggServer",
     "Share",
     "advert_problem",
     "combine",
@@ -83,7 +84,6 @@ SEED_BYTES = 16  # PyCryptodome's Shamir shares 16-byte secrets
 KEY_BYTES = 32  # a raw X25519 public key; also a commitment's length (SHA-256)
 # One encrypted share: nonce, Shamir index, the s and b parts, AES-GCM's tag.
 SHARE_BYTES = 12 + 4 + 2 * SEED_BYTES + 16
-SEARCH = 64  # the most sets of t shares tried for one seed that fails to verify
 _P = 2**255 - 19  # X25519's field: a canonical public key is below it
 
 
@@ -188,7 +188,8 @@ def advert_problem(advert: Any) -> str | None:
     return None
 
 
-def _commit(round_: int, client: int, seed: bytes) -> bytes:
+def commitment(round_: int, client: int, seed: bytes) -> bytes:
+    """A client's commitment to its self-mask seed, bound to the round and the client."""
     return hashlib.sha256(b"raymesh secagg b-commit %d %d " % (round_, client) + seed).digest()
 
 
@@ -196,23 +197,26 @@ def _kdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def _s_key(seed: bytes) -> X25519PrivateKey:
+def s_key(seed: bytes) -> X25519PrivateKey:
+    """The masking key pair a 16-byte `s` seed stands for (so the seed can be shared)."""
     return X25519PrivateKey.from_private_bytes(_kdf(seed, b"raymesh secagg s-key"))
 
 
-def _raw(key: X25519PublicKey) -> bytes:
+def raw_key(key: X25519PublicKey) -> bytes:
+    """A public key as its 32 raw bytes."""
     return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def _prg(seed: bytes, round_: int, size: int) -> np.ndarray:
+def prg(seed: bytes, round_: int, size: int) -> np.ndarray:
     """`size` uniform uint64 words from a 32-byte key: ChaCha20's keystream."""
     key = _kdf(seed, b"raymesh secagg mask %d" % round_)
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
     return np.frombuffer(stream.update(bytes(8 * size)), dtype=np.uint64)
 
 
-def _pair_mask(own: X25519PrivateKey, peer: bytes, round_: int, size: int) -> np.ndarray:
-    return _prg(own.exchange(X25519PublicKey.from_public_bytes(peer)), round_, size)
+def pair_mask(own: X25519PrivateKey, peer: bytes, round_: int, size: int) -> np.ndarray:
+    """The pairwise mask of `own` and the peer whose raw public key is `peer`."""
+    return prg(own.exchange(X25519PublicKey.from_public_bytes(peer)), round_, size)
 
 
 def _share_aad(round_: int, sender: int, recipient: int) -> bytes:
@@ -226,7 +230,7 @@ class SecAggClient:
         self.client, self.round = client, round_
         self._c = X25519PrivateKey.generate()
         self._s_seed, self._b_seed = os.urandom(SEED_BYTES), os.urandom(SEED_BYTES)
-        self._s = _s_key(self._s_seed)
+        self._s = s_key(self._s_seed)
         self._adverts: dict[int, KeyAdvert] = {}
         self._boxes: dict[int, AESGCM] = {}  # peer -> its share key (share and unmask use it)
         self._held: dict[int, bytes] = {}  # sender -> the encrypted share it sent us
@@ -236,9 +240,9 @@ class SecAggClient:
     def advertise(self) -> KeyAdvert:
         return KeyAdvert(
             self.client,
-            _raw(self._c.public_key()),
-            _raw(self._s.public_key()),
-            _commit(self.round, self.client, self._b_seed),
+            raw_key(self._c.public_key()),
+            raw_key(self._s.public_key()),
+            commitment(self.round, self.client, self._b_seed),
         )
 
     def _box(self, peer: int) -> AESGCM:
@@ -283,11 +287,11 @@ class SecAggClient:
         """Step 3: `update` is the fixed-point (uint64) encoding; returns what the server sees.
         Pairwise masks only with the neighbours whose shares arrived (`receive`)."""
         y = update.astype(np.uint64, copy=True)
-        y += _prg(self._b_seed, self.round, y.size)
+        y += prg(self._b_seed, self.round, y.size)
         for v, advert in self._adverts.items():
             if v not in self._held:
                 continue
-            m = _pair_mask(self._s, advert.s_public, self.round, y.size)
+            m = pair_mask(self._s, advert.s_public, self.round, y.size)
             if self.client < v:
                 y += m
             else:
@@ -321,197 +325,7 @@ class SecAggClient:
         return out
 
 
-class SecAggServer:
-    """The server's side of one round: routes shares, sums masked updates, rebuilds and
-    verifies seeds, removes masks."""
-
-    def __init__(self, round_: int, size: int, *, threshold: int) -> None:
-        self.round, self.size, self.threshold = round_, size, threshold
-        self._adverts: dict[int, KeyAdvert] = {}
-        self._graph: dict[int, list[int]] = {}
-        self._masked: dict[tuple[int, ...], np.ndarray] = {}
-        self._contributors: set[int] = set()
-        self._sharers: set[int] = set()
-        self.ignored: dict[int, str] = {}  # holder -> why some of its step-4 answers went unused
-
-    def advertised(
-        self, adverts: Iterable[KeyAdvert], graph: Mapping[int, list[int]]
-    ) -> dict[int, dict[int, KeyAdvert]]:
-        """Records step 1; returns, per client, its neighbours' adverts to pass on. Adverts
-        must have been checked (`advert_problem`); a client advertising twice is an error."""
-        self._adverts = {}
-        for a in adverts:
-            if a.client in self._adverts:
-                raise SecAggError(f"client {a.client} advertised twice")
-            self._adverts[a.client] = a
-        self._graph = {
-            u: sorted(v for v in graph.get(u, ()) if v in self._adverts and v != u)
-            for u in self._adverts
-        }
-        return {u: {v: self._adverts[v] for v in vs} for u, vs in self._graph.items()}
-
-    def route(self, outgoing: Mapping[int, Mapping[int, bytes]]) -> dict[int, dict[int, bytes]]:
-        """Step 2: sender -> {recipient: ciphertext} becomes recipient -> {sender: ciphertext}.
-        Only senders that advertised, and only along the graph: a ciphertext for any other
-        recipient is not passed on."""
-        self._sharers = {u for u in outgoing if u in self._graph}
-        inbox: dict[int, dict[int, bytes]] = {}
-        for sender in self._sharers:
-            allowed = set(self._graph[sender])
-            for recipient, blob in outgoing[sender].items():
-                if recipient in allowed:
-                    inbox.setdefault(recipient, {})[sender] = blob
-        return inbox
-
-    def add(self, clients: Iterable[int], masked: np.ndarray) -> None:
-        """Step 3: the sum of some clients' masked updates (one client's, or a proc's partial
-        sum over the clients it hosts: masks cancel in any sum)."""
-        group = tuple(sorted(clients))
-        for client in group:
-            if client not in self._sharers:
-                raise SecAggError(f"client {client} sent a masked update but shared no seeds")
-            if client in self._contributors:
-                raise SecAggError(f"client {client} sent a second masked update")
-        if (
-            not isinstance(masked, np.ndarray)
-            or masked.dtype != np.uint64
-            or masked.shape != (self.size,)
-        ):
-            raise SecAggError(f"clients {list(group)}: masked update must be uint64[{self.size}]")
-        self._masked[group] = masked
-        self._contributors.update(group)
-
-    @property
-    def survivors(self) -> list[int]:
-        return sorted(self._contributors)
-
-    @property
-    def dropped(self) -> list[int]:
-        return sorted(self._sharers - self._contributors)
-
-    def _wanted(self) -> list[tuple[str, int]]:
-        return [("b", u) for u in self.survivors] + [("s", v) for v in self.dropped]
-
-    def shares(
-        self, answers: Mapping[int, Mapping[int, Revealed]]
-    ) -> dict[tuple[str, int], list[Share]]:
-        """The usable shares of step 4's `answers` (holder -> owner -> (which, idx, share)):
-        from a survivor, about a neighbour that shared with it, of the seed the server asked
-        for, at the index that holder's share has (the owner numbers its neighbours in
-        order), 16 bytes. Others are left out, the reason in `ignored[holder]`."""
-        parts: dict[tuple[str, int], list[Share]] = {}
-        gone = set(self.dropped)
-        for holder, revealed in answers.items():
-            if holder not in self._contributors:
-                continue
-            bad = []
-            for owner, entry in revealed.items():
-                problem = self._share_problem(holder, owner, entry, gone)
-                if problem:
-                    bad.append(f"client {owner}'s share: {problem}")
-                    continue
-                _, idx, share = entry
-                parts.setdefault((entry[0], owner), []).append((idx, share))
-            if bad:
-                self.ignored[holder] = "; ".join(bad)[:300]
-        return parts
-
-    def _share_problem(self, holder: int, owner: Any, entry: Any, gone: set[int]) -> str:
-        if owner not in self._sharers or holder not in self._graph.get(owner, ()):
-            return "it holds none (not a neighbour that shared)"
-        if not isinstance(entry, tuple) or len(entry) != 3:
-            return "not a (which, index, share) triple"
-        which, idx, share = entry
-        if which != ("s" if owner in gone else "b"):
-            return f"{which!r} is not the seed asked for"
-        if idx != self._graph[owner].index(holder) + 1 or isinstance(idx, bool):
-            return f"index {idx!r} is not this holder's"
-        if not isinstance(share, bytes) or len(share) != SEED_BYTES:
-            return f"a share must be {SEED_BYTES} bytes"
-        return ""
-
-    def needed(
-        self, answers: Mapping[int, Mapping[int, Revealed]]
-    ) -> dict[tuple[str, int], list[Share]]:
-        """Step 4's Shamir jobs: for each survivor ('b', u) and each dropped client ('s', v),
-        the first `threshold` usable shares (`shares`). Raises SecAggError when a seed has
-        fewer: too many clients dropped or answered wrongly."""
-        parts = self.shares(answers)
-        for which, owner in self._wanted():
-            got = len(parts.get((which, owner), []))
-            if got < self.threshold:
-                raise SecAggError(
-                    f"round {self.round}: {got} valid shares of client {owner}'s seed came "
-                    f"back, {self.threshold} are needed to remove its mask; too many clients "
-                    "dropped or answered wrongly"
-                )
-        return {key: parts[key][: self.threshold] for key in self._wanted()}
-
-    def verify(self, key: tuple[str, int], seed: Any) -> bool:
-        """Whether `seed` is client key[1]'s: its `s` seed gives the advertised public key, its
-        `b` seed the advertised commitment."""
-        which, owner = key
-        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or owner not in self._adverts:
-            return False
-        advert = self._adverts[owner]
-        if which == "s":
-            return hmac.compare_digest(_raw(_s_key(seed).public_key()), advert.s_public)
-        return hmac.compare_digest(_commit(self.round, owner, seed), advert.b_commit)
-
-    def rebuild(self, key: tuple[str, int], shares: list[Share], candidate: Any = None) -> bytes:
-        """Client key[1]'s seed: `candidate` (rebuilt elsewhere) if it verifies, else the first
-        set of `threshold` of `shares` whose secret verifies (every set when there are at
-        most SEARCH, else SEARCH sets drawn at random, the first `threshold` first). Raises
-        SecAggError when none does: the round cannot be unmasked without trusting a share."""
-        if candidate is not None and self.verify(key, candidate):
-            return candidate
-        t, n = self.threshold, len(shares)
-        if n < t:
-            raise SecAggError(f"round {self.round}: {n} of {t} shares of client {key[1]}")
-        picks: Iterable[tuple[int, ...]]
-        if math.comb(n, t) <= SEARCH:
-            picks = itertools.combinations(range(n), t)
-        else:
-            rng = random.Random(f"{self.round} {key}")
-            picks = [tuple(range(t))] + [tuple(rng.sample(range(n), t)) for _ in range(SEARCH - 1)]
-        for pick in picks:
-            seed = combine(shares[i] for i in pick)
-            if self.verify(key, seed):
-                return seed
-        raise SecAggError(
-            f"round {self.round}: no set of {t} of the {n} shares of client {key[1]}'s "
-            f"{key[0]} seed verifies: its shares are wrong, so its mask cannot be removed"
-        )
-
-    def finish(
-        self,
-        answers: Mapping[int, Mapping[int, Revealed]],
-        seeds: Mapping[tuple[str, int], Any] | None = None,
-    ) -> np.ndarray:
-        """Step 4: `answers` are the survivors' `unmask` results; `seeds` candidates for the
-        seeds of `needed(answers)` rebuilt elsewhere (with `combine`), used once verified.
-        Returns the exact sum of the survivors' fixed-point updates, or raises SecAggError."""
-        self.needed(answers)  # too few shares: fail before any work
-        parts = self.shares(answers)
-        candidates = seeds or {}
-        got = {key: self.rebuild(key, parts[key], candidates.get(key)) for key in self._wanted()}
-        total = np.zeros(self.size, dtype=np.uint64)
-        for y in self._masked.values():
-            total += y
-        for u in self.survivors:
-            total -= _prg(got[("b", u)], self.round, self.size)
-        for v in self.dropped:
-            s_key = _s_key(got[("s", v)])
-            for u in self._graph[v]:
-                if u in self._contributors:  # y_u holds +-PRG(s_uv); remove it (u's sign is -v's)
-                    m = _pair_mask(s_key, self._adverts[u].s_public, self.round, self.size)
-                    if u < v:
-                        total -= m
-                    else:
-                        total += m
-        return total
-
-
 def combine(shares: Iterable[Share]) -> bytes:
-    """A secret from `threshold` of its Shamir shares (unverified: see SecAggServer.rebuild)."""
+    """A secret from `threshold` of its Shamir shares (unverified: see
+    secagg_server.SecAggServer.rebuild)."""
     return Shamir.combine(list(shares))

@@ -25,7 +25,8 @@ from raymesh.federated.config import RunConfig
 from raymesh.federated.host_pool import HostPool
 from raymesh.federated.protocol import FIXED, Advertise, Combine, Fit, Message, ShareSeeds, Unmask
 from raymesh.federated.result import Outcome
-from raymesh.federated.secagg import SecAggError, SecAggServer, default_degree, neighbours
+from raymesh.federated.secagg import SecAggError, default_degree, neighbours
+from raymesh.federated.secagg_server import SecAggServer
 
 __all__ = ["SecureRound"]
 

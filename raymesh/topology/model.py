@@ -1,5 +1,9 @@
 """What a cluster looks like, as plain frozen data: hosts, their devices, and the links between.
 
+One module past 400 lines on purpose: hosts, devices, NUMA nodes, links and the topology are one
+data model, nested in one another, checked against one link vocabulary (below) and round-tripped
+through JSON together (`to_dict`/`from_dict` at every level).
+
 A `Topology` is what `discover()` returns and what `plan()` reads. It is plain data on purpose:
 tests build one by hand (`Host.gpu_box`, `Topology.of`), and `to_dict()`/`from_dict()` round-trip
 it through JSON (what `raymesh topology --json` prints).

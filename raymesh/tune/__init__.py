@@ -15,8 +15,9 @@ Optuna samples and prunes (`pip install 'raymesh[tune]'`); see `raymesh.tune.stu
 """
 
 from raymesh.tune.jobfile import load_study
+from raymesh.tune.results import Study, TrialResult
 from raymesh.tune.space import Domain, choice, loguniform, randint, uniform
-from raymesh.tune.study import METRICS, Study, TrialResult, run
+from raymesh.tune.study import METRICS, run
 
 __all__ = [
     "METRICS",

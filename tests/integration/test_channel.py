@@ -21,7 +21,7 @@ import zmq
 
 from raymesh import ActorError, SupervisionError, this_host
 from raymesh._src import backend
-from raymesh._src.backend import channel
+from raymesh._src.backend import channel, channel_auth, channel_sockets
 
 from ..waiting import wait_for
 from .actors import Counter, Recorder, TensorActor
@@ -114,7 +114,7 @@ def test_channels_off_sends_every_message_through_ray(procs, monkeypatch):
 
 
 def test_sockets_live_in_a_directory_only_this_user_can_enter(procs):
-    path = channel.socket_dir()
+    path = channel_sockets.socket_dir()
     info = os.stat(path)
     assert info.st_uid == os.getuid()
     assert stat.S_IMODE(info.st_mode) == 0o700
@@ -162,7 +162,7 @@ def test_frames_from_a_foreign_process_are_never_unpickled_and_the_channel_keeps
     address = procs._state.procs[0].channel
     marker = tmp_path / "unpickled"
     evil = pickle.dumps(_WritesAFile(str(marker)))
-    reply_to = f"ipc://{channel.socket_dir()}/test-{uuid.uuid4().hex[:12]}.sock"
+    reply_to = f"ipc://{channel_sockets.socket_dir()}/test-{uuid.uuid4().hex[:12]}.sock"
     replies = _raw(zmq.PULL, reply_to)
     sender = _raw(zmq.PUSH, address)
     try:
@@ -171,21 +171,25 @@ def test_frames_from_a_foreign_process_are_never_unpickled_and_the_channel_keeps
         sender.send_multipart([b"\0" * 32, here, b"2", evil, evil])  # a wrong MAC
         sender.send_multipart([evil])  # a part alone
         other = secrets.token_bytes(32)  # another cluster's key
-        foreign = channel._Mac(other)
-        sender.send_multipart(channel._signed(foreign, channel._REQUEST, [here, b"3", evil, evil]))
+        foreign = channel_auth.Mac(other)
+        sender.send_multipart(
+            channel_auth.signed(foreign, channel_auth.REQUEST, [here, b"3", evil, evil])
+        )
         # Then a frame with this cluster's key, on the same connection (read after the others):
         # its header is no message, so the proc answers with the failure.
-        mac = channel._Mac(channel.runtime_key())
+        mac = channel_auth.Mac(channel_auth.runtime_key())
         parts = [here, b"4", pickle.dumps(("no", "header")), pickle.dumps(((), {}))]
-        sender.send_multipart(channel._signed(mac, channel._REQUEST, parts))
+        sender.send_multipart(channel_auth.signed(mac, channel_auth.REQUEST, parts))
         answered = []  # the msgids answered: only the last frame's, where all is well
         while b"4" not in answered:
             assert replies.poll(30_000), "the proc did not answer a frame with the cluster's key"
-            answered.append(channel._verified(mac, channel._REPLY, replies.recv_multipart(), 3)[0])
+            answered.append(
+                channel_auth.verified(mac, channel_auth.REPLY, replies.recv_multipart(), 3)[0]
+            )
     finally:
         sender.close(0)
         replies.close(0)
-        channel._unlink(reply_to)
+        channel_sockets.unlink(reply_to)
     assert not marker.exists()
     assert answered == [b"4"]
     future = rec.add.call_one(1)
@@ -209,9 +213,9 @@ def test_a_forged_reply_is_never_unpickled_and_the_real_one_arrives(procs, tmp_p
     forger = _raw(zmq.PUSH, client._reply_to)
     with caplog.at_level(logging.WARNING, logger="raymesh"):
         try:
-            forger.send_multipart([msgid, channel._VALUE, evil])
-            forger.send_multipart([b"\0" * 32, msgid, channel._VALUE, evil])
-            forger.send_multipart([secrets.token_bytes(32), msgid, channel._FETCH, b""])
+            forger.send_multipart([msgid, channel.VALUE, evil])
+            forger.send_multipart([b"\0" * 32, msgid, channel.VALUE, evil])
+            forger.send_multipart([secrets.token_bytes(32), msgid, channel.FETCH, b""])
             wait_for(lambda: client.drops.count == dropped + 3, 30, what="3 forged replies dropped")
         finally:
             forger.close(0)
@@ -224,24 +228,26 @@ def test_a_forged_reply_is_never_unpickled_and_the_real_one_arrives(procs, tmp_p
 
 
 def test_a_frames_mac_is_hmac_sha256_of_its_kind_lengths_and_parts():
-    large = b"y" * (channel._JOIN_BELOW + 1)  # hashed in place, not joined
+    large = b"y" * (channel_auth.JOIN_BELOW + 1)  # hashed in place, not joined
     for key in (secrets.token_bytes(32), secrets.token_bytes(100)):
         for parts in ([b"a", b"", b"bc"], [b"r", b"m", b"h", b"d"], [b"r", b"m", b"h", large]):
             lengths = b"".join(len(p).to_bytes(8, "little") for p in parts)
-            message = channel._REQUEST + lengths + b"".join(parts)
+            message = channel_auth.REQUEST + lengths + b"".join(parts)
             expected = hmac.digest(key, message, "sha256")
-            assert channel._Mac(key)(channel._REQUEST, parts) == expected
+            assert channel_auth.Mac(key)(channel_auth.REQUEST, parts) == expected
     # Moving a byte from one part to the next, or a message taken for a reply: another MAC.
-    mac = channel._Mac(b"k" * 32)
-    assert mac(channel._REQUEST, [b"ab", b"c", b""]) != mac(channel._REQUEST, [b"a", b"bc", b""])
-    assert mac(channel._REQUEST, [b"a", b"", b""]) != mac(channel._REPLY, [b"a", b"", b""])
+    mac = channel_auth.Mac(b"k" * 32)
+    assert mac(channel_auth.REQUEST, [b"ab", b"c", b""]) != mac(
+        channel_auth.REQUEST, [b"a", b"bc", b""]
+    )
+    assert mac(channel_auth.REQUEST, [b"a", b"", b""]) != mac(channel_auth.REPLY, [b"a", b"", b""])
 
 
 def test_a_symlinked_or_open_socket_directory_is_refused(tmp_path, monkeypatch):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    made = channel.socket_dir()  # made there, private to this user
+    made = channel_sockets.socket_dir()  # made there, private to this user
     assert made == str(runtime / "raymesh")
     assert stat.S_IMODE(os.lstat(made).st_mode) == 0o700
     os.rmdir(made)
@@ -249,13 +255,15 @@ def test_a_symlinked_or_open_socket_directory_is_refused(tmp_path, monkeypatch):
     elsewhere.mkdir(mode=0o700)
     os.symlink(elsewhere, made)
     with pytest.raises(PermissionError, match=r"raymesh is a symbolic link .* remove it"):
-        channel.socket_dir()
+        channel_sockets.socket_dir()
     os.unlink(made)
     os.mkdir(made)
     for mode in (0o777, 0o750, 0o701):
         os.chmod(made, mode)
         with pytest.raises(PermissionError, match=f"has mode {mode:04o}: its group or others"):
-            channel.socket_dir()
+            channel_sockets.socket_dir()
     # A runtime directory others may write to is not used: the temp dir's is.
     os.chmod(runtime, 0o777)
-    assert channel.socket_dir() == os.path.join(tempfile.gettempdir(), f"raymesh-{os.getuid()}")
+    assert channel_sockets.socket_dir() == os.path.join(
+        tempfile.gettempdir(), f"raymesh-{os.getuid()}"
+    )

@@ -399,7 +399,7 @@ def test_a_pickle_planted_in_metadata_never_runs_and_the_checkpoint_is_refused(
 ) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from raymesh.train.checkpoint import _MetadataReader
+    from raymesh.train.checkpoint.unpickling import MetadataReader
 
     model, opt = _fresh()
     ck = Checkpointer(tmp_path / "ck")
@@ -417,7 +417,7 @@ def test_a_pickle_planted_in_metadata_never_runs_and_the_checkpoint_is_refused(
     with pytest.raises(CheckpointError, match=r"cannot load .*not one of DCP's metadata types"):
         ck.load(step, model, opt)
     with pytest.raises(CheckpointError, match=r"refused unread"):  # what dcp.load reads with
-        _MetadataReader(step).read_metadata()
+        MetadataReader(step).read_metadata()
     with caplog.at_level(logging.WARNING, logger="raymesh"):
         assert ck.latest() is None  # skipped, with its reason
     assert "io.open" in caplog.text

@@ -29,7 +29,7 @@ named across layers is a dependency all the same), relative ones, and
 packages are not counted: importing any `raymesh.*` module runs `raymesh/__init__.py`, which is
 how Python packages work, not a choice of the importing module.
 
-Three more rules, checked the same way:
+Four more rules, checked the same way:
 - Ray is imported only by the backend (`raymesh/_src/backend/`) and by the adapters of Ray's
   libraries, which live with the subsystem that uses them (`raymesh/*/_ray_*.py`: Ray Serve in
   raymesh.serve, Ray Data in raymesh.data). `import ray`, `from ray...`, lazy imports and
@@ -39,11 +39,15 @@ Three more rules, checked the same way:
 - Above the core, a package imports another package by its exported names (its `__init__`),
   not by a module of its own: a module of another package is imported only where
   `PUBLIC_MODULES` names it a public module, or `PRIVATE_IMPORTS` gives the reason.
+- No import cycle among the modules of `raymesh._src`, `raymesh._src.backend` or
+  `raymesh.train`; here only the imports that run when a module is imported count (lazy and
+  `TYPE_CHECKING` ones do not: the cycle test says why).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import subprocess
 import sys
@@ -133,6 +137,8 @@ class Import:
     line: int
     importer: str
     imported: str
+    names: tuple[str, ...] = ()  # `from imported import names` (names that are not modules)
+    eager: bool = True  # it runs when `importer` is imported (not lazy, not TYPE_CHECKING)
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
@@ -161,10 +167,18 @@ def layer_of(module: str) -> str | None:
 def imports_of(source: str, importer: str, is_package: bool, modules: set[str]) -> list[Import]:
     """Every raymesh module that `source` (module `importer`) imports, wherever the import is."""
     package = importer if is_package else importer.rpartition(".")[0]
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    eager = _run_at_import(tree)
+    found: dict[tuple[int, str], tuple[set[str], bool]] = {}
+
+    def add(node: ast.stmt | ast.expr, name: str, names: tuple[str, ...] = ()) -> None:
+        seen, was_eager = found.get((node.lineno, name), (set(), False))
+        found[(node.lineno, name)] = (seen | set(names), was_eager or id(node) in eager)
+
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            for alias in node.names:
+                add(node, alias.name)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -174,16 +188,44 @@ def imports_of(source: str, importer: str, is_package: bool, modules: set[str]) 
             for alias in node.names:
                 # `from raymesh import train` imports the module raymesh.train
                 sub = f"{base}.{alias.name}"
-                found.append((node.lineno, sub if sub in modules else base))
+                if sub in modules:
+                    add(node, sub)
+                else:
+                    add(node, base, (alias.name,))
         elif isinstance(node, ast.Call) and _is_import_call(node.func) and node.args:
             arg = node.args[0]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                found.append((node.lineno, arg.value))
+                add(node, arg.value)
     return [
-        Import("", line, importer, name)
-        for line, name in sorted(set(found))
+        Import("", line, importer, name, tuple(sorted(names)), runs)
+        for (line, name), (names, runs) in sorted(found.items())
         if name == "raymesh" or name.startswith("raymesh.")
     ]
+
+
+def _run_at_import(tree: ast.Module) -> set[int]:
+    """The ids of the nodes of `tree` that run when its module is imported: all but those in a
+    function's body (lazy) and under `if TYPE_CHECKING:` (never run; its `else:` does)."""
+    out: set[int] = set()
+
+    def take(node: ast.AST) -> None:
+        out.add(id(node))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for branch in child.orelse:
+                    take(branch)
+                continue
+            take(child)
+
+    take(tree)
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+    return name == "TYPE_CHECKING"
 
 
 def _is_import_call(func: ast.expr) -> bool:
@@ -198,7 +240,7 @@ def all_imports() -> list[Import]:
     for importer, path in modules.items():
         rel = str(path.relative_to(ROOT))
         for imp in imports_of(path.read_text(), importer, path.name == "__init__.py", names):
-            out.append(Import(rel, imp.line, imp.importer, imp.imported))
+            out.append(dataclasses.replace(imp, path=rel))
     return out
 
 
@@ -417,6 +459,174 @@ def test_the_export_check_allows_a_packages_front_and_its_own_modules():
     assert not reaches_into(imp("raymesh.serve.model", "raymesh._common"))
     assert reaches_into(imp("raymesh.serve.model", "raymesh._common.tables"))
     assert not reaches_into(imp("raymesh.actor", "raymesh._src.proc_mesh"))  # the core's own
+
+
+# --- No import cycle inside a package ---------------------------------------------------------
+
+# Packages whose modules may not import each other in a cycle (each with its subpackages).
+ACYCLIC = ("raymesh._src", "raymesh._src.backend", "raymesh.train")
+
+
+def import_graph(package: str, imports: list[Import], packages: set[str]) -> dict[str, set[str]]:
+    """module -> the modules it imports, among `package`'s (itself and its subpackages), by the
+    imports that run when it is imported. `packages`: the modules that are packages (their
+    `__init__`). A name taken from a package's `__init__` that re-exports it from a module is
+    an edge to that module; any other name (or the package itself) is an edge to the `__init__`.
+    """
+
+    def inside(module: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    # package -> {name: the module it re-exports the name from}
+    reexports: dict[str, dict[str, str]] = {}
+    for imp in imports:
+        if imp.importer in packages and imp.eager:
+            for name in imp.names:
+                reexports.setdefault(imp.importer, {})[name] = imp.imported
+
+    def targets(imported: str, names: tuple[str, ...], seen: frozenset[str]) -> set[str]:
+        table = reexports.get(imported, {})
+        if not names or imported in seen or any(n not in table for n in names):
+            return {imported}
+        out: set[str] = set()
+        for name in names:  # a re-export of a re-export: followed to where the name lives
+            out |= targets(table[name], (name,), seen | {imported})
+        return out
+
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if not inside(imp.importer):
+            continue
+        graph.setdefault(imp.importer, set())
+        if not imp.eager:
+            continue
+        for target in targets(imp.imported, imp.names, frozenset()):
+            if inside(target) and target != imp.importer:
+                graph[imp.importer].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (its modules in import order) for each strongly connected part of `graph`
+    that has one."""
+    order: list[str] = []  # Kosaraju: finishing order on the graph, then the reversed graph
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        done.add(start)
+        stack = [(start, iter(sorted(graph.get(start, ()))))]
+        while stack:
+            node, rest = stack[-1]
+            nxt = next((n for n in rest if n not in done), None)
+            if nxt is None:
+                stack.pop()
+                order.append(node)
+            else:
+                done.add(nxt)
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+    reverse: dict[str, set[str]] = {}
+    for a, bs in graph.items():
+        for b in bs:
+            reverse.setdefault(b, set()).add(a)
+    placed: set[str] = set()
+    found = []
+    for root in reversed(order):
+        if root in placed:
+            continue
+        part, todo = {root}, [root]
+        while todo:
+            for prev in reverse.get(todo.pop(), ()):
+                if prev not in placed and prev not in part:
+                    part.add(prev)
+                    todo.append(prev)
+        placed |= part
+        if len(part) > 1:
+            found.append(_path_back(min(part), part, graph))
+    return found
+
+
+def _path_back(start: str, part: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """The shortest way from `start` back to itself within `part` (breadth first)."""
+    came: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came[path[-1]])
+                return path[::-1]
+            if nxt in part and nxt not in came:
+                came[nxt] = node
+                todo.append(nxt)
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def test_no_import_cycle_inside_the_core_the_backend_or_train():
+    """No cycle among the modules of `raymesh._src`, `raymesh._src.backend` or `raymesh.train`
+    (each with its subpackages, such as `raymesh.train.checkpoint`).
+
+    Counted: the imports that run when their module is imported (at module level, in a class
+    body, under a module-level `if` or `try`). Those are what a cycle breaks: whichever module
+    of it is imported first hands the next one itself half made, and whether that fails
+    depends on which is imported first (what Ray's tests/test_circular_imports.py catches).
+    Not counted: lazy imports (inside a function), which run once both modules are whole and
+    are how a module reaches one that imports it, at run time; and `if TYPE_CHECKING:` imports,
+    which never run. Neither hides a dependency between layers: the layer test above counts
+    both.
+
+    A name imported from a package's `__init__` that re-exports it counts as an import of the
+    module it comes from: a package's `__init__` runs before any of its modules anyway (Python
+    imports parents first, which the layer test does not count either), so a cycle through an
+    `__init__` is real only when the module behind the re-export closes it.
+    """
+    imports = all_imports()
+    packages = {m for m, path in all_modules().items() if path.name == "__init__.py"}
+    report = [
+        f"{package}: " + " -> ".join([*cycle, cycle[0]])
+        for package in ACYCLIC
+        for cycle in cycles(import_graph(package, imports, packages))
+    ]
+    assert not report, (
+        "import cycles (move what both sides need to a module of its own, or pass it in):\n"
+        + "\n".join(report)
+    )
+
+
+def test_the_cycle_check_sees_cycles_through_imports_that_run_and_real_re_exports():
+    sources = {
+        "raymesh.fake": "from .a import A\nfrom .b import B\nfrom .f import F\n",
+        # A real cycle a -> b -> c -> a, the first edge through the package's re-export of B.
+        "raymesh.fake.a": "from raymesh.fake import B\nclass A: ...\n",
+        "raymesh.fake.b": "import raymesh.fake.c\nclass B: ...\n",
+        "raymesh.fake.c": "class C:\n    from . import a\n",
+        # d <-> e by a lazy and a type-only import: not counted.
+        "raymesh.fake.d": "def later():\n    from raymesh.fake import e\n",
+        "raymesh.fake.e": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n"
+            "else:\n    from raymesh import other\n"
+        ),
+        # f takes A from the package, which imports f: through the re-export, f -> a only.
+        "raymesh.fake.f": "from raymesh.fake import A\nF = A\n",
+    }
+    modules = set(sources) | {"raymesh.other"}
+    imports = [
+        imp
+        for name, source in sources.items()
+        for imp in imports_of(source, name, name == "raymesh.fake", modules)
+    ]
+    graph = import_graph("raymesh.fake", imports, {"raymesh.fake"})
+    assert graph["raymesh.fake.a"] == {"raymesh.fake.b"}
+    assert graph["raymesh.fake.d"] == set() and graph["raymesh.fake.e"] == set()
+    assert graph["raymesh.fake.f"] == {"raymesh.fake.a"}
+    assert cycles(graph) == [["raymesh.fake.a", "raymesh.fake.b", "raymesh.fake.c"]]
+    # The same imports, all made lazy: no cycle.
+    lazy = [dataclasses.replace(i, eager=False) for i in imports]
+    assert cycles(import_graph("raymesh.fake", lazy, {"raymesh.fake"})) == []
+    # Without following the re-export, f -> fake -> f would be one: a cycle only on paper.
+    assert cycles({"f": {"fake"}, "fake": {"f"}}) == [["f", "fake"]]
 
 
 # Imports `sys.argv[1]` as the first thing; fails if that started Ray.

@@ -9,6 +9,10 @@ large buffers (put once in the object store, mapped zero-copy by the proc), Ray 
 procs on other hosts. Ordering does not depend on the transport: `ProcRuntime` orders each
 caller's messages by sequence number, so the two paths mix freely.
 
+This module is the two ends (`Server` in a proc, the caller's `client()`) and what decides the
+path (`enabled`, `dumps`); the key and each frame's MAC are `channel_auth`, the socket
+directory and the sockets `channel_sockets`.
+
 Guarantees:
 - A proc's channel listens on a Unix socket in a directory only this user can enter, never on
   a network port: `$XDG_RUNTIME_DIR/raymesh` (else `raymesh-<uid>` in the temp dir), created
@@ -31,40 +35,36 @@ Guarantees:
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import hashlib
-import hmac
 import itertools
 import logging
 import os
 import pickle
-import secrets
-import stat
-import struct
-import tempfile
 import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from raymesh._src.backend.channel_auth import (
+    REPLY,
+    REQUEST,
+    Drops,
+    Mac,
+    current_mac,
+    runtime_mac,
+    signed,
+    verified,
+)
+from raymesh._src.backend.channel_sockets import listen, new_address, push
+
 # Messages and replies that pickle to more than this go through Ray's object store instead.
 LARGE_BYTES = 1 << 20
 
-_LINGER_MS = 60_000  # how long a closed socket keeps trying to deliver what it has queued
-_VALUE, _FETCH = b"v", b"f"  # reply kinds: the pickled value, or "fetch it through Ray"
+VALUE, FETCH = b"v", b"f"  # reply kinds: the pickled value, or "fetch it through Ray"
 _DEAD_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
-# Each frame's MAC covers what it is (a message or a reply: one is never taken for the other),
-# the length of each part, then the parts.
-_REQUEST, _REPLY = b"raymesh-channel-message\0", b"raymesh-channel-reply\0"
-_KEY_NAME, _KEY_NAMESPACE = b"channel-key", "raymesh"  # where Ray's GCS keeps the key
-_JOIN_BELOW = 64 << 10  # parts shorter than this in all are joined and hashed in one call
-_DROP_LOG_S = 60.0  # dropped frames are logged at most this often
 
 logger = logging.getLogger("raymesh")
 
@@ -112,223 +112,6 @@ def enabled() -> bool:
     return value == "1"
 
 
-def socket_dir() -> str:
-    """Where this user's procs put their sockets (see the module's guarantees):
-    `$XDG_RUNTIME_DIR/raymesh` where the login manager gave this user such a directory, else
-    `raymesh-<uid>` in the temp dir. Made with mode 0700 in one step (mkdir), then checked
-    without following links: PermissionError, naming the path and the fix, when it is a
-    symbolic link, not a directory, not this user's, or open to its group or others. Once
-    checked it cannot be swapped: both parents let only its owner rename or remove it (the
-    temp dir is sticky)."""
-    path = _socket_path()
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    problem = None
-    if stat.S_ISLNK(st.st_mode):
-        problem = f"is a symbolic link (to {os.readlink(path)!r})"
-    elif not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory"
-    elif st.st_uid != os.getuid():
-        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
-    elif st.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: its group or others may enter it"
-    if problem is not None:
-        raise PermissionError(
-            f"the channel socket directory {path} {problem}; procs read messages from the "
-            "sockets in it, so it must be a directory of this user's with mode 0700: remove "
-            "it (raymesh makes it anew), or set RAYMESH_CHANNELS=0 to send every message "
-            "through Ray"
-        )
-    if path not in _swept:
-        _swept.add(path)
-        _sweep(path)
-    return path
-
-
-_swept: set[str] = set()
-
-
-def _socket_path() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(runtime):
-        try:
-            st = os.stat(runtime)
-        except OSError:
-            st = None  # set but gone (a login's variable kept across `su`, say)
-        # Only a directory of this user's that no one else may write to, as logind makes it.
-        if st and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
-            return os.path.join(runtime, "raymesh")
-    return os.path.join(tempfile.gettempdir(), f"raymesh-{os.getuid()}")
-
-
-_key_lock = threading.Lock()
-_key: tuple[Any, bytes, _Mac] | None = None  # (the GCS connection it came from, the key, its MAC)
-
-
-def runtime_key() -> bytes:
-    """This Ray cluster's channel key (see the module's guarantees): read from Ray's GCS once
-    per connection, made there by the first process that asks (`overwrite=False`: two processes
-    asking at once both get the first one's). A process that connects to another cluster (a
-    `shutdown()`, then a new local Ray) reads that cluster's key. RuntimeError when this process
-    is not connected to Ray."""
-    return _runtime_mac().key
-
-
-def _runtime_mac() -> _Mac:
-    from ray.experimental import internal_kv
-
-    global _key
-    gcs = internal_kv.internal_kv_get_gcs_client()
-    cached = _key
-    if cached is not None and cached[0] is gcs:
-        return cached[2]
-    with _key_lock:
-        if gcs is None:
-            raise RuntimeError("channels need this process connected to Ray: it holds their key")
-        key = internal_kv._internal_kv_get(_KEY_NAME, namespace=_KEY_NAMESPACE)
-        if key is None:
-            new = secrets.token_bytes(32)
-            internal_kv._internal_kv_put(_KEY_NAME, new, overwrite=False, namespace=_KEY_NAMESPACE)
-            key = internal_kv._internal_kv_get(_KEY_NAME, namespace=_KEY_NAMESPACE)
-        if not isinstance(key, bytes) or len(key) < 32:
-            raise RuntimeError(
-                f"Ray's GCS holds no usable channel key under {_KEY_NAMESPACE}/{_KEY_NAME!r} "
-                "(it must be at least 32 bytes): set RAYMESH_CHANNELS=0 to send every message "
-                "through Ray"
-            )
-        mac = _Mac(key)
-        _key = (gcs, key, mac)
-        return mac
-
-
-_LENGTHS = {n: struct.Struct(f"<{n}Q") for n in (3, 4)}  # a reply's and a message's lengths
-_IPAD = bytes(x ^ 0x36 for x in range(256))
-_OPAD = bytes(x ^ 0x5C for x in range(256))
-
-
-class _Mac:
-    """HMAC-SHA256 (RFC 2104) under one key, of a frame's kind and parts (each part's length
-    first, so that no two frames read alike): 3 parts (a reply) or 4 (a message), the large
-    one, if any, last. The padded key's two hash states are made once: a frame's MAC is then
-    two copies and two updates, about 3 us here, where `hmac.digest` spends about 4 us a call
-    on OpenSSL's key setup alone (a round trip makes four MACs)."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-        padded = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
-        self._inner = hashlib.sha256(padded.translate(_IPAD))
-        self._outer = hashlib.sha256(padded.translate(_OPAD))
-
-    def __call__(self, kind: bytes, parts: Sequence[bytes]) -> bytes:
-        inner = self._inner.copy()
-        lengths = _LENGTHS[len(parts)].pack(*map(len, parts))
-        if len(parts[-1]) < _JOIN_BELOW:  # the common, small message: one call
-            inner.update(kind + lengths + b"".join(parts))
-        else:  # a large payload (always the last part): hashed where it lies, not copied
-            inner.update(kind + lengths)
-            for part in parts:
-                inner.update(part)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()
-
-
-def _signed(mac: _Mac, kind: bytes, parts: list[bytes]) -> list[bytes]:
-    return [mac(kind, parts), *parts]
-
-
-def _verified(mac: _Mac, kind: bytes, frames: list[bytes], count: int) -> list[bytes] | None:
-    """The parts of a frame of `count` parts, when its MAC is right; None otherwise."""
-    if len(frames) != count + 1:
-        return None
-    parts = frames[1:]
-    return parts if hmac.compare_digest(frames[0], mac(kind, parts)) else None
-
-
-class _Drops:
-    """Frames dropped for a missing or wrong MAC (never unpickled): counted, and logged when
-    the first arrives and then at most every `_DROP_LOG_S` seconds, so that a flood of them
-    cannot flood the log. The frames themselves are never logged."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.count = 0
-        self._unlogged = 0
-        self._next_log = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, frames: list[bytes]) -> None:
-        with self._lock:
-            self.count += 1
-            self._unlogged += 1
-            now = time.monotonic()
-            if now < self._next_log:
-                return
-            self._next_log = now + _DROP_LOG_S
-            n, self._unlogged = self._unlogged, 0
-        logger.warning(
-            "raymesh: dropped %d frame(s) sent to %s without this Ray cluster's channel key "
-            "(last: %d part(s), %d bytes), unread: a process outside the cluster wrote to its "
-            "socket; at most one such line every %g s",
-            n,
-            self.where,
-            len(frames),
-            sum(map(len, frames)),
-            _DROP_LOG_S,
-        )
-
-
-def _address(role: str) -> str:
-    """A new socket address for this process in `role` ("proc", "caller"): unique to the
-    process, not just its pid, because pids wrap and the other end remembers addresses (a caller
-    refuses those of dead procs; a proc keeps a socket per caller it has replied to)."""
-    name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock"
-    return f"ipc://{os.path.join(socket_dir(), name)}"
-
-
-def _listen(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """A socket receiving at `address`, whose file goes with this process."""
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
-    atexit.register(_unlink, address)
-    return sock
-
-
-def _unlink(address: str) -> None:
-    try:
-        os.unlink(address.removeprefix("ipc://"))
-    except OSError:
-        pass
-
-
-def _sweep(path: str) -> None:
-    """Remove the sockets of processes that are gone (a SIGKILLed proc leaves its file)."""
-    for name in os.listdir(path):
-        pid = name.split("-")[1].split(".")[0] if name.count("-") else ""
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(os.path.join(path, name))
-
-
-def _push(local: threading.local, ctx: zmq.Context, address: bytes) -> zmq.Socket:
-    """This thread's sending socket to `address` (ZeroMQ sockets are single-threaded, so each
-    thread sends on its own: no lock, no hand-off to another thread)."""
-    pushes = local.__dict__.setdefault("pushes", {})
-    sock = pushes.get(address)
-    if sock is None:
-        sock = pushes[address] = ctx.socket(zmq.PUSH)
-        # When the thread ends, its sockets close with it: what is still queued (the connection
-        # may not even be up yet) must still go out, or the proc waits for a lost message.
-        sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        sock.setsockopt(zmq.SNDHWM, 0)  # queue like Ray does; never block a sender
-        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # the other end never comes back
-        sock.connect(address.decode())
-    return sock
-
-
 class Server:
     """A proc's end: one I/O thread receives messages and runs each on a thread of a pool (a
     message may wait for its turn, so one thread each), which sends its reply straight to the
@@ -345,11 +128,11 @@ class Server:
         still takes its turn. `failed(error)` -> the reply when `handler` itself raised."""
         self._handler = handler
         self._failed = failed
-        self._mac = _runtime_mac()
+        self._mac = runtime_mac()
         self._ctx: zmq.Context = zmq.Context.instance()
-        self.address = _address("proc")
-        self.drops = _Drops(f"the proc channel {self.address}")
-        self._requests = _listen(self._ctx, self.address)
+        self.address = new_address("proc")
+        self.drops = Drops(f"the proc channel {self.address}")
+        self._requests = listen(self._ctx, self.address)
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "raymesh-message")
         self._kept: dict[bytes, Any] = {}  # replies waiting for take_reply
@@ -367,7 +150,7 @@ class Server:
             self._pool.submit(self._run, frames)
 
     def _run(self, frames: list[bytes]) -> None:
-        parts = _verified(self._mac, _REQUEST, frames, 4)
+        parts = verified(self._mac, REQUEST, frames, 4)
         if parts is None:  # not from this cluster: nothing of it is unpickled, nor answered
             self.drops.add(frames)
             return
@@ -386,12 +169,12 @@ class Server:
         payload = dumps(result)
         if payload is None:
             self._kept[msgid] = result
-            reply = [msgid, _FETCH, b""]
+            reply = [msgid, FETCH, b""]
         else:
-            reply = [msgid, _VALUE, payload]
+            reply = [msgid, VALUE, payload]
         try:
-            _push(self._local, self._ctx, reply_to).send_multipart(
-                _signed(self._mac, _REPLY, reply), zmq.NOBLOCK
+            push(self._local, self._ctx, reply_to).send_multipart(
+                signed(self._mac, REPLY, reply), zmq.NOBLOCK
             )
         except zmq.Again:
             pass  # the caller is gone
@@ -401,7 +184,7 @@ class _Pending:
     __slots__ = ("address", "fetch", "future", "mac")
 
     def __init__(
-        self, address: bytes, future: concurrent.futures.Future, fetch: Any, mac: _Mac
+        self, address: bytes, future: concurrent.futures.Future, fetch: Any, mac: Mac
     ) -> None:
         self.address = address
         self.future = future
@@ -416,9 +199,9 @@ class _Client:
 
     def __init__(self) -> None:
         self._ctx: zmq.Context = zmq.Context.instance()
-        self._reply_to = _address("caller")
-        self.drops = _Drops(f"the reply socket {self._reply_to}")
-        self._replies = _listen(self._ctx, self._reply_to)
+        self._reply_to = new_address("caller")
+        self.drops = Drops(f"the reply socket {self._reply_to}")
+        self._replies = listen(self._ctx, self._reply_to)
         self._wake_address = f"inproc://raymesh-watch-{id(self):x}"
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
@@ -454,7 +237,7 @@ class _Client:
         if data is None:
             return None
         try:
-            mac = _runtime_mac()
+            mac = runtime_mac()
         except Exception as e:  # Ray's GCS did not answer: Ray's path reports what is wrong
             logger.debug("raymesh: no channel key (%s): the message goes through Ray", e)
             return None
@@ -467,12 +250,12 @@ class _Client:
             watch = addr not in self._watched
             self._watched.add(addr)
         if watch:  # the I/O thread starts watching this proc
-            _push(self._local, self._ctx, self._wake_address.encode()).send(addr)
+            push(self._local, self._ctx, self._wake_address.encode()).send(addr)
         if cause is None:
             try:
                 parts = [self._reply_to.encode(), msgid, pickle.dumps(header, 5), data]
-                _push(self._local, self._ctx, addr).send_multipart(
-                    _signed(mac, _REQUEST, parts), zmq.NOBLOCK
+                push(self._local, self._ctx, addr).send_multipart(
+                    signed(mac, REQUEST, parts), zmq.NOBLOCK
                 )
             except zmq.Again:  # no connection left to the proc: it is gone
                 cause = "its process exited (its channel closed)"
@@ -532,8 +315,8 @@ class _Client:
             pending = self._pending.get(msgid)
         # A reply to no pending call (its proc was declared gone first) is checked too, with
         # the key this process sends with now, only so that a forged one is counted.
-        mac = pending.mac if pending is not None else (_key[2] if _key else None)
-        parts = _verified(mac, _REPLY, frames, 3) if mac is not None else None
+        mac = pending.mac if pending is not None else current_mac()
+        parts = verified(mac, REPLY, frames, 3) if mac is not None else None
         if parts is None:
             self.drops.add(frames)
             return
@@ -544,7 +327,7 @@ class _Client:
 
     def _resolve(self, pending: _Pending, msgid: bytes, kind: bytes, data: bytes) -> None:
         future = pending.future
-        if kind == _VALUE:
+        if kind == VALUE:
             try:
                 future.set_result(pickle.loads(data))
             except Exception as e:
