@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raymesh._common import Range, bad, check_int, from_table, read_toml, split_job
+from raymesh._common import bad, check_int, from_table, read_toml, split_job
 from raymesh.data import Pipeline
 from raymesh.train.faults import Fault
 from raymesh.train.sections import (
@@ -171,13 +171,13 @@ class TrainConfig:
 
     @property
     def min_workers(self) -> int:
-        """The fewest ranks the job continues with (`workers` when it is not elastic)."""
-        return Range.of(self.workers).min
+        """`ScalingConfig.min_workers`: the fewest ranks the job continues with."""
+        return self.scaling.min_workers
 
     @property
     def max_workers(self) -> int:
-        """The world size the job starts with and grows back to."""
-        return Range.of(self.workers).max
+        """`ScalingConfig.max_workers`: the world size the job starts and grows back to."""
+        return self.scaling.max_workers
 
     def run_folder(self) -> str | None:
         """Where metrics.jsonl and events.jsonl go: `run_dir`, else the checkpoint folder, else

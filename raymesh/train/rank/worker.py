@@ -1,6 +1,8 @@
 """The trainer actor: one per rank. It owns the process group, the model, the optimizer and the
 data cursor; the controller tells it what to do, one endpoint call per phase, in the typed
-messages of `raymesh.train.protocol`.
+messages of `raymesh.train.protocol`. (A little over 400 lines: the actor's endpoints, one per
+phase of a rank's life, read best as one class; joining the group, the batches and one step
+live in `group`, `batches` and `step`.)
 
 Determinism (what makes two runs with the same seed bit-identical, and a resumed run equal to an
 uninterrupted one at the same world size):
