@@ -52,9 +52,10 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.control import detection
 from raymesh.train.control.balance import Balancer
 from raymesh.train.control.failure import FailureDecision, TooManyFailures
+from raymesh.train.control.member import Rank
 from raymesh.train.control.placement import Placer
 from raymesh.train.control.policies import Policies
-from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.ranks import RankPool
 from raymesh.train.control.reporter import Reporter
 from raymesh.train.control.resume import find_resume, latest_checkpoint
 from raymesh.train.control.states import (

@@ -10,7 +10,8 @@ path. The controller owns the world (`RankPool.ranks`); the recruiter only adds 
 Given `WarmRanks` (procs kept between jobs), the pool takes its first ranks from there, each
 with a new trainer for this job, and gives its live ranks back when the job ends cleanly.
 
-Tests swap this class for a fake through `TrainController.rank_pool_cls`.
+The controller is given its pool (`TrainController.create` makes this one; a unit test gives
+it a fake).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from raymesh.actor import PlacementError, ProcMesh, host_mesh, this_host
 from raymesh.train.config import TrainConfig
+from raymesh.train.control.member import Rank
 from raymesh.train.control.placement import Placer
 from raymesh.train.control.warm import WarmRanks
 from raymesh.train.rank.monitor import Monitor
@@ -32,50 +33,7 @@ from raymesh.train.rank.worker import TrainWorker
 
 logger = logging.getLogger("raymesh")
 
-__all__ = ["Rank", "RankPool"]
-
-
-@dataclass(eq=False)
-class Rank:
-    """One member of the world (or a spare): its trainer, the monitor beside it, its proc."""
-
-    worker: Any  # ActorMesh of one TrainWorker
-    monitor: Any  # ActorMesh of one Monitor, on the same proc
-    procs: ProcMesh  # a mesh of this one proc, with its own placement group
-    node_id: str
-    fed: int = -1  # the pipeline workers' generation its trainer last heard (raymesh.data)
-
-    def alive(self) -> bool:
-        return self.procs.failure is None
-
-    def label(self) -> str:
-        """Its proc, for people: "spare-3 (pid 4242)"."""
-        return f"{self.procs.name} (pid {self.procs.pids[0]})"
-
-    def describe(self, rank: int | None, hosts: dict[str, str]) -> dict[str, Any]:
-        """Its proc as plain data (the "mesh" event): `rank` in the world (None: a spare),
-        its mesh, pid, host (`hosts`: node id -> name), state, and the actors on it."""
-        failure = self.procs.failure
-        state = "alive" if failure is None else "stopped" if failure.kind == "stopped" else "dead"
-        return {
-            "rank": rank,
-            "mesh": self.procs.name,
-            "pid": self.procs.pids[0],
-            "node_id": self.node_id,
-            "host": hosts.get(self.node_id, self.node_id[:12]),
-            "state": state,
-            "actors": [TrainWorker.__name__, Monitor.__name__],
-        }
-
-    def stop(self, *, kill: bool = False) -> None:
-        """End the proc and release its resources (it may already be dead). `kill`: SIGKILL
-        it first, for a rank that raised or hung (its trainer may never return)."""
-        try:
-            if kill:
-                self.procs.kill()
-            self.procs.stop(timeout=10.0)
-        except Exception as e:  # its resources are released either way
-            logger.debug("raymesh.train: stopping %s: %s", self.procs.name, e)
+__all__ = ["RankPool"]
 
 
 class RankPool:

@@ -17,8 +17,9 @@ from typing import Any
 from raymesh.data.workers import Workers
 from raymesh.train.config import TrainConfig
 from raymesh.train.control import detection
+from raymesh.train.control.member import Rank
 from raymesh.train.control.placement import Placer
-from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.ranks import RankPool
 from raymesh.train.control.states import FailedChunk
 from raymesh.train.protocol import ChunkResult, StepMetrics
 from raymesh.train.reporting import ReportSink

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from raymesh.train.control.ranks import Rank
+from raymesh.train.control.member import Rank
 
 logger = logging.getLogger("raymesh")
 

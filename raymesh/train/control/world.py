@@ -24,7 +24,8 @@ from raymesh.actor import SupervisionError
 from raymesh.train.config import CheckpointConfig
 from raymesh.train.control.detection import settle
 from raymesh.train.control.failure import FailureDecision, FailurePolicy, TooManyFailures
-from raymesh.train.control.ranks import Rank, RankPool
+from raymesh.train.control.member import Rank
+from raymesh.train.control.ranks import RankPool
 from raymesh.train.control.resume import latest_checkpoint
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.protocol import LostRank, Rendezvous, ReplicaState, SetupInfo
