@@ -108,7 +108,6 @@ class TrainController:
         self.log = RunLog(sinks(config.run_folder(), progress))
         self.reporter = Reporter(
             self.log,
-            self.log.sinks,
             pool,
             global_batch_size=config.global_batch_size,
             steps=config.steps,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from raymesh.train.control.placement import Placer
 from raymesh.train.control.ranks import RankPool
 from raymesh.train.control.states import FailedChunk
 from raymesh.train.protocol import ChunkResult, StepMetrics
-from raymesh.train.reporting import ReportSink
 from raymesh.train.result import RunLog
 
 __all__ = ["Reporter"]
@@ -34,15 +32,13 @@ class Reporter:
     def __init__(
         self,
         log: RunLog,
-        sinks: Sequence[ReportSink],
         pool: RankPool,
         *,
         global_batch_size: int,
         steps: int,
         data: Workers | None = None,
     ) -> None:
-        self.log = log
-        self.sinks = sinks
+        self.log = log  # and its sinks
         self.pool = pool
         self.global_batch_size = global_batch_size
         self.steps = steps
@@ -84,7 +80,7 @@ class Reporter:
             return None
         if report.spares != self.told_spares:
             self.mesh()
-        for sink in self.sinks:
+        for sink in self.log.sinks:
             sink.on_report(report)
         return report.step
 
