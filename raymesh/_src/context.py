@@ -94,9 +94,11 @@ class ActorInstance:
     @property
     def proc(self) -> Any:
         """This actor's proc as a proc mesh of one: spawn helpers beside the actor on it."""
-        from raymesh._src.local_proc import this_proc  # above this module: imported on use
-
-        return this_proc()
+        if _this_proc is None:
+            raise RuntimeError(
+                "import raymesh first: it provides `this_proc` (see provide_this_proc)"
+            )
+        return _this_proc()
 
     def abort(self, reason: str | None = None) -> None:
         """Fail this actor now, as Monarch's `Instance.abort`: its supervision event goes to
@@ -118,6 +120,18 @@ def actor_label(class_name: str, name: str, rank: Point) -> str:
 
 
 _ROOT_ID = ActorId("controller", "root", "root", 0)
+
+# Makes this process's proc as a proc mesh of one (`this_proc`). The module that builds it
+# (`raymesh._src.local_proc`) sits above this one and gives it here when imported; the `raymesh`
+# package imports it, and Python imports a package before any of its modules, so it is in
+# place before any actor can ask.
+_this_proc: Callable[[], Any] | None = None
+
+
+def provide_this_proc(make: Callable[[], Any]) -> None:
+    """Set what `ActorInstance.proc` returns, called by the module that builds procs."""
+    global _this_proc
+    _this_proc = make
 
 
 class ActorContext:

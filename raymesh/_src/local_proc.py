@@ -11,7 +11,7 @@ import concurrent.futures
 from typing import Any
 
 from raymesh._src import backend
-from raymesh._src.context import current_rank
+from raymesh._src.context import current_rank, provide_this_proc
 from raymesh._src.errors import MeshFailure
 from raymesh._src.mesh_state import ProcMeshState
 from raymesh._src.proc import ProcRuntime
@@ -107,3 +107,6 @@ def this_proc() -> ProcMesh:
         _local_proc._state = state
     assert _local_proc._state is not None
     return ProcMesh(_local_proc._state, Shape.of({}))
+
+
+provide_this_proc(this_proc)  # context().actor_instance.proc, without context importing us

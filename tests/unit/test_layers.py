@@ -40,8 +40,8 @@ Four more rules, checked the same way:
   not by a module of its own: a module of another package is imported only where
   `PUBLIC_MODULES` names it a public module, or `PRIVATE_IMPORTS` gives the reason.
 - No import cycle among the modules of `raymesh._src`, `raymesh._src.backend` or
-  `raymesh.train`; here only the imports that run when a module is imported count (lazy and
-  `TYPE_CHECKING` ones do not: the cycle test says why).
+  `raymesh.train`, lazy imports included (`TYPE_CHECKING` ones are not: the cycle test says
+  why).
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class Import:
     imported: str
     names: tuple[str, ...] = ()  # `from imported import names` (names that are not modules)
     eager: bool = True  # it runs when `importer` is imported (not lazy, not TYPE_CHECKING)
+    typing_only: bool = False  # under `if TYPE_CHECKING:`: it never runs
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
@@ -169,11 +170,13 @@ def imports_of(source: str, importer: str, is_package: bool, modules: set[str]) 
     package = importer if is_package else importer.rpartition(".")[0]
     tree = ast.parse(source)
     eager = _run_at_import(tree)
-    found: dict[tuple[int, str], tuple[set[str], bool]] = {}
+    never = _typing_only(tree)
+    found: dict[tuple[int, str], tuple[set[str], bool, bool]] = {}
 
     def add(node: ast.stmt | ast.expr, name: str, names: tuple[str, ...] = ()) -> None:
-        seen, was_eager = found.get((node.lineno, name), (set(), False))
-        found[(node.lineno, name)] = (seen | set(names), was_eager or id(node) in eager)
+        seen, was_eager, _ = found.get((node.lineno, name), (set(), False, False))
+        runs = was_eager or id(node) in eager
+        found[(node.lineno, name)] = (seen | set(names), runs, id(node) in never)
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -197,8 +200,8 @@ def imports_of(source: str, importer: str, is_package: bool, modules: set[str]) 
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 add(node, arg.value)
     return [
-        Import("", line, importer, name, tuple(sorted(names)), runs)
-        for (line, name), (names, runs) in sorted(found.items())
+        Import("", line, importer, name, tuple(sorted(names)), runs, typing)
+        for (line, name), (names, runs, typing) in sorted(found.items())
         if name == "raymesh" or name.startswith("raymesh.")
     ]
 
@@ -220,6 +223,16 @@ def _run_at_import(tree: ast.Module) -> set[int]:
             take(child)
 
     take(tree)
+    return out
+
+
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes of `tree` under an `if TYPE_CHECKING:` (not its `else:`)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for branch in node.body:
+                out |= {id(n) for n in ast.walk(branch)}
     return out
 
 
@@ -469,9 +482,10 @@ ACYCLIC = ("raymesh._src", "raymesh._src.backend", "raymesh.train")
 
 def import_graph(package: str, imports: list[Import], packages: set[str]) -> dict[str, set[str]]:
     """module -> the modules it imports, among `package`'s (itself and its subpackages), by the
-    imports that run when it is imported. `packages`: the modules that are packages (their
-    `__init__`). A name taken from a package's `__init__` that re-exports it from a module is
-    an edge to that module; any other name (or the package itself) is an edge to the `__init__`.
+    imports that run (when it is imported, or lazily, when a function of it runs; not those
+    under `if TYPE_CHECKING:`). `packages`: the modules that are packages (their `__init__`).
+    A name taken from a package's `__init__` that re-exports it from a module is an edge to
+    that module; any other name (or the package itself) is an edge to the `__init__`.
     """
 
     def inside(module: str) -> bool:
@@ -498,7 +512,7 @@ def import_graph(package: str, imports: list[Import], packages: set[str]) -> dic
         if not inside(imp.importer):
             continue
         graph.setdefault(imp.importer, set())
-        if not imp.eager:
+        if imp.typing_only:
             continue
         for target in targets(imp.imported, imp.names, frozenset()):
             if inside(target) and target != imp.importer:
@@ -568,14 +582,16 @@ def test_no_import_cycle_inside_the_core_the_backend_or_train():
     """No cycle among the modules of `raymesh._src`, `raymesh._src.backend` or `raymesh.train`
     (each with its subpackages, such as `raymesh.train.checkpoint`).
 
-    Counted: the imports that run when their module is imported (at module level, in a class
-    body, under a module-level `if` or `try`). Those are what a cycle breaks: whichever module
-    of it is imported first hands the next one itself half made, and whether that fails
-    depends on which is imported first (what Ray's tests/test_circular_imports.py catches).
-    Not counted: lazy imports (inside a function), which run once both modules are whole and
-    are how a module reaches one that imports it, at run time; and `if TYPE_CHECKING:` imports,
-    which never run. Neither hides a dependency between layers: the layer test above counts
-    both.
+    Counted: every import that runs, when its module is imported (at module level, in a class
+    body, under a module-level `if` or `try`) or lazily, inside a function. An eager cycle
+    breaks at import: whichever module of it is imported first hands the next one itself half
+    made, and whether that fails depends on which is imported first (what Ray's
+    tests/test_circular_imports.py catches). A lazy import only hides the same knot until run
+    time: neither module can be read, tested or moved without the other. The fix is the same
+    for both: move what both sides need to a module of its own, or have the module above pass
+    it down or register it (`runtime.on_connect`, `context.provide_this_proc`).
+    Not counted: `if TYPE_CHECKING:` imports, which never run and only name a type for the
+    checker (the layer test above counts them).
 
     A name imported from a package's `__init__` that re-exports it counts as an import of the
     module it comes from: a package's `__init__` runs before any of its modules anyway (Python
@@ -595,14 +611,14 @@ def test_no_import_cycle_inside_the_core_the_backend_or_train():
     )
 
 
-def test_the_cycle_check_sees_cycles_through_imports_that_run_and_real_re_exports():
+def test_the_cycle_check_sees_cycles_through_imports_that_run_lazy_ones_and_real_re_exports():
     sources = {
         "raymesh.fake": "from .a import A\nfrom .b import B\nfrom .f import F\n",
         # A real cycle a -> b -> c -> a, the first edge through the package's re-export of B.
         "raymesh.fake.a": "from raymesh.fake import B\nclass A: ...\n",
         "raymesh.fake.b": "import raymesh.fake.c\nclass B: ...\n",
         "raymesh.fake.c": "class C:\n    from . import a\n",
-        # d <-> e by a lazy and a type-only import: not counted.
+        # d -> e by a lazy import, e -> d by a type-only one: no cycle.
         "raymesh.fake.d": "def later():\n    from raymesh.fake import e\n",
         "raymesh.fake.e": (
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n"
@@ -610,6 +626,9 @@ def test_the_cycle_check_sees_cycles_through_imports_that_run_and_real_re_export
         ),
         # f takes A from the package, which imports f: through the re-export, f -> a only.
         "raymesh.fake.f": "from raymesh.fake import A\nF = A\n",
+        # g <-> h by two lazy imports: a cycle all the same.
+        "raymesh.fake.g": "def later():\n    from raymesh.fake.h import H\n",
+        "raymesh.fake.h": "class H:\n    def later(self):\n        from . import g\n",
     }
     modules = set(sources) | {"raymesh.other"}
     imports = [
@@ -619,12 +638,15 @@ def test_the_cycle_check_sees_cycles_through_imports_that_run_and_real_re_export
     ]
     graph = import_graph("raymesh.fake", imports, {"raymesh.fake"})
     assert graph["raymesh.fake.a"] == {"raymesh.fake.b"}
-    assert graph["raymesh.fake.d"] == set() and graph["raymesh.fake.e"] == set()
+    assert graph["raymesh.fake.d"] == {"raymesh.fake.e"} and graph["raymesh.fake.e"] == set()
     assert graph["raymesh.fake.f"] == {"raymesh.fake.a"}
-    assert cycles(graph) == [["raymesh.fake.a", "raymesh.fake.b", "raymesh.fake.c"]]
-    # The same imports, all made lazy: no cycle.
-    lazy = [dataclasses.replace(i, eager=False) for i in imports]
-    assert cycles(import_graph("raymesh.fake", lazy, {"raymesh.fake"})) == []
+    assert sorted(cycles(graph)) == [
+        ["raymesh.fake.a", "raymesh.fake.b", "raymesh.fake.c"],
+        ["raymesh.fake.g", "raymesh.fake.h"],
+    ]
+    # The same imports, all made type-only: no cycle.
+    typing = [dataclasses.replace(i, eager=False, typing_only=True) for i in imports]
+    assert cycles(import_graph("raymesh.fake", typing, {"raymesh.fake"})) == []
     # Without following the re-export, f -> fake -> f would be one: a cycle only on paper.
     assert cycles({"f": {"fake"}, "fake": {"f"}}) == [["f", "fake"]]
 

@@ -2,8 +2,13 @@
 `raymesh/serve/_ray_serve.py`, `raymesh/data/_ray_data.py`). Everything above it speaks in
 procs, pending results and failures; this package maps them onto Ray actors, placement groups
 and the object store. Above the core, `raymesh.cluster` is its public face.
+
+`pool` and `procs` hook what a new session starts and what `shutdown()` ends into `runtime`
+(`on_connect`, `on_shutdown`), which never imports them. Importing them here puts the hooks in
+place before any module of the package can run: Python runs a package's `__init__` first.
 """
 
+from raymesh._src.backend.host_agent import host_agent
 from raymesh._src.backend.pool import preload
 from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
 from raymesh._src.backend.procs import (
@@ -12,7 +17,6 @@ from raymesh._src.backend.procs import (
     RayProc,
     create_procs,
     free_slots,
-    host_agent,
     kill,
     kill_pid,
     self_proc,

@@ -9,8 +9,9 @@ available once the raylet has reaped the process), or, on older kernels, from th
 `/proc/<pid>/stat` if the agent reads it before the raylet reaps. Where neither works (not
 Linux, or the race lost), the cause says the status is unknown.
 
-It also creates the job's registry when an actor asks for it before the driver did, so that the
-registry is owned by the agent (the driver's) rather than by that actor (see `registry`).
+It also creates what must be owned by the driver rather than by the actor that first asks for it
+(the job's registry, see `registry`): the agent of a host where the driver spawned procs is the
+driver's (`own`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from raymesh._src.backend.registry import create as create_registry
+from raymesh._src.backend import runtime
 
 
 def _read_wait_status(pid: int) -> int | None:
@@ -161,11 +163,10 @@ class _HostAgent:
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
 
-    def registry(self, name: str) -> Any:
-        """The job's registry, created here if it does not exist yet, for an actor that asks
-        for it first: it is then this agent's, which the driver created, so it still ends with
-        the job (see `registry`)."""
-        return create_registry(name)
+    def own(self, make: Callable[..., Any], *args: Any) -> Any:
+        """`make(*args)`, run here: the actors it creates are this agent's, and so live as
+        long as whoever created the agent (the driver, on a host where it spawned procs)."""
+        return make(*args)
 
     def _loop(self) -> None:
         while True:
@@ -187,6 +188,13 @@ class _HostAgent:
 
 # Ray's stubs omit actor options such as max_concurrency.
 HostAgent: Any = ray.remote(num_cpus=0, max_concurrency=64)(_HostAgent)  # type: ignore[call-overload]
+_agents: dict[str, Any] = {}
+_agents_lock = threading.Lock()
+
+
+def host_agent(node_id: str) -> Any:
+    """The host agent of a node, created on first use (see `runtime.node_actor`)."""
+    return runtime.node_actor(HostAgent, "raymesh-host", node_id, _agents, _agents_lock)
 
 
 def _cpu_times() -> list[int]:

@@ -184,6 +184,9 @@ def drain() -> None:
             pass
 
 
+runtime.on_shutdown(drain)
+
+
 def wait_ready(timeout: float) -> bool:
     """Wait until every warm proc has started; False if some have not within `timeout`."""
     deadline = time.monotonic() + timeout

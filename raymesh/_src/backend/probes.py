@@ -28,7 +28,6 @@ from typing import Any
 import ray
 
 from raymesh._src.backend import runtime
-from raymesh._src.backend.procs import node_actor
 
 _LATE = "did not finish in time"
 _PINGS = 5  # timed round trips per pair (after one warm-up)
@@ -112,7 +111,7 @@ Probe: Any = ray.remote(num_cpus=0, max_concurrency=4)(_Probe)  # type: ignore[c
 
 
 def _probe_actor(node_id: str) -> Any:
-    return node_actor(Probe, "raymesh-probe", node_id, _probes, _probes_lock)
+    return runtime.node_actor(Probe, "raymesh-probe", node_id, _probes, _probes_lock)
 
 
 def stop_probes() -> None:

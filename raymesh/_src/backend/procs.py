@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,13 +10,10 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymesh._src.backend import channel, pool, runtime
-from raymesh._src.backend.host_agent import HostAgent
+from raymesh._src.backend.host_agent import host_agent
 from raymesh._src.backend.proc_host import ProcHost, StartRuntime
 from raymesh._src.shape import Point
 
@@ -27,32 +23,10 @@ _RUNTIME_ENV: dict | None = None
 # imports) cut a 2-rank CPU job's steps/s by a quarter to a half here.
 REFILL_IDLE = (1.0, 2.0)  # (cores, seconds)
 REFILL_WAIT_S = 60.0
-_agents: dict[str, Any] = {}
-_agents_lock = threading.Lock()
 
 
 def node_alive(node_id: str) -> bool:
     return any(n.node_id == node_id for n in runtime.nodes())
-
-
-def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> Any:
-    """The actor `cls` of a node, pinned there and created on first use; named
-    `{prefix}-{node id}`, so every process of the cluster shares the one actor."""
-    with lock:
-        actor = cache.get(node_id)
-        if actor is None:
-            actor = cls.options(
-                name=f"{prefix}-{node_id[:16]}",
-                get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote()
-            cache[node_id] = actor
-        return actor
-
-
-def host_agent(node_id: str) -> Any:
-    """The host agent of a node (see `node_actor`)."""
-    return node_actor(HostAgent, "raymesh-host", node_id, _agents, _agents_lock)
 
 
 def prepare(node_id: str) -> None:
@@ -61,6 +35,13 @@ def prepare(node_id: str) -> None:
     worker processes a few at a time, in no particular order: an agent behind eight warm procs
     would hold up the first spawn."""
     pool.fill({node_id: pool.size()}, after=host_agent(node_id).info.remote(), untouched_only=True)
+
+
+def _prepare_this_node() -> None:
+    prepare(runtime.current_node_id())
+
+
+runtime.on_connect(_prepare_this_node)  # ready before a new session's first spawn asks
 
 
 @dataclass

@@ -18,8 +18,10 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger("raymesh")
 
@@ -30,6 +32,8 @@ _init_lock = threading.Lock()
 _started_local = False
 _connected = False  # raymesh called ray.init (not the user, not a Ray worker)
 _quiescers: list[Callable[[], None]] = []
+_connect_hooks: list[Callable[[], None]] = []
+_shutdown_hooks: list[Callable[[], None]] = []
 _exit_hook_after_init = False  # _quiesce is registered to run before Ray's own exit hook
 
 
@@ -43,6 +47,38 @@ def before_shutdown(fn: Callable[[], None]) -> None:
     with _init_lock:
         if fn not in _quiescers:
             _quiescers.append(fn)
+
+
+def on_connect(fn: Callable[[], None]) -> None:
+    """Call `fn()` each time raymesh connects this process to Ray itself (its own `ray.init`,
+    not the user's or a Ray worker's): the modules above this one start what a new session
+    needs (the host agent, warm procs) without this module importing them."""
+    with _init_lock:
+        if fn not in _connect_hooks:
+            _connect_hooks.append(fn)
+
+
+def on_shutdown(fn: Callable[[], None]) -> None:
+    """Call `fn()` in `shutdown()`, after the `before_shutdown` hooks and before Ray shuts
+    down (not at interpreter exit, where Ray's own shutdown ends everything anyway)."""
+    with _init_lock:
+        if fn not in _shutdown_hooks:
+            _shutdown_hooks.append(fn)
+
+
+def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> Any:
+    """The actor `cls` of a node, pinned there and created on first use; named
+    `{prefix}-{node id}`, so every process of the cluster shares the one actor."""
+    with lock:
+        actor = cache.get(node_id)
+        if actor is None:
+            actor = cls.options(
+                name=f"{prefix}-{node_id[:16]}",
+                get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+            cache[node_id] = actor
+        return actor
 
 
 def _quiesce() -> None:
@@ -171,9 +207,8 @@ def ensure_ray() -> None:
         _connected = True
         _quiet_worker_deaths()
         _run_quiesce_before_rays_exit_hook()
-        from raymesh._src.backend import procs  # it imports this module
-
-        procs.prepare(current_node_id())
+        for fn in list(_connect_hooks):
+            fn()
 
 
 _WORKER_DIED = "A worker died or was killed while executing a task"
@@ -245,10 +280,9 @@ def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
     global _started_local, _connected, _exit_hook_after_init
     if ray.is_initialized():
-        from raymesh._src.backend import pool
-
         _quiesce()
-        pool.drain()
+        for fn in list(_shutdown_hooks):
+            fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
 
