@@ -66,6 +66,9 @@ class Task:
         takes the place of both `dataset` and `collate_fn`).
     loss_fn: `loss_fn(model, batch) -> scalar tensor`, the mean loss over `batch`.
     collate_fn: turns a list of samples into a batch (default: torch's default_collate).
+    eval_dataset: a map-style dataset the ranks evaluate `loss_fn` on every
+        `TrainConfig.eval_every` steps (split across ranks, no gradients); the mean is the
+        report's `eval_loss`. None: no evaluation.
     """
 
     model: torch.nn.Module
@@ -73,4 +76,5 @@ class Task:
     dataset: Any = None
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     collate_fn: Callable[[list[Any]], Any] | None = None
+    eval_dataset: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
