@@ -61,6 +61,8 @@ class Report:
             "failures": self.failures,
             "world_size": self.world_size,
             **{k: v for k, v in self.rows[-1].items() if k.startswith("data_")},
+            # the chunk's newest evaluation, if it had one
+            **next(({"eval_loss": r["eval_loss"]} for r in reversed(self.rows) if "eval_loss" in r), {}),
         }
 
 
