@@ -126,8 +126,9 @@ class ParallelismConfig:
         if self.rebalance not in (True, False):
             raise bad("rebalance", self.rebalance, "use True or False")
         for name in ("activation_checkpointing", "offload"):
-            if getattr(self, name) not in (True, False, "auto"):
-                raise bad(name, getattr(self, name), "use 'auto', True or False")
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise bad(name, value, "use 'auto', True or False")
         if self.offload is True and self.strategy == "ddp":
             raise bad(
                 "offload",

@@ -161,7 +161,7 @@ class StrategyPolicy:
                 )
             except _NoFit:
                 continue
-        ac, off = variants[0]
+        ac, off = variants[-1]  # none fits: the least memory, and its numbers
         try:
             return self._decide(
                 requested,
@@ -175,8 +175,13 @@ class StrategyPolicy:
                 must_fit=False,
             )
         except _NoFit as e:
-            hints = _hints(estimate, variants, world_size, precision)
-            raise ValueError(f"{e}; {hints}" if hints else str(e)) from None
+            tried = " and ".join(
+                x for x, on in (("activation checkpointing", ac), ("offload", off)) if on
+            )
+            hints = _hints(estimate, ac, off, world_size, precision)
+            raise ValueError(
+                (f"with {tried}, " if tried else "") + str(e) + (f"; or: {hints}" if hints else "")
+            ) from None
 
     def _decide(
         self,
@@ -334,18 +339,13 @@ class _NoFit(ValueError):
     """The job does not fit under one combination (the policy tries the next)."""
 
 
-def _hints(
-    e: MemoryEstimate, variants: list[tuple[bool, bool]], world_size: int, precision: str
-) -> str:
-    """What else was tried, and what the user may change that the planner may not (the
-    numbers are about: bf16 halves activations and the gathered block, LoRA drops the base's
-    gradients and optimizer state)."""
-    ac, off = variants[-1]
+def _hints(e: MemoryEstimate, ac: bool, off: bool, world_size: int, precision: str) -> str:
+    """What the user may change that the planner may not, with about what it would need:
+    bf16 about halves activations and the gathered block; LoRA drops the base's gradients
+    and optimizer state."""
     cheapest = e.under(checkpointing=ac, offload=off)
     unit = _unit(e.ddp_bytes())
-    least = min(cheapest.fsdp_bytes(world_size), math.inf if off else cheapest.ddp_bytes())
-    tried = " and ".join(x for x, on in (("activation checkpointing", ac), ("offload", off)) if on)
-    out = [f"with {tried} it needs {_fmt(least, unit)} per rank"] if tried else []
+    out = []
     if precision == "fp32":  # about half the activations and of the gathered block
         bf16 = dataclasses.replace(
             cheapest,

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raymesh.data.sources import batch_reader
 from raymesh.train.rank.step import Precision, to_device
 
 __all__ = ["evaluate"]
@@ -27,8 +26,8 @@ __all__ = ["evaluate"]
 def evaluate(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-    dataset: Any,
-    collate_fn: Callable[[list[Any]], Any] | None,
+    read: Callable[[list[int]], Any],
+    n: int,
     *,
     rank: int,
     world_size: int,
@@ -36,14 +35,13 @@ def evaluate(
     device: torch.device,
     precision: Precision,
 ) -> float:
-    """The mean of `loss_fn` over `dataset` (see the module docstring). COLLECTIVE when
+    """The mean of `loss_fn` over the `n` samples `read` loads by index (a batch of the eval
+    dataset; see the module docstring). COLLECTIVE when
     `world_size` > 1: every rank of the group calls it at the same step. Leaves the model in
     the training mode it found it in."""
-    n = len(dataset)
     if n == 0:
         raise ValueError("Task.eval_dataset is empty: give it samples, or None for no evaluation")
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    read = batch_reader(dataset, collate_fn)
     mine = list(range(rank, n, world_size))
     batches = math.ceil(math.ceil(n / world_size) / batch_size)
     total = torch.zeros(2, dtype=torch.float64)

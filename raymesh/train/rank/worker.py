@@ -311,8 +311,8 @@ class TrainWorker(Actor):
         return evaluate(
             self.model,
             self.task.loss_fn,
-            self.task.eval_dataset,
-            self.task.collate_fn,
+            batch_reader(self.task.eval_dataset, self.task.collate_fn),
+            len(self.task.eval_dataset),
             rank=self.rank,
             world_size=self.world_size,
             batch_size=cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size),
