@@ -34,6 +34,8 @@ class ProgressBar:
             f"step {step}/{steps} [{bar}] {done:4.0%} loss {loss} "
             f"{p['samples_per_s']:.0f} samples/s ETA {_fmt_eta(p['eta_s'])} | {ranks}"
         )
+        if "eval_loss" in p:
+            line += f" | eval loss {p['eval_loss']:.4f}"
         if "data_workers" in p:  # a pipeline: the ranks' wait for batches, its procs
             line += (
                 f" | data wait {p['data_wait']:.0%}, {p['data_workers']} prep "

@@ -4,8 +4,8 @@ A config file (`raymesh train job.toml`) and the Python API are the same schema:
 top-level keys are TrainConfig's fields, `[checkpoint]` is CheckpointConfig's. Every field is
 checked on construction; a bad one raises ValueError naming the field, the value and the fix.
 The fields are written flat, and read in sections (`TrainConfig.scaling`, `.parallelism`,
-`.failure`, `.run`, `.checkpoint`; `raymesh.train.sections`): each room of the controller is
-handed the section it needs.
+`.step`, `.failure`, `.run`, `.checkpoint`; `raymesh.train.sections`): each room of the
+controller is handed the section it needs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from raymesh.train.faults import Fault
 from raymesh.train.sections import (
     FailureConfig,
     ParallelismConfig,
+    Precision,
     RunConfig,
     ScalingConfig,
+    Schedule,
+    StepConfig,
     Strategy,
     section_of,
 )
@@ -92,6 +95,12 @@ class TrainConfig:
     # HSDP's shard group: ranks each replica is sharded over (a divisor of workers). None: the
     # ranks of one host, when the ranks fill several hosts evenly.
     shard_size: int | None = None
+    # Recompute each block's activations in the backward instead of keeping them: about a
+    # third more compute for a fraction of the activation memory. "auto": only when needed.
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    # FSDP's parameters, gradients and optimizer state in host memory (GPU ranks): a model far
+    # larger than the GPUs, at the cost of copies every step. "auto": only when needed.
+    offload: bool | Literal["auto"] = "auto"
     memory_budget_gb: float | None = None  # per-rank budget on CPU (GPU: the device's memory)
     activation_bytes: int | None = None  # per-rank activation memory hint (else measured)
     checkpoint: CheckpointConfig | None = None  # None: no saves (no resume; FSDP/HSDP cannot heal)
@@ -116,6 +125,18 @@ class TrainConfig:
     # Preprocessing on procs of its own, ahead of the ranks (raymesh.data; `[data]` in a job
     # file). None: each rank reads and collates the build function's `Task.dataset` itself.
     data: Pipeline | None = None
+    # The compute's precision: "bf16" or "fp16" autocast (DDP) or FSDP2's mixed precision, with
+    # fp32 master weights, optimizer state and gradient reductions; "fp16" scales the loss
+    # (GPU ranks only).
+    precision: Precision = "fp32"
+    grad_clip: float | None = None  # clip the global gradient norm to this (None: no clipping)
+    # The learning rate of each step: the optimizer's, times a linear warmup over `warmup_steps`,
+    # then constant, or decaying to 0 at `steps` (linear or cosine).
+    lr_schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    # Evaluate `Task.eval_dataset` every N steps and at the last (None: at the last step only);
+    # reports then carry eval_loss (and perplexity).
+    eval_every: int | None = None
     # Hyperparameters the build function reads as `ctx.params` (raymesh.tune sets a trial's);
     # plain data (numbers, strings, lists), as a checkpoint's manifest stores them.
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -127,7 +148,7 @@ class TrainConfig:
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
         # Each section checks its own fields; keep the values they normalised.
-        for section in (self.scaling, self.parallelism, self.failure, self.run):
+        for section in (self.scaling, self.parallelism, self.step, self.failure, self.run):
             for field in dataclasses.fields(section):
                 object.__setattr__(self, field.name, getattr(section, field.name))
         # What spans sections.
@@ -146,6 +167,12 @@ class TrainConfig:
                 f"must split workers={self.max_workers} into 2 or more equal shard groups; "
                 f"use a divisor of {self.max_workers} below it",
             )
+        if self.warmup_steps > self.steps:
+            raise bad(
+                "warmup_steps",
+                self.warmup_steps,
+                f"is longer than the run (steps={self.steps}); use at most {self.steps}",
+            )
         for f in self.faults:
             if f.rank >= self.max_workers:
                 raise bad(
@@ -160,6 +187,10 @@ class TrainConfig:
     @property
     def parallelism(self) -> ParallelismConfig:
         return section_of(ParallelismConfig, self)
+
+    @property
+    def step(self) -> StepConfig:
+        return section_of(StepConfig, self)
 
     @property
     def failure(self) -> FailureConfig:

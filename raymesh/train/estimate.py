@@ -15,9 +15,11 @@ leaves out.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 __all__ = [
     "MemoryEstimate",
+    "checkpointed_activations",
     "cpu_budget_bytes",
     "estimate",
     "fsdp_blocks",
@@ -49,6 +52,28 @@ class MemoryEstimate:
     optimizer_bytes: int  # optimizer state, by optimizer type (see `estimate`)
     activation_bytes: int  # saved for backward in one micro-batch (measured or the user's hint)
     largest_block_bytes: int = 0  # biggest FSDP unit's parameters, gathered during all-gather
+    # With activation checkpointing per block (`checkpointed_activations`); None: the model has
+    # no blocks to checkpoint, or it was not measured.
+    checkpointed_activation_bytes: int | None = None
+    # Parameters, gradients and optimizer state kept in host memory (offload), not on the device.
+    host_bytes: int = 0
+
+    def under(self, *, checkpointing: bool, offload: bool) -> MemoryEstimate:
+        """What the device holds with activation checkpointing and/or offload: checkpointing
+        keeps `checkpointed_activation_bytes` of activations; offload moves the parameters,
+        gradients and optimizer state to `host_bytes` (one block is still gathered on the
+        device, as `largest_block_bytes`)."""
+        e = self
+        if checkpointing:
+            if e.checkpointed_activation_bytes is None:
+                raise ValueError("this estimate has no figure for activation checkpointing")
+            e = dataclasses.replace(e, activation_bytes=e.checkpointed_activation_bytes)
+        if offload:
+            states = e.param_bytes + e.grad_bytes + e.optimizer_bytes
+            e = dataclasses.replace(
+                e, param_bytes=0, grad_bytes=0, optimizer_bytes=0, host_bytes=states
+            )
+        return e
 
     def ddp_bytes(self) -> int:
         """Everything replicated on every rank."""
@@ -157,8 +182,14 @@ def probe_activation_bytes(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
     batch: Any,
+    *,
+    autocast: torch.dtype | None = None,
+    inputs_of: Sequence[torch.nn.Module] = (),
 ) -> int:
-    """Bytes autograd saves for backward in one forward of `loss_fn(model, batch)`.
+    """Bytes autograd saves for backward in one forward of `loss_fn(model, batch)`, under
+    `autocast` to that dtype when given (as the step runs it). `inputs_of`: modules whose
+    tensor inputs count too (checkpointed blocks: they keep their inputs, which autograd does
+    not see saved; what they save inside is their checkpoint's, not counted).
 
     Works on CPU and GPU alike (it counts saved tensors, not allocator statistics). Each storage
     is counted once, whole; the model's own parameters are excluded (they are in param_bytes).
@@ -187,16 +218,40 @@ def probe_activation_bytes(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def count_inputs(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                pack(t)
+
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     rng = torch.random.fork_rng(devices=devices)  # the CPU stream, plus the model's GPUs
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    with rng, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        loss = loss_fn(model, batch)
-        del loss  # frees the graph and everything it saved
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    cast = (
+        torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    )
+    hooks = [m.register_forward_pre_hook(count_inputs, with_kwargs=True) for m in inputs_of]
+    try:
+        with rng, cast, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = loss_fn(model, batch)
+            del loss  # frees the graph and everything it saved
+    finally:
+        for h in hooks:
+            h.remove()
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     return total
+
+
+def checkpointed_activations(full: int, checkpointed: int, blocks: int) -> int:
+    """Activation bytes with checkpointing per block, from two probes: `full` (no
+    checkpointing) and `checkpointed` (the blocks checkpointed: what autograd saves outside
+    them, plus each block's input, kept to recompute from). During the backward one block at a
+    time recomputes its own activations, about (`full` - `checkpointed`) / `blocks`."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks}: checkpointing needs at least one block")
+    return checkpointed + max(0, full - checkpointed) // blocks
 
 
 def cpu_budget_bytes(config_memory_budget_gb: float | None, ranks_per_host: int = 1) -> int:

@@ -61,6 +61,7 @@ class StepMetrics:
     compute_s: float  # this rank's own forward + backward seconds (for load balancing)
     samples: int  # the samples compute_s was measured on
     data_wait_s: float | None = None  # seconds it waited for batches (None: no pipeline)
+    eval_loss: float | None = None  # the world's mean loss on Task.eval_dataset (every rank's)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ class Report:
         return int(self.rows[-1]["step"])
 
     def progress(self) -> dict[str, Any]:
-        """The plain dict that `fit(progress=...)` callables receive."""
+        """The plain dict that `fit(progress=...)` callables receive (with `eval_loss` when
+        the chunk evaluated)."""
+        evals = [r["eval_loss"] for r in self.rows if "eval_loss" in r]
         return {
             "step": self.step,
             "steps": self.steps,
@@ -61,6 +63,7 @@ class Report:
             "failures": self.failures,
             "world_size": self.world_size,
             **{k: v for k, v in self.rows[-1].items() if k.startswith("data_")},
+            **({"eval_loss": evals[-1]} if evals else {}),
         }
 
 

@@ -8,6 +8,7 @@ and it tells the report sinks each event as it is recorded; `Result` is its fina
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +164,9 @@ class RunLog:
                     reported=[r for r, ok in enumerate(reported) if ok],
                 )
             row.update(samples_per_s=rate, end=end)
+            eval_loss = per_rank[0][i].eval_loss
+            if eval_loss is not None:  # the same on every rank (all-reduced)
+                row.update(eval_loss=eval_loss, perplexity=_perplexity(eval_loss))
             if data is not None:
                 waits = [r[i].data_wait_s or 0.0 for r in per_rank]
                 row["data_wait"] = sum(
@@ -194,3 +198,8 @@ class RunLog:
             rank_loss=tuple(spread(tuple(r[i].loss for r in per_rank)) for i in range(n)),
             spares=spares,
         )
+
+
+def _perplexity(loss: float) -> float:
+    """exp(loss) for a language model's mean token cross-entropy (inf past float range)."""
+    return math.exp(loss) if loss < 700 else math.inf

@@ -7,6 +7,8 @@ that need only it (torchtitan's `JobConfig` shape):
   world);
 - `RunConfig`: steps, batch, seed, reporting, the build, the data, the hyperparameters (the
   reporter, each rank's batches);
+- `StepConfig`: how each step trains: precision, gradient clipping, the learning-rate schedule,
+  evaluation (each rank's step);
 - `CheckpointConfig` (`raymesh.train.config`): where and how often to save.
 
 A user writes `TrainConfig`'s flat fields (keyword arguments, or a job file's top-level keys):
@@ -29,17 +31,24 @@ from raymesh.data import Pipeline
 from raymesh.train.faults import Fault, parse_fault
 
 __all__ = [
+    "PRECISIONS",
+    "SCHEDULES",
     "STRATEGIES",
     "FailureConfig",
     "ParallelismConfig",
     "RunConfig",
     "ScalingConfig",
+    "StepConfig",
     "Strategy",
     "section_of",
 ]
 
 Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS = ("fp32", "bf16", "fp16")
+Schedule = Literal["constant", "linear", "cosine"]
+SCHEDULES = ("constant", "linear", "cosine")
 
 S = TypeVar("S")
 
@@ -85,11 +94,15 @@ class ScalingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismConfig:
-    """The strategy ("auto" decides from a memory estimate), HSDP's shard group, the memory
-    figures the decision may be given, and whether DDP splits the batch by the ranks' speed."""
+    """The strategy ("auto" decides from a memory estimate), HSDP's shard group, activation
+    checkpointing and offload (each "auto": the planner turns it on only when the job does not
+    fit without it), the memory figures the decision may be given, and whether DDP splits the
+    batch by the ranks' speed."""
 
     strategy: Strategy
     shard_size: int | None
+    activation_checkpointing: bool | Literal["auto"]
+    offload: bool | Literal["auto"]
     memory_budget_gb: float | None
     activation_bytes: int | None
     rebalance: bool
@@ -112,6 +125,42 @@ class ParallelismConfig:
             check_int("activation_bytes", self.activation_bytes, minimum=0)
         if self.rebalance not in (True, False):
             raise bad("rebalance", self.rebalance, "use True or False")
+        for name in ("activation_checkpointing", "offload"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise bad(name, value, "use 'auto', True or False")
+        if self.offload is True and self.strategy == "ddp":
+            raise bad(
+                "offload",
+                True,
+                "moves FSDP's shards to host memory, and strategy='ddp' does not shard; use "
+                "strategy='fsdp' (or 'auto'), or drop offload",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """How each step trains: the precision of its compute, gradient clipping, the learning-rate
+    schedule and how often the ranks evaluate `Task.eval_dataset`."""
+
+    precision: Precision
+    grad_clip: float | None
+    lr_schedule: Schedule
+    warmup_steps: int
+    eval_every: int | None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise bad("precision", self.precision, f"use one of {list(PRECISIONS)}")
+        if self.grad_clip is not None and not (
+            isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0
+        ):
+            raise bad("grad_clip", self.grad_clip, "give the largest gradient norm (> 0), or None")
+        if self.lr_schedule not in SCHEDULES:
+            raise bad("lr_schedule", self.lr_schedule, f"use one of {list(SCHEDULES)}")
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        if self.eval_every is not None:
+            check_int("eval_every", self.eval_every, minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,6 +53,8 @@ class StrategyDecision:
     estimate: MemoryEstimate
     budget_bytes: int
     shard_size: int | None = None  # HSDP: ranks per shard group (replicas: world / shard_size)
+    checkpointing: bool = False  # activation checkpointing per block
+    offload: bool = False  # FSDP's state in host memory (GPU ranks)
 
     @property
     def sharded(self) -> bool:
@@ -110,8 +112,92 @@ class StrategyPolicy:
         *,
         shard_size: int | None = None,
         comm: Mapping[str, float] | None = None,
+        checkpointing: bool | Literal["auto"] = False,
+        offload: bool | Literal["auto"] = False,
+        precision: str = "fp32",
     ) -> StrategyDecision:
-        """The strategy for `world_size` ranks of `budget_bytes` each.
+        """The strategy, activation checkpointing and offload for `world_size` ranks of
+        `budget_bytes` each: the first combination, in order of cost, under which the job
+        fits `headroom` of the budget (the sharding rule below applied to each).
+
+        The order: neither; activation checkpointing (about a third more compute); offload
+        (copies to and from host memory every step, GPU ranks, FSDP/HSDP only); both.
+        `checkpointing` and `offload` True or False fix that choice; "auto" lets it be
+        chosen. Checkpointing needs the estimate's `checkpointed_activation_bytes` (a model
+        with blocks). When no combination fits, the error gives the numbers of the first
+        and of the cheapest, and what would fit (more ranks, bf16, LoRA, more memory).
+        `precision` only shapes those hints: it changes the numbers a model learns, so it
+        stays the user's choice."""
+        can_checkpoint = estimate.checkpointed_activation_bytes is not None
+        if checkpointing is True and not can_checkpoint:
+            raise ValueError(
+                "activation_checkpointing=True: the model has no blocks to checkpoint (raymesh "
+                "checkpoints the modules of its first nn.ModuleList); drop it, or keep the "
+                "transformer blocks in an nn.ModuleList"
+            )
+        variants = [
+            (ac, off)
+            for off in (False, True)
+            for ac in (False, True)
+            if (checkpointing == "auto" or ac == checkpointing)
+            and (offload == "auto" or off == offload)
+            and (can_checkpoint or not ac)
+            and not (off and requested == "ddp")
+        ]
+        if not variants:
+            raise ValueError("offload=True needs a sharded strategy; use 'fsdp' or 'auto'")
+        for ac, off in variants:
+            try:
+                return self._decide(
+                    requested,
+                    estimate,
+                    world_size,
+                    budget_bytes,
+                    shard_size=shard_size,
+                    comm=comm,
+                    checkpointing=ac,
+                    offload=off,
+                    must_fit=True,
+                )
+            except _NoFit:
+                continue
+        ac, off = variants[-1]  # none fits: the least memory, and its numbers
+        try:
+            return self._decide(
+                requested,
+                estimate,
+                world_size,
+                budget_bytes,
+                shard_size=shard_size,
+                comm=comm,
+                checkpointing=ac,
+                offload=off,
+                must_fit=False,
+            )
+        except _NoFit as e:
+            tried = " and ".join(
+                x for x, on in (("activation checkpointing", ac), ("offload", off)) if on
+            )
+            hints = _hints(estimate, ac, off, world_size, precision)
+            raise ValueError(
+                (f"with {tried}, " if tried else "") + str(e) + (f"; or: {hints}" if hints else "")
+            ) from None
+
+    def _decide(
+        self,
+        requested: str,
+        full: MemoryEstimate,
+        world_size: int,
+        budget_bytes: int,
+        *,
+        shard_size: int | None,
+        comm: Mapping[str, float] | None,
+        checkpointing: bool,
+        offload: bool,
+        must_fit: bool,
+    ) -> StrategyDecision:
+        """The strategy for `world_size` ranks of `budget_bytes` each, with `checkpointing`
+        and `offload` as given (`_NoFit` when it does not fit and `must_fit`, or nothing does).
 
         shard_size: HSDP's shard groups (ranks r*shard_size .. r*shard_size+shard_size-1, e.g.
         one host's), or None when there are none (one host, uneven hosts): then "auto" never
@@ -148,17 +234,21 @@ class StrategyPolicy:
                 "shard_size (ranks per group, a divisor of workers), or run on hosts that "
                 "each hold the same number (>= 2) of ranks, one group per host"
             )
-        ddp, fsdp = estimate.ddp_bytes(), estimate.fsdp_bytes(world_size)
+        estimate = full.under(checkpointing=checkpointing, offload=offload)
+        # DDP keeps its state on the device: offload does not apply to it.
+        on_device = full.under(checkpointing=checkpointing, offload=False)
+        ddp = on_device.ddp_bytes()
+        fsdp = estimate.fsdp_bytes(world_size)
         hsdp = estimate.fsdp_bytes(shard_size) if shard_size else None
         limit = int(self.headroom * budget_bytes)
         unit = _unit(max(ddp, fsdp))  # the estimate's terms share one unit so they add up
         bunit = _unit(budget_bytes)
         budget = f"{self._pct()} of the {_fmt(budget_bytes, bunit)} budget ({_fmt(limit, bunit)})"
 
-        if min(ddp, fsdp) > budget_bytes:
-            raise ValueError(
+        if (fsdp if offload else min(ddp, fsdp)) > budget_bytes:
+            raise _NoFit(
                 f"the job does not fit in memory even sharded: "
-                f"{_ddp_sum(estimate, unit)} with ddp, "
+                f"{_ddp_sum(on_device, unit)} with ddp, "
                 f"{_fsdp_sum(estimate, world_size, unit)} with fsdp over {_ranks(world_size)}, "
                 f"both above the per-rank budget of {_fmt(budget_bytes, bunit)}; "
                 f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
@@ -166,7 +256,7 @@ class StrategyPolicy:
 
         def summary(strategy: str) -> str:
             if strategy == "ddp":
-                return _ddp_sum(estimate, unit)
+                return _ddp_sum(on_device, unit)
             if strategy == "hsdp":
                 assert shard_size is not None
                 return _fsdp_sum(estimate, shard_size, unit)
@@ -176,7 +266,7 @@ class StrategyPolicy:
         chosen: Literal["ddp", "fsdp", "hsdp"]
         if requested == "auto":
             hsdp_cheaper = comm is None or comm.get("hsdp", 0.0) <= comm.get("fsdp", math.inf)
-            if ddp <= limit:
+            if ddp <= limit and not offload:
                 chosen, why = "ddp", f"fits {budget}"
             elif hsdp is not None and hsdp <= limit and hsdp_cheaper:
                 chosen = "hsdp"
@@ -191,8 +281,8 @@ class StrategyPolicy:
                     if hsdp is not None
                     else ""
                 )
-                raise ValueError(
-                    f"the job does not fit {budget}: ddp needs {_ddp_sum(estimate, unit)}, "
+                raise _NoFit(
+                    f"the job does not fit {budget}: ddp needs {_ddp_sum(on_device, unit)}, "
                     f"fsdp over {_ranks(world_size)} needs {summary('fsdp')}{hsdp_text}; "
                     f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
                 )
@@ -200,6 +290,8 @@ class StrategyPolicy:
             chosen = requested  # type: ignore[assignment]
             bytes_ = need[chosen]
             assert bytes_ is not None  # hsdp without shard groups was refused above
+            if bytes_ > limit and must_fit:
+                raise _NoFit(f"{chosen} does not fit {budget}")
             if bytes_ <= limit:
                 why = f"fits {budget}"
             elif bytes_ <= budget_bytes:
@@ -217,6 +309,13 @@ class StrategyPolicy:
                 f"{shard_size}, replicated across {world_size // shard_size})"
             )
         reason = f"{name}: {summary(chosen)} {why}"
+        if checkpointing:
+            reason += (
+                f"; activation checkpointing per block (activations "
+                f"{_fmt(full.activation_bytes, unit)} -> {_fmt(estimate.activation_bytes, unit)})"
+            )
+        if offload:
+            reason += f"; offload: {_fmt(estimate.host_bytes, unit)} of state in host memory"
         if comm and chosen in comm:
             others = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in comm.items() if k != chosen)
             reason += f"; estimated communication {comm[chosen] * 1e3:.3g} ms per step" + (
@@ -228,10 +327,39 @@ class StrategyPolicy:
             estimate=estimate,
             budget_bytes=budget_bytes,
             shard_size=shard_size if chosen == "hsdp" else None,
+            checkpointing=checkpointing,
+            offload=offload,
         )
 
     def _pct(self) -> str:
         return f"{self.headroom * 100:g}%"
+
+
+class _NoFit(ValueError):
+    """The job does not fit under one combination (the policy tries the next)."""
+
+
+def _hints(e: MemoryEstimate, ac: bool, off: bool, world_size: int, precision: str) -> str:
+    """What the user may change that the planner may not, with about what it would need:
+    bf16 about halves activations and the gathered block; LoRA drops the base's gradients
+    and optimizer state."""
+    cheapest = e.under(checkpointing=ac, offload=off)
+    unit = _unit(e.ddp_bytes())
+    out = []
+    if precision == "fp32":  # about half the activations and of the gathered block
+        bf16 = dataclasses.replace(
+            cheapest,
+            activation_bytes=cheapest.activation_bytes // 2,
+            largest_block_bytes=cheapest.largest_block_bytes // 2,
+        )
+        out.append(f"precision='bf16' would need about {_fmt(bf16.fsdp_bytes(world_size), unit)}")
+    if e.grad_bytes:  # LoRA: the base frozen, no gradients or optimizer state for it
+        lora = dataclasses.replace(cheapest, grad_bytes=0, optimizer_bytes=0)
+        out.append(
+            f"LoRA (a frozen base, small adapters) would need about "
+            f"{_fmt(min(lora.ddp_bytes(), lora.fsdp_bytes(world_size)), unit)}"
+        )
+    return "; ".join(out) if out else ""
 
 
 def _ranks(n: int) -> str:

@@ -230,3 +230,68 @@ def test_too_big_a_block_says_more_workers_cannot_help():
     e = MemoryEstimate(GIB, GIB, 2 * GIB, activation_bytes=0, largest_block_bytes=GIB)
     with pytest.raises(ValueError, match="more workers cannot help"):
         StrategyPolicy().decide("auto", e, world_size=8, budget_bytes=GIB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing and offload, chosen with the sharding
+# ---------------------------------------------------------------------------------------------
+
+# 1 GiB of state and 2 GiB of activations, 0.25 GiB with each block checkpointed.
+ACTIVE = MemoryEstimate(
+    GIB // 4,
+    GIB // 4,
+    GIB // 2,
+    activation_bytes=2 * GIB,
+    largest_block_bytes=GIB // 8,
+    checkpointed_activation_bytes=GIB // 4,
+)
+
+
+def test_auto_checkpoints_activations_only_when_no_sharding_fits_without():
+    policy = StrategyPolicy()
+    roomy = policy.decide("auto", ACTIVE, 4, 8 * GIB, checkpointing="auto")
+    assert (roomy.strategy, roomy.checkpointing) == ("ddp", False)
+    # 2.9 GiB: ddp 3 GiB and fsdp 2.375 GiB over 4 do not fit 80% of it (2.32 GiB); ddp with
+    # checkpointing (1.25 GiB) does.
+    tight = policy.decide("auto", ACTIVE, 4, int(2.9 * GIB), checkpointing="auto")
+    assert (tight.strategy, tight.checkpointing, tight.offload) == ("ddp", True, False)
+    assert "activation checkpointing per block (activations 2.00 GiB -> 0.25 GiB)" in tight.reason
+    assert tight.estimate.activation_bytes == GIB // 4
+    # Sharding that fits without checkpointing comes first (no recompute).
+    sharded = policy.decide("auto", ACTIVE, 4, int(3.2 * GIB), checkpointing="auto")
+    assert (sharded.strategy, sharded.checkpointing) == ("fsdp", False)
+
+
+def test_checkpointing_and_offload_are_the_users_when_fixed():
+    policy = StrategyPolicy()
+    forced = policy.decide("auto", ACTIVE, 4, 8 * GIB, checkpointing=True)
+    assert (forced.strategy, forced.checkpointing) == ("ddp", True)
+    off = policy.decide("auto", ACTIVE, 4, 3 * GIB, checkpointing=False)
+    assert (off.strategy, off.checkpointing) == ("fsdp", False)  # the sharding that fits
+    with pytest.raises(ValueError, match="no blocks to checkpoint"):
+        policy.decide("auto", ONE_GIB, 4, GIB, checkpointing=True)
+
+
+def test_offload_is_the_last_resort_and_only_for_sharded_strategies():
+    # 0.6 GiB: nothing fits on the device, even checkpointed (fsdp 0.25 + 0.125 + 0.25 GiB =
+    # 0.625 GiB); offloaded, the device holds one block and the activations.
+    d = StrategyPolicy().decide(
+        "auto", ACTIVE, 4, int(0.6 * GIB), checkpointing="auto", offload="auto"
+    )
+    assert (d.strategy, d.checkpointing, d.offload) == ("fsdp", True, True)
+    assert d.estimate.host_bytes == GIB and d.estimate.param_bytes == 0
+    assert "offload: 1.00 GiB of state in host memory" in d.reason
+    with pytest.raises(ValueError, match="offload=True needs a sharded strategy"):
+        StrategyPolicy().decide("ddp", ACTIVE, 4, GIB, offload=True)
+
+
+def test_when_nothing_fits_the_error_says_what_was_tried_and_what_the_user_could_change():
+    with pytest.raises(ValueError) as info:
+        StrategyPolicy().decide("auto", ACTIVE, 2, GIB // 2, checkpointing="auto")
+    msg = str(info.value)
+    # The numbers are the least memory it tried: with the blocks checkpointed.
+    assert msg.startswith("with activation checkpointing, the job does not fit"), msg
+    assert "activations 0.25" in msg
+    assert "use at least" in msg and "workers (now 2)" in msg
+    assert "precision='bf16' would need about" in msg
+    assert "LoRA (a frozen base, small adapters) would need about" in msg

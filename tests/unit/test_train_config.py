@@ -9,12 +9,18 @@ import pytest
 
 from raymesh.testing import kill
 from raymesh.train import TrainConfig, load_config
-from raymesh.train.sections import FailureConfig, ParallelismConfig, RunConfig, ScalingConfig
+from raymesh.train.sections import (
+    FailureConfig,
+    ParallelismConfig,
+    RunConfig,
+    ScalingConfig,
+    StepConfig,
+)
 
 
 def test_the_sections_hold_every_field_once_and_nothing_else():
     names = [f.name for f in dataclasses.fields(TrainConfig)]
-    sections = (ScalingConfig, ParallelismConfig, FailureConfig, RunConfig)
+    sections = (ScalingConfig, ParallelismConfig, StepConfig, FailureConfig, RunConfig)
     held = [f.name for s in sections for f in dataclasses.fields(s)] + ["checkpoint"]
     assert sorted(held) == sorted(names)
 
@@ -47,6 +53,13 @@ def test_a_flat_config_reads_the_same_in_sections_with_its_values_normalised():
         ("steps", True, "give an integer >= 1"),
         ("seed", "7", "give an integer"),
         ("activation_bytes", -1, "give an integer >= 0"),
+        ("precision", "int8", "use one of"),
+        ("activation_checkpointing", "yes", "use 'auto', True or False"),
+        ("offload", 1.0, "use 'auto', True or False"),
+        ("grad_clip", 0, "give the largest gradient norm"),
+        ("lr_schedule", "step", "use one of"),
+        ("warmup_steps", -1, "give an integer >= 0"),
+        ("eval_every", 0, "give an integer >= 1"),
     ],
 )
 def test_each_section_names_the_field_the_value_and_the_fix(field, value, fix):
@@ -61,6 +74,10 @@ def test_what_spans_sections_is_checked_by_the_config():
         TrainConfig(workers=4, global_batch_size=4, shard_size=4)
     with pytest.raises(ValueError, match="rank 2 does not exist with workers=2"):
         TrainConfig(workers=2, global_batch_size=2, faults=["kill:rank=2:step=1"])
+    with pytest.raises(ValueError, match=r"^warmup_steps=5: is longer than the run \(steps=4\)"):
+        TrainConfig(steps=4, warmup_steps=5)
+    with pytest.raises(ValueError, match=r"^offload=True: .*strategy='ddp' does not shard"):
+        TrainConfig(strategy="ddp", offload=True)
 
 
 def test_a_flat_job_file_is_read_as_before(tmp_path):

@@ -262,9 +262,28 @@ class TrainController:
                 # as a shrunk HSDP job does) until it grows back.
                 decide_for = cfg.max_workers
         comm = self.placer.comm_costs() if world == cfg.max_workers and shard else None
+        on_gpu = infos[0].device.startswith("cuda")
+        if cfg.offload is True and not on_gpu:
+            raise ValueError(
+                f"offload=True: the ranks run on {infos[0].device}; offload moves FSDP's state "
+                "from GPU to host memory, so it needs GPU ranks (gpus=True); drop it on CPU"
+            )
         decision = self.policies.strategy.decide(
-            cfg.strategy, infos[0].estimate, decide_for, budget, shard_size=shard, comm=comm
+            cfg.strategy,
+            infos[0].estimate,
+            decide_for,
+            budget,
+            shard_size=shard,
+            comm=comm,
+            checkpointing=cfg.activation_checkpointing,
+            offload=cfg.offload if on_gpu else False,
+            precision=cfg.precision,
         )
+        if decision.sharded and cfg.precision == "fp16":
+            raise ValueError(
+                f"precision='fp16' with {decision.strategy}: loss scaling is for DDP here; use "
+                "precision='bf16' (no scaling needed), or strategy='ddp'"
+            )
         self.placer.choose(decision.strategy)
         self.resumed_from = self.world.prepare(decision, find_resume(cfg))
         running = self.world.decision  # `decision` resized to this world

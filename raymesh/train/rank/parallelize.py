@@ -9,6 +9,13 @@ follows from the decision, so a decision tested without a model is the one appli
 - FSDP: `fully_shard` on each of `fsdp_blocks(model)`, then on the root, over every rank.
 - HSDP: the same over the decision's (replicate, shard) device mesh: gradients are
   reduce-scattered within a shard group and all-reduced across replicas.
+- Activation checkpointing (`decision.checkpointing`): each block's forward runs under
+  `torch.utils.checkpoint` (non-reentrant), before any wrapping, as torchtitan applies it.
+- Mixed precision (`precision`): FSDP2's `MixedPrecisionPolicy` (parameters gathered in
+  bf16/fp16, gradients reduced in fp32); under DDP the step's autocast does it
+  (`autocast_dtype`). Master weights and optimizer state stay fp32 either way.
+- Offload (`decision.offload`): FSDP2's `CPUOffloadPolicy`: shards, gradients and optimizer
+  state in pinned host memory, copied to the GPU per block.
 
 The units are `raymesh.train.estimate.fsdp_blocks`, the same the memory estimate counts as
 FSDP's largest unit, so the estimate and the wrapping agree on what is gathered at once.
@@ -23,12 +30,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from raymesh.train.estimate import fsdp_blocks
 from raymesh.train.strategy import StrategyDecision
 
-__all__ = ["no_sync", "parallelize", "settle_buckets"]
+__all__ = ["autocast_dtype", "no_sync", "parallelize", "set_checkpointing", "settle_buckets"]
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a step's compute runs in for `precision` ("fp32": None, no autocast)."""
+    return _DTYPES[precision]
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Checkpoint each of `fsdp_blocks(model)` (or stop): the block's forward runs under
+    non-reentrant `torch.utils.checkpoint`, which keeps only its inputs and recomputes the rest
+    in the backward. The module tree, its parameter names and so its state dict are unchanged
+    (the forward is replaced on the instance), so checkpoints load with it on or off. The
+    recompute draws the same random numbers as the forward (checkpoint restores the RNG
+    state), so a step is the same with it on or off up to the order of float operations."""
+    for block in fsdp_blocks(model):
+        if on and "_raymesh_forward" not in block.__dict__:
+            block._raymesh_forward = block.forward  # type: ignore[assignment]
+            block.forward = _checkpointed(block._raymesh_forward)  # type: ignore[method-assign]
+        elif not on and "_raymesh_forward" in block.__dict__:
+            block.forward = block.__dict__.pop("_raymesh_forward")  # type: ignore[method-assign]
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def parallelize(
@@ -38,6 +77,7 @@ def parallelize(
     world_size: int,
     device: torch.device,
     optimizer: torch.optim.Optimizer,
+    precision: str = "fp32",
     ddp_timings: bool = False,
 ) -> torch.nn.Module:
     """Wrap `model` (already on `device`) for the current process group as `decision` says,
@@ -67,6 +107,7 @@ def parallelize(
             f"parallelize: world_size={world_size} but the process group has "
             f"{dist.get_world_size()} ranks; pass the group's size"
         )
+    set_checkpointing(model, decision.checkpointing)
     if not decision.sharded:
         ids = [device.index] if device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -87,9 +128,15 @@ def parallelize(
     dims = decision.mesh(world_size)
     if dims is not None:  # HSDP: reduce-scatter within a shard group, then all-reduce
         mesh = init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
+    dtype = autocast_dtype(precision)
+    policies: dict[str, Any] = {}
+    if dtype is not None:  # gathered in `dtype`, reduced in fp32, master weights fp32
+        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if decision.offload:
+        policies["offload_policy"] = CPUOffloadPolicy()
     for unit in fsdp_blocks(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, **policies)
+    fully_shard(model, mesh=mesh, **policies)
     params = dict(model.named_parameters())
     for group, ns in zip(optimizer.param_groups, groups):
         group["params"] = [params[n] for n in ns]

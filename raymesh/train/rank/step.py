@@ -1,13 +1,17 @@
 """One training step on one rank, and the timing load balancing reads from it.
 
 `run_step` runs the forward and backward of each micro batch (reducing gradients only on the
-last, `parallelize.no_sync`) and the optimizer step, marking each phase for the Monitor.
+last, `parallelize.no_sync`; under autocast when the step's `Precision` says), then clips the
+gradients, sets the step's learning rate (`lr_factor`) and steps the optimizer, marking each
+phase for the Monitor.
 `Timing` keeps the rank's own compute time per step, without the time spent waiting for its
 peers in the gradient reduction: that is what `raymesh.train.control.balance` compares across ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +23,36 @@ from raymesh.train.hooks import RankHooks
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import no_sync
 
-__all__ = ["Timing", "mix", "run_step", "seed_step", "to_device"]
+__all__ = ["Precision", "Timing", "lr_factor", "mix", "run_step", "seed_step", "to_device"]
+
+
+def lr_factor(schedule: str, warmup_steps: int, step: int, steps: int) -> float:
+    """What the optimizer's learning rate is multiplied by at 0-based `step` of `steps`: a
+    linear warmup from 1/warmup_steps to 1 over the first `warmup_steps`, then 1 ("constant")
+    or decaying to 0 at `steps` ("linear", "cosine"). A pure function of the step, so a healed
+    or resumed run uses the same rate as an uninterrupted one."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Precision:
+    """How a step computes: `autocast` (the dtype under DDP or one rank; None under FSDP2,
+    whose mixed-precision policy casts instead, or in fp32) and the fp16 loss `scaler`."""
+
+    autocast: torch.dtype | None = None
+    scaler: Any = None  # torch.amp.GradScaler, fp16 only
+
+    def forward(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
 
 
 def mix(*values: int) -> int:
@@ -116,9 +149,15 @@ def run_step(
     global_batch_size: int,
     timing: Timing,
     hooks: RankHooks | None,
+    precision: Precision | None = None,
+    grad_clip: float | None = None,
+    lr: float = 1.0,
 ) -> float:
     """Train 0-based `step` on the micro batches `micro` (sample indices; `load` makes them a
-    batch on the device); return this rank's loss, summed over its micro batches."""
+    batch on the device); return this rank's loss, summed over its micro batches. `lr`: the
+    factor on each param group's initial learning rate (`lr_factor`); `grad_clip`: the
+    largest global gradient norm."""
+    precision = precision or Precision()
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     wall = 0.0  # forward + backward wall time
@@ -133,13 +172,14 @@ def run_step(
             # averaged gradient the global batch's mean for any split.
             weight = len(m) * world_size / global_batch_size
             t0 = time.perf_counter()
-            loss = loss_fn(model, load(m)) * weight
+            with precision.forward(device):
+                loss = loss_fn(model, load(m)) * weight
             if hooks is not None and last:
                 t_hook = time.perf_counter()
                 hooks.in_step(rank, step + 1, timing.base_s)
                 hook_s = time.perf_counter() - t_hook
             mark(step + 1, "backward")
-            loss.backward()
+            (precision.scaler.scale(loss) if precision.scaler is not None else loss).backward()
             seconds = time.perf_counter() - t0
             wall += seconds
             if not last:  # only the last micro batch reduces, so only it waits for peers
@@ -148,5 +188,17 @@ def run_step(
     samples = sum(len(m) for m in micro)
     timing.account(model, samples, len(micro) == 1, wall, (quiet, quiet_samples), hook_s)
     mark(step + 1, "optimizer")
-    optimizer.step()
+    if precision.scaler is not None:
+        precision.scaler.unscale_(optimizer)  # clip the true gradients
+    if grad_clip is not None:
+        grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, grad_clip)
+    if lr != 1.0 or any("initial_lr" in g for g in optimizer.param_groups):
+        for g in optimizer.param_groups:
+            g["lr"] = g.setdefault("initial_lr", g["lr"]) * lr
+    if precision.scaler is not None:
+        precision.scaler.step(optimizer)
+        precision.scaler.update()
+    else:
+        optimizer.step()
     return float(total)

@@ -33,12 +33,6 @@ from raymesh.data.feed import Feed
 from raymesh.data.sources import batch_reader
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
-from raymesh.train.estimate import (
-    cpu_budget_bytes,
-    estimate,
-    gpu_budget_bytes,
-    probe_activation_bytes,
-)
 from raymesh.train.hooks import RankHooks
 from raymesh.train.protocol import (
     ChunkResult,
@@ -50,9 +44,11 @@ from raymesh.train.protocol import (
 )
 from raymesh.train.rank import group
 from raymesh.train.rank.batches import Batches
+from raymesh.train.rank.evaluate import evaluate
+from raymesh.train.rank.measure import check_precision, estimate_memory
 from raymesh.train.rank.monitor import mark
-from raymesh.train.rank.parallelize import parallelize, settle_buckets
-from raymesh.train.rank.step import Timing, mix, run_step, seed_step
+from raymesh.train.rank.parallelize import autocast_dtype, parallelize, settle_buckets
+from raymesh.train.rank.step import Precision, Timing, lr_factor, mix, run_step, seed_step
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import Context, Task
 
@@ -78,6 +74,7 @@ class TrainWorker(Actor):
         self.done = 0  # steps completed (the data position)
         self.sizes: list[int] | None = None  # samples per rank (None: the even split)
         self.timing = Timing(ddp_timings=config.rebalance)
+        self.precision = Precision()  # set for the decided strategy by _wrap
         # With a pipeline (TrainConfig.data), batches come from its workers, made ahead; the
         # rank makes one itself only when no worker is left (see raymesh.data.feed).
         self.feed = Feed(config.data, config.seed) if config.data is not None else None
@@ -125,6 +122,7 @@ class TrainWorker(Actor):
         # A CPU proc can still see the machine's GPUs: use one only if Ray gave it one.
         use_cuda = cfg.gpus is not False and torch.cuda.is_available() and bool(context().gpu_ids)
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+        check_precision(cfg.precision, self.device)
         self._join(rdv)
         if not use_cuda:
             torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
@@ -159,19 +157,10 @@ class TrainWorker(Actor):
         params = sum(p.numel() for p in task.model.parameters())
         if not measure:
             return SetupInfo(params=params, device=str(self.device))
-        activation = cfg.activation_bytes
-        if activation is None:
-            first = self._micro(0)[0]
-            activation = probe_activation_bytes(task.model, task.loss_fn, self.batches.load(first))
-        if use_cuda:
-            budget = gpu_budget_bytes(self.device.index or 0)
-        else:
-            budget = cpu_budget_bytes(cfg.memory_budget_gb, ranks_per_host=rdv.local.size)
+        batch = self.batches.load(self._micro(0)[0]) if cfg.activation_bytes is None else None
+        memory, budget = estimate_memory(task, batch, cfg, self.device, rdv.local.size)
         return SetupInfo(
-            params=params,
-            device=str(self.device),
-            estimate=estimate(task.model, task.optimizer, activation),
-            budget_bytes=budget,
+            params=params, device=str(self.device), estimate=memory, budget_bytes=budget
         )
 
     @endpoint
@@ -199,6 +188,12 @@ class TrainWorker(Actor):
         # so no garbage of the build (or of a failed step) is frozen with it.
         gc.collect()
         gc.freeze()
+        # Under FSDP2 its mixed-precision policy casts; elsewhere the step's autocast does.
+        dtype = autocast_dtype(self.config.precision)
+        scaler = self.precision.scaler  # kept across a heal: its scale is still good
+        if self.config.precision == "fp16" and scaler is None:
+            scaler = torch.amp.GradScaler(self.device.type)
+        self.precision = Precision(None if self.decision.sharded else dtype, scaler)
         if self.world_size == 1 and not self.decision.sharded:
             # A world of one has nothing to reduce: DDP's hooks would cost ~0.7 ms a step (3x
             # the whole step of a small model) and change nothing. It is wrapped again as soon
@@ -211,6 +206,7 @@ class TrainWorker(Actor):
             world_size=self.world_size,
             device=self.device,
             optimizer=self.optimizer,
+            precision=self.config.precision,
             ddp_timings=self.config.rebalance,  # per-step compute timings (see step.Timing)
         )
 
@@ -298,6 +294,30 @@ class TrainWorker(Actor):
             global_batch_size=cfg.global_batch_size,
             timing=self.timing,
             hooks=self.hooks,
+            precision=self.precision,
+            grad_clip=cfg.grad_clip,
+            lr=lr_factor(cfg.lr_schedule, cfg.warmup_steps, step, cfg.steps),
+        )
+
+    def _evaluate(self, step: int) -> float | None:
+        """The eval loss after 0-based `step`, when the task has an eval set and the step is
+        one to evaluate at (every `eval_every`, and the last); else None. COLLECTIVE."""
+        assert self.task is not None and self.model is not None
+        cfg, done = self.config, step + 1
+        if self.task.eval_dataset is None:
+            return None
+        if done != cfg.steps and not (cfg.eval_every and done % cfg.eval_every == 0):
+            return None
+        return evaluate(
+            self.model,
+            self.task.loss_fn,
+            batch_reader(self.task.eval_dataset, self.task.collate_fn),
+            len(self.task.eval_dataset),
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size),
+            device=self.device,
+            precision=self.precision,
         )
 
     @endpoint
@@ -335,6 +355,7 @@ class TrainWorker(Actor):
                         compute_s=self.timing.compute_s,
                         samples=self.timing.samples,
                         data_wait_s=self.feed.take_wait() if self.feed is not None else None,
+                        eval_loss=self._evaluate(step),
                     )
                 )
                 if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
