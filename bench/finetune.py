@@ -2,7 +2,7 @@
 DDP under torchrun), full fine-tune and LoRA, in one run.
 
     python bench/finetune.py              # full run: 60 steps per side and mode (~10-15 min here)
-    python bench/finetune.py --quick      # smoke run: 8 steps (steady window 3..7)
+    python bench/finetune.py --quick      # smoke run: 8 steps (steady window 4..8)
     python bench/finetune.py --only lora --steps 40 --precision fp32
     python bench/finetune.py --save       # also write bench/results/finetune.json
 
@@ -11,9 +11,12 @@ intermediate 688 with a byte-level tokenizer (`raymesh.train.hf.save_tiny_llama`
 trained on pydoc_data's topics text packed into blocks of 256 tokens (`raymesh.train.hf.build`;
 the last 5 % of blocks are the eval set), 2 ranks x 8 blocks (global batch 16), AdamW (lr 3e-4
 full, 1e-3 LoRA r=8 alpha=16 on q_proj/v_proj; weight decay 0), constant learning rate, no
-warm-up, gradients clipped at norm 1.0, bf16 autocast (`--precision fp32`: none), CPU, gloo on
-127.0.0.1, one torch thread per rank. Both sides train on the very same blocks in the very same
-order from the very same initial weights:
+warm-up, gradients clipped at norm 1.0, CPU, gloo on 127.0.0.1, one torch thread per rank.
+Precision (`--precision auto`): bf16 autocast where the CPU computes bf16 natively (avx512_bf16
+or amx_bf16 in /proc/cpuinfo), else fp32: without them torch's CPU autocast converts to and from
+bf16 around every matmul, and a forward + backward of this job took ~15x as long as in fp32 on
+the 2-core AMD EPYC this was written on (12 s vs 0.8 s). `--precision bf16` forces it.
+Both sides train on the very same blocks in the very same order from the very same initial weights:
 - the parent runs `raymesh.train.hf.build` once per mode (seeded as a raymesh rank seeds it)
   and hands the Trainer side its train and eval blocks and the model's initial state dict
   (LoRA's random A matrices included); the Trainer side checks its parameter sum against what
@@ -41,10 +44,9 @@ each rank noting its pid, its RSS before the build and its parameter sum. Eval l
 `eval_loss` at step N.
 
 Measures, per mode and side:
-- steady tokens/s: (N - 1 - W) * 16 * 256 / (t[N-1] - t[W]), t[s] the wall time step s ended
-  (raymesh: the history's `end`, every rank done; the Trainer: rank 0's `on_step_end`), W the
-  warm-up steps skipped (10; 3 with --quick). The last step is left out on both sides: raymesh
-  evaluates inside step N, the Trainer after `train()`.
+- steady tokens/s: (N - W) * 16 * 256 / (t[N] - t[W]), t[s] the wall time step s ended
+  (raymesh: the history's `end`, every rank done, stamped before its evaluation; the Trainer:
+  rank 0's `on_step_end`), W the warm-up steps skipped (10; 3 with --quick).
 - peak memory per rank: VmHWM of each rank's process (the Trainer's ranks read their own after
   evaluate(); raymesh's are read from /proc every 0.2 s by the parent of fit(), until fit
   returns: the high-water mark only grows). Both include the process's own runtime (python,
@@ -97,6 +99,7 @@ CHILD_ENV = {
     "HF_HUB_OFFLINE": "1",  # everything is local: never ask the Hub
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars too
 }
 
 
@@ -116,6 +119,15 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
         if rest.strip().endswith("kB"):
             out[key] = int(rest.split()[0])
     return out
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def param_sum(model: Any) -> float:
@@ -201,19 +213,26 @@ def hf_rank(spec: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     rank = int(os.environ["RANK"])
-    rss_before = proc_status()["VmRSS"]
-    data = torch.load(spec["data"], weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     p = spec["params"]
     if p["lora_r"]:
         from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=p["lora_r"], lora_alpha=p["lora_alpha"], lora_dropout=0.0,
-                          target_modules=list(p["lora_targets"]))  # fmt: skip
+    rss_before = proc_status()["VmRSS"]
+    data = torch.load(spec["data"], weights_only=True)
+    # As raymesh.train.hf.load_causal_lm loads it: fp32, no KV cache, LoRA on the named targets.
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], local_files_only=True, dtype=torch.float32
+    )
+    model.config.use_cache = False
+    if p["lora_r"]:
+        lora = LoraConfig(
+            r=p["lora_r"], lora_alpha=p["lora_alpha"], lora_dropout=0.0,
+            target_modules=list(p["lora_targets"]), task_type="CAUSAL_LM",
+        )  # fmt: skip
         model = get_peft_model(model, lora)
     # raymesh's initial weights (LoRA's A matrices drawn as its ranks drew them)
     model.load_state_dict(torch.load(spec["init"], weights_only=True), strict=True)
     init_sum = param_sum(model)
+    rss_after = proc_status()["VmRSS"]
 
     class Blocks(Dataset):
         """`blocks[order[i]]`: raymesh's global order, read front to back."""
@@ -279,6 +298,7 @@ def hf_rank(spec: dict[str, Any]) -> None:
     metrics = trainer.evaluate()
     status = proc_status()
     mine = {"pid": os.getpid(), "rss_before_build_kb": rss_before, "vmhwm_kb": status["VmHWM"],
+            "rss_after_build_kb": rss_after,
             "init_sum": init_sum}  # fmt: skip
     Path(f"{spec['out']}.rank{rank}").write_text(json.dumps(mine))
     if rank == 0:
@@ -318,13 +338,18 @@ def hf_child(spec: dict[str, Any]) -> dict[str, Any]:
 def measured_build(out: str, ctx: Any) -> Any:
     """raymesh.train.hf.build, with the rank noting its pid, its RSS before the build and its
     initial parameter sum in `out`.rank<r> (shipped to the ranks by value from __main__)."""
-    from raymesh.train import hf
+    import transformers  # noqa: F401  (loaded before the baseline, as on the Trainer side)
 
+    if ctx.params.get("lora_r"):
+        import peft  # noqa: F401
+
+    hf = hf_module()
     rss_before = proc_status()["VmRSS"]
     task = hf.build(ctx)
     mine = {
         "pid": os.getpid(),
         "rss_before_build_kb": rss_before,
+        "rss_after_build_kb": proc_status()["VmRSS"],
         "init_sum": param_sum(task.model),
     }
     Path(f"{out}.rank{ctx.rank}").write_text(json.dumps(mine))
@@ -395,18 +420,19 @@ def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
 def side_figures(
     spec: dict[str, Any], stamps: list[float], eval_loss: float | None, ranks: list[dict]
 ) -> dict[str, Any]:
-    """Steady tokens/s over steps W+1..N-1, per-rank peak RSS and growth, eval loss."""
+    """Steady tokens/s over steps W+1..N, per-rank peak RSS and growth, eval loss."""
     n, w = spec["steps"], spec["warmup"]
-    seconds = stamps[n - 2] - stamps[w - 1]  # step N-1's end minus step W's
-    tokens = (n - 1 - w) * spec["global_batch"] * spec["params"]["block_size"]
+    seconds = stamps[n - 1] - stamps[w - 1]  # step N's end minus step W's
+    tokens = (n - w) * spec["global_batch"] * spec["params"]["block_size"]
     mb = 1 / 1024
     return {
         "tokens_per_s": round(tokens / seconds, 1),
-        "steady_window": [w + 1, n - 1],
+        "steady_window": [w + 1, n],
         "step_s": [round(b - a, 3) for a, b in itertools.pairwise(stamps)],
         "eval_loss": None if eval_loss is None else round(eval_loss, 5),
         "peak_rss_mb": [round(r["vmhwm_kb"] * mb, 1) for r in ranks],
         "rss_before_build_mb": [round(r["rss_before_build_kb"] * mb, 1) for r in ranks],
+        "rss_after_build_mb": [round(r["rss_after_build_kb"] * mb, 1) for r in ranks],
         "growth_mb": [round((r["vmhwm_kb"] - r["rss_before_build_kb"]) * mb, 1) for r in ranks],
         "init_sum": [r["init_sum"] for r in ranks],
         "pids": [r["pid"] for r in ranks],
@@ -535,7 +561,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8 steps, warm-up 3 (a smoke run)")
     p.add_argument("--steps", type=int, help="steps per run (default 60; 8 with --quick)")
     p.add_argument("--only", choices=sorted(MODES), help="one mode only")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16, else fp32")  # fmt: skip
     p.add_argument("--save", action="store_true", help="write bench/results/finetune.json")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec: the raymesh side
     p.add_argument("--hf-rank", help=argparse.SUPPRESS)  # JSON spec: a torchrun rank
@@ -558,6 +585,8 @@ def main() -> None:
     if steps < warmup + 3:
         p.error(f"--steps {steps}: needs at least {warmup + 3} (warm-up {warmup}, then 2 timed)")
     modes = [args.only] if args.only else list(MODES)
+    native = native_bf16()
+    precision = args.precision if args.precision != "auto" else "bf16" if native else "fp32"
     os.environ.update(CHILD_ENV)
     res: dict[str, Any] = {
         "bench": "finetune",
@@ -566,7 +595,8 @@ def main() -> None:
         "config": {
             "model": {"kind": "llama", **MODEL}, "block_size": BLOCK,
             "global_batch_size": GLOBAL_BATCH, "ranks": WORKERS, "steps": steps,
-            "warmup_steps_skipped": warmup, "precision": args.precision, "grad_clip": GRAD_CLIP,
+            "warmup_steps_skipped": warmup, "precision": precision,
+            "cpu_native_bf16": native, "grad_clip": GRAD_CLIP,
             "eval_fraction": EVAL_FRACTION, "modes": {m: MODES[m] for m in modes},
             "threads_per_rank": 1, "device": "cpu, gloo on 127.0.0.1",
         },
@@ -593,7 +623,7 @@ def main() -> None:
             for side in sides:
                 spec = {
                     "mode": mode, "side": side, "steps": steps, "warmup": warmup,
-                    "global_batch": GLOBAL_BATCH, "precision": args.precision,
+                    "global_batch": GLOBAL_BATCH, "precision": precision,
                     "params": prep["params"], "model": prep["params"]["model"],
                     "data": prep["data"], "init": prep["init"], "dir": str(td),
                     "out": str(td / f"{side}_{mode}"), "timeout": timeout,
