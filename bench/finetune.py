@@ -52,7 +52,10 @@ Measures, per mode and side:
   returns: the high-water mark only grows). Both include the process's own runtime (python,
   torch, transformers; raymesh's ranks also Ray's worker and what raymesh preloads), so the
   growth over the RSS before the build is recorded too (`growth_mb`: model, data, optimizer,
-  activations, DDP buckets, allocator slack).
+  activations, DDP buckets, allocator slack), and the RSS right after the build. Before the
+  baseline both sides have imported transformers (and peft for LoRA). raymesh's side also keeps
+  its ranks' VmRSS about once a second (`rss_timeline_mb`, on the clock of `step_end_s`), to
+  show where the memory goes: setup (its activation probes), the steps, the evaluation.
 - eval loss after N steps, both sides, and raymesh's over the Trainer's.
 - raymesh's memory estimate (`Result.decision.estimate`, the per-rank bytes its strategy decision
   used; DDP: `ddp_bytes()`) over the measured peak growth of its ranks (and over the whole RSS).
@@ -375,14 +378,19 @@ def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
     from raymesh import train
 
     peaks: dict[int, int] = {}
+    timeline: list[list[float]] = []  # [s since fit(), each rank's VmRSS MB], about 1 a second
     done = threading.Event()
+    t0 = time.time()
 
     def poll() -> None:
+        rss = []
         for r in range(WORKERS):
             f = Path(f"{spec['out']}.rank{r}")
-            if f.exists():
-                hwm = proc_status(json.loads(f.read_text())["pid"]).get("VmHWM", 0)
-                peaks[r] = max(peaks.get(r, 0), hwm)
+            status = proc_status(json.loads(f.read_text())["pid"]) if f.exists() else {}
+            peaks[r] = max(peaks.get(r, 0), status.get("VmHWM", 0))
+            rss.append(round(status.get("VmRSS", 0) / 1024, 1))
+        if any(rss) and (not timeline or time.time() - t0 >= timeline[-1][0] + 1.0):
+            timeline.append([round(time.time() - t0, 1), *rss])
 
     def watch() -> None:
         while not done.wait(0.2):
@@ -391,7 +399,6 @@ def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     config = mesh_config(spec)
-    t0 = time.time()
     result = train.fit(functools.partial(measured_build, spec["out"]), config)
     poll()
     done.set()
@@ -407,6 +414,8 @@ def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         **side_figures(spec, stamps, evals[-1] if evals else None, ranks),
         "fit_s": round(time.time() - t0, 2),
+        "step_end_s": [round(t - t0, 1) for t in stamps],  # on the timeline's clock
+        "rss_timeline_mb": timeline,
         "final_train_loss": result.history[-1]["loss"],
         "strategy": decision.strategy,
         "decision_reason": decision.reason,
