@@ -300,9 +300,13 @@ def hf_rank(spec: dict[str, Any]) -> None:
     t_train = time.time() - t0
     metrics = trainer.evaluate()
     status = proc_status()
-    mine = {"pid": os.getpid(), "rss_before_build_kb": rss_before, "vmhwm_kb": status["VmHWM"],
-            "rss_after_build_kb": rss_after,
-            "init_sum": init_sum}  # fmt: skip
+    mine = {
+        "pid": os.getpid(),
+        "rss_before_build_kb": rss_before,
+        "rss_after_build_kb": rss_after,
+        "vmhwm_kb": status["VmHWM"],
+        "init_sum": init_sum,
+    }
     Path(f"{spec['out']}.rank{rank}").write_text(json.dumps(mine))
     if rank == 0:
         Path(spec["out"] + ".json").write_text(json.dumps({
