@@ -372,14 +372,20 @@ def mesh_config(spec: dict[str, Any]) -> Any:
         strategy="ddp", precision=spec["precision"], activation_checkpointing=False,
         grad_clip=GRAD_CLIP, lr_schedule="constant", warmup_steps=0, eval_every=steps,
         cpus_per_worker=1.0, report_every=spec["report_every"], params=spec["params"],
+        # The first chunk has no measured step time, so its hang timeout is this floor for the
+        # whole chunk (30 s by default): bf16 on a CPU without native bf16 takes ~12 s a step.
+        step_timeout_s=300.0,
     )  # fmt: skip
 
 
 def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
     """One raymesh fit in this (fresh) python; its ranks' VmHWM polled from /proc meanwhile."""
     import dataclasses
+    import logging
 
     from raymesh import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     peaks: dict[int, int] = {}
     timeline: list[list[float]] = []  # [s since fit(), each rank's VmRSS MB], about 1 a second
@@ -489,7 +495,8 @@ def table(res: dict[str, Any]) -> str:
         for side in ("hf_trainer", "raymesh"):
             s = run.get(side)
             if s is None:
-                lines.append(f"{mode:5s} {side:8s} failed: {run.get(side + '_error')}")
+                if side + "_error" in run:
+                    lines.append(f"{mode:5s} {side:8s} failed: {run[side + '_error']}")
                 continue
             rss = "/".join(f"{x:.0f}" for x in s["peak_rss_mb"])
             growth = "/".join(f"{x:.0f}" for x in s["growth_mb"])
@@ -574,6 +581,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8 steps, warm-up 3 (a smoke run)")
     p.add_argument("--steps", type=int, help="steps per run (default 60; 8 with --quick)")
     p.add_argument("--only", choices=sorted(MODES), help="one mode only")
+    p.add_argument("--side", choices=["hf_trainer", "raymesh"], help="one side only")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="auto: bf16 where the CPU has native bf16, else fp32")  # fmt: skip
     p.add_argument("--save", action="store_true", help="write bench/results/finetune.json")
@@ -633,6 +641,7 @@ def main() -> None:
             prep = prepared[mode]
             run: dict[str, Any] = {k: prep[k] for k in ("blocks", "parameters", "trainable")}
             sides = ["hf_trainer", "raymesh"] if i % 2 == 0 else ["raymesh", "hf_trainer"]
+            sides = [s for s in sides if args.side in (None, s)]
             for side in sides:
                 spec = {
                     "mode": mode, "side": side, "steps": steps, "warmup": warmup,
