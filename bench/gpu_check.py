@@ -17,6 +17,10 @@ Without CUDA the GPU sections are skipped with the reason; so is any section onc
   forced: decision, losses, steps/s; the rank's device and backend as its build function saw them.
 - memory_estimate: raymesh.train.estimate.estimate (activations from probe_activation_bytes)
   against torch.cuda.max_memory_allocated over real steps, for three example models.
+- finetune_memory: one NCCL rank, TinyGPT (4x wider) under FSDP2 in bf16 (MixedPrecisionPolicy)
+  with activation checkpointing and CPU offload, as raymesh.train.rank.parallelize applies
+  them: losses, where the parameters live, and the device part of the estimate
+  (`MemoryEstimate.under(checkpointing, offload)`) against torch.cuda.max_memory_allocated.
 - spawn_and_messages: RAYMESH_WARM_PROCS=16; spawn 16 procs and an actor mesh until all answer,
   call_one and call-all-16 latency, what CPU procs see of the GPU; a GPU proc (per_host={"gpus":
   1}): its CUDA_VISIBLE_DEVICES, a CUDA allocation, and how a CUDA tensor it returns arrives.
@@ -257,6 +261,70 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def finetune_memory(r: Record, args: argparse.Namespace) -> None:
+    torch = need_cuda(args)
+    import torch.distributed as dist
+    from torch.utils.data import default_collate
+
+    from raymesh.examples import tinygpt
+    from raymesh.train.config import TrainConfig
+    from raymesh.train.rank.measure import estimate_memory
+    from raymesh.train.rank.parallelize import parallelize
+    from raymesh.train.rank.step import Precision, Timing, run_step
+    from raymesh.train.strategy import StrategyDecision
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1, device_id=dev)
+    try:
+        (torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)).sum().item()
+        torch.manual_seed(0)
+        model = tinygpt.TinyGPT(n_embd=256, n_head=8, n_layer=6).to(dev)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = tinygpt.CharDataset(block_size=model.block_size)
+        batch = tuple(t.to(dev) for t in default_collate([data[i] for i in range(32)]))
+        config = TrainConfig(precision="bf16", gpus=True)
+        task = type("T", (), {"model": model, "optimizer": optimizer, "loss_fn": tinygpt.lm_loss})
+        full, _ = estimate_memory(task, batch, config, dev, 1)  # type: ignore[arg-type]
+        est = full.under(checkpointing=True, offload=True)
+        decision = StrategyDecision(
+            strategy="fsdp", reason="gpu_check", estimate=est, budget_bytes=0,
+            checkpointing=True, offload=True,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(dev)
+        model = parallelize(
+            model, decision, world_size=1, device=dev, optimizer=optimizer, precision="bf16"
+        )
+        torch.cuda.reset_peak_memory_stats(dev)
+        losses = []
+        for step in range(args.it["memory_steps"]):
+            losses.append(
+                run_step(
+                    model=model, optimizer=optimizer, loss_fn=tinygpt.lm_loss, micro=[range(32)],
+                    load=lambda _: batch, device=dev, step=step, rank=0, world_size=1,
+                    global_batch_size=32, timing=Timing(), hooks=None, precision=Precision(),
+                    grad_clip=1.0,
+                )
+            )  # fmt: skip
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(dev)
+        where = {p.to_local().device.type for p in model.parameters()}
+        r.put(losses=[finite(x) for x in losses], params_on=sorted(where))
+        r.put(
+            estimate=vars(est), estimate_device_bytes=est.fsdp_bytes(1), host_bytes=est.host_bytes
+        )
+        r.put(measured_peak_bytes=peak, before_wrap_bytes=base)
+        r.put(measured_over_estimate=round(peak / max(1, est.fsdp_bytes(1)), 3))
+        check(all(math.isfinite(x) for x in losses), f"losses {losses}")
+        check(where == {"cpu"}, f"offloaded parameters live on {where}")
+    finally:
+        dist.destroy_process_group()
+
+
 def timed(fn: Callable[[int], None], n: int, warmup: int) -> dict[str, float]:
     for i in range(warmup):
         fn(i)
@@ -358,6 +426,7 @@ SECTIONS: dict[str, tuple[Callable[[Record, Any], None], float, bool, dict[str, 
     "train_ddp": (train_section("ddp"), 75, True, NO_POOL),
     "train_fsdp": (train_section("fsdp"), 75, True, NO_POOL),
     "memory_estimate": (memory_estimate, 45, True, {}),
+    "finetune_memory": (finetune_memory, 45, True, {}),
     "spawn_and_messages": (spawn_and_messages, 150, False, {"RAYMESH_WARM_PROCS": "16"}),
 }
 

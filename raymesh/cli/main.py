@@ -11,7 +11,11 @@
     raymesh tune JOB.toml      a hyperparameter study over training jobs
     raymesh serve JOB.toml [--checkpoint DIR] [--replicas 1:4] [--port 8000]
                                serve the trained model over HTTP; `serve reload --checkpoint
-                               NEW` rolls a running server to a new checkpoint
+                               NEW` rolls a running server to a new checkpoint; `serve --hf
+                               FOLDER` serves a Hugging Face folder
+    raymesh export RUN --hf OUT [--merge] [--build module:function]
+                               write a trained model as a Hugging Face folder (a LoRA adapter,
+                               or with --merge base + adapter as one model)
     raymesh federated JOB.toml federated learning, a line per round
     raymesh federated client --server URL --token T --client module:fn
                                an edge client taking part in a federated run
@@ -30,6 +34,7 @@ from typing import Any
 
 from raymesh import __version__
 from raymesh.cli import dashboard as dashboard_cli
+from raymesh.cli import export as export_cli
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    export_cli.add_parser(sub)
     federated_cli.add_parser(sub)
     dashboard_cli.add_parser(sub)
     args = parser.parse_args(argv)
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return tune_cli.run(args)
     if args.command == "serve":
         return serve_cli.run(args)
+    if args.command == "export":
+        return export_cli.run(args)
     if args.command == "federated":
         return federated_cli.run(args)
     if args.command == "dashboard":

@@ -1,4 +1,5 @@
 """`raymesh serve job.toml`: serve a trained checkpoint over HTTP until Ctrl-C (or SIGTERM);
+`raymesh serve --hf FOLDER`: serve a Hugging Face folder (`raymesh export --hf`'s) the same way;
 `raymesh serve reload --checkpoint NEW`: roll a running server to another checkpoint.
 
     RAYMESH_SERVE_ADMIN_TOKEN=$(openssl rand -hex 16) raymesh serve job.toml \
@@ -32,7 +33,13 @@ def add_parser(sub: Any) -> None:
         description="Serve the model of a job file over HTTP: `raymesh serve job.toml`. "
         "Roll a running server to a new checkpoint: `raymesh serve reload --checkpoint NEW`.",
     )
-    p.add_argument("job", help="the TOML job file that trained the model, or `reload`")
+    p.add_argument("job", nargs="?", help="the TOML job file that trained the model, or `reload`")
+    p.add_argument(
+        "--hf",
+        metavar="FOLDER",
+        help="serve this Hugging Face folder (a causal LM or a LoRA adapter, as `raymesh "
+        "export --hf` writes it) instead of a job file's model; it generates text",
+    )
     p.add_argument("--checkpoint", help="checkpoint folder (default: the job's [checkpoint] dir)")
     p.add_argument("--replicas", type=count_or_range, help="N, or MIN:MAX to autoscale")
     p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
@@ -92,12 +99,21 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
 
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     overrides["tls"] = serve.Tls.of(args.tls_cert, args.tls_key)
-    model, config = serve.load_serving(args.job, **overrides)
+    if args.hf is not None:
+        if args.job is not None:
+            raise ValueError(f"give a job file ({args.job}) or --hf FOLDER, not both")
+        # No job file: the flags are the whole [serve] table, and the folder is the model.
+        model = {"hf": args.hf, "checkpoint": overrides.pop("checkpoint")}
+        config = serve.ServeConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
+        what = f"hf folder {args.hf}"
+    elif args.job is None:
+        raise ValueError("give a job file (raymesh serve job.toml) or --hf FOLDER")
+    else:
+        model, config = serve.load_serving(args.job, **overrides)
+        what = f"checkpoint {model.get('checkpoint')}"
     app = serve.deploy(config=config, **model)
-    checkpoint = model.get("checkpoint")
     print(
-        f"serving {app.url} ({config.replicas} replica(s); checkpoint {checkpoint}); "
-        "Ctrl-C to stop",
+        f"serving {app.url} ({config.replicas} replica(s); {what}); Ctrl-C to stop",
         flush=True,
     )
     try:

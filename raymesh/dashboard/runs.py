@@ -161,6 +161,9 @@ class Run:
             "step": int(row.get("step", 0)),
             "steps": job.get("steps"),
             "loss": row.get("loss"),
+            "eval_loss": next(
+                (r["eval_loss"] for r in reversed(self.rows) if "eval_loss" in r), None
+            ),
             "samples_per_s": row.get("samples_per_s"),
             "failures": sum(e["event"] == "failure" for e in self.events),
             "world_size": row.get("world_size"),

@@ -22,6 +22,7 @@ def deploy(
     model: Any = None,
     *,
     build: Any = None,
+    hf: str | None = None,
     checkpoint: str | None = None,
     generate: Any = None,
     input_shape: tuple[int, ...] | None = None,
@@ -34,11 +35,13 @@ def deploy(
 
     model: an nn.Module or a `predict(batch) -> outputs` function; or give `build=` (a
         raymesh.train build function, "pkg.module:build" or the function) to build the model
-        as training did. checkpoint: a raymesh.train checkpoint folder (its newest committed
-        step) or one step's folder, loaded into the module. generate: a function serving
-        POST /v1/generate (see `raymesh.serve.model`). input_shape / input_dtype: one
-        request's input, checked by the front (422 when wrong; from the task's first sample
-        when a build function is given).
+        as training did; or hf= (a Hugging Face folder, as `raymesh export --hf` writes it:
+        a causal LM, or an adapter naming its local base), which generates text by default
+        (raymesh.train.hf.generate). checkpoint: a raymesh.train checkpoint folder (its
+        newest committed step) or one step's folder, loaded into the module. generate: a
+        function serving POST /v1/generate (see `raymesh.serve.model`). input_shape /
+        input_dtype: one request's input, checked by the front (422 when wrong; from the
+        task's first sample when a build function is given).
     config, or its fields as keywords (replicas=(1, 4), max_batch_size=32, batch_wait_ms=5,
         port=0, host, token, admin_token, checkpoint_root, tls, ...): see `ServeConfig`.
         backend="ray-serve" deploys the same model as a Ray Serve deployment instead.
@@ -53,6 +56,7 @@ def deploy(
     spec = ModelSpec(
         model=model,
         build=build,
+        hf=hf,
         checkpoint=checkpoint,
         generate=generate,
         input_shape=input_shape,

@@ -6,11 +6,17 @@ A model is one of:
   it as a one-rank job would, takes `Task.model`, and loads the checkpoint's weights; the
   input's shape and dtype are read from the task's first sample when not given;
 - an `nn.Module`: sent to the replica as is, its weights replaced by the checkpoint's if given;
-- a plain callable `predict(batch) -> outputs`, called on the stacked batch.
+- a plain callable `predict(batch) -> outputs`, called on the stacked batch;
+- a Hugging Face folder (`hf=`, as `raymesh export --hf` writes it: a causal LM, or a LoRA
+  adapter naming its local base folder), loaded with `raymesh.train.hf.load_causal_lm`; it
+  generates with `raymesh.train.hf.generate` unless told otherwise, and predicts the logits
+  of a list of token ids.
 The checkpoint is a raymesh.train checkpoint folder (its newest committed step that verifies)
-or one step's folder; its weights are read with `export_state_dict` (checksums verified,
-tensors only, DCP's `.metadata` by an unpickler that refuses anything but DCP's metadata: no
-checkpoint file runs code in a replica).
+or one step's folder; the model is rebuilt from it as `raymesh.train.export.rebuild` does (the
+build function called as one rank of the job, with the job's config from the manifest) and its
+weights are read with `export_state_dict` (checksums verified, tensors only, DCP's `.metadata`
+by an unpickler that refuses anything but DCP's metadata: no checkpoint file runs code in a
+replica).
 
 `generate`, when given, serves POST /v1/generate: `generate(model, prompt, max_tokens,
 temperature, seed)` yields text pieces (one token each), which the front streams.
@@ -19,6 +25,7 @@ temperature, seed)` yields text pieces (one token each), which the front streams
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +35,8 @@ import torch
 
 from raymesh._common import resolve
 from raymesh.train import Context, Task
-from raymesh.train.checkpoint import MANIFEST, Checkpointer, export_state_dict
+from raymesh.train.checkpoint import load_weights, resolve_checkpoint
+from raymesh.train.export import rebuild
 
 __all__ = [
     "LoadedModel",
@@ -40,21 +48,6 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder's newest committed step that verifies, or a step folder itself.
-    Raises ValueError naming the path when there is none."""
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        return path
-    latest = Checkpointer(path).latest()
-    if latest is None:
-        raise ValueError(
-            f"checkpoint={str(path)!r}: no committed checkpoint there (train one with "
-            "`raymesh train job.toml`, or give a step-XXXXXXXX folder)"
-        )
-    return latest
 
 
 def check_under_root(path: str | Path, root: str | Path, *, files: bool = False) -> Path:
@@ -84,18 +77,22 @@ class ModelSpec:
 
     model: Any = None  # an nn.Module, or a predict(batch) callable
     build: str | Callable[[Context], Task] | None = None  # a raymesh.train build function
+    hf: str | None = None  # a Hugging Face save_pretrained folder (a causal LM or an adapter)
     checkpoint: str | None = None  # resolved to a step folder by `resolved()`
-    generate: str | Callable[..., Iterator[str]] | None = None
+    generate: str | Callable[..., Iterator[str]] | None = None  # hf: raymesh.train.hf's
     input_shape: tuple[int, ...] | None = None  # one request's input; None: from the task
-    input_dtype: str | None = None  # "float32" (default), "float64" or "int64"
+    input_dtype: str | None = None  # "float32" (default; hf: "int64"), "float64" or "int64"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.build is None):
+        if sum(x is not None for x in (self.model, self.build, self.hf)) != 1:
             raise ValueError(
-                "give the model (an nn.Module or a predict function) or build= (a "
-                "raymesh.train build function, e.g. 'pkg.module:build'), not both or neither"
+                "give one of the model (an nn.Module or a predict function), build= (a "
+                "raymesh.train build function, e.g. 'pkg.module:build') or hf= (a Hugging Face "
+                "model folder), not several or none"
             )
+        if self.hf is not None:
+            self._check_hf()
         if self.model is not None and not callable(self.model):
             raise ValueError(f"model={type(self.model).__name__}: give an nn.Module or a function")
         if isinstance(self.build, str):
@@ -115,6 +112,24 @@ class ModelSpec:
             object.__setattr__(self, "input_shape", shape)
         if self.input_dtype is not None and self.input_dtype not in _DTYPES:
             raise ValueError(f"input_dtype={self.input_dtype!r}: give one of {sorted(_DTYPES)}")
+
+    def _check_hf(self) -> None:
+        object.__setattr__(self, "hf", str(self.hf))  # a Path too
+        folder = Path(self.hf)  # type: ignore[arg-type]
+        if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
+            raise ValueError(
+                f"hf={self.hf!r}: not a Hugging Face model folder (no config.json or "
+                "adapter_config.json); write one with `raymesh export RUN --hf OUT`"
+            )
+        if self.checkpoint is not None:
+            raise ValueError(
+                f"checkpoint={self.checkpoint!r}: an hf folder holds its own weights; export a "
+                "checkpoint to a folder (`raymesh export RUN --hf OUT`) and serve that"
+            )
+        if self.generate is None:  # a causal LM generates text
+            object.__setattr__(self, "generate", "raymesh.train.hf:generate")
+        if self.input_dtype is None:  # predict takes token ids
+            object.__setattr__(self, "input_dtype", "int64")
 
     def resolved(self) -> ModelSpec:
         """This spec with `checkpoint` pinned to one step folder (so every replica, and a
@@ -143,30 +158,26 @@ class LoadedModel:
         shape, dtype = spec.input_shape, spec.input_dtype
         module: torch.nn.Module | None = None
         if spec.build is not None:
-            build = resolve(spec.build)
-            torch.manual_seed(spec.seed)  # as training seeds before build: the same init
-            ctx = Context(
-                rank=0,
-                world_size=1,
-                local_rank=0,
-                local_world_size=1,
-                device=device,
-                seed=spec.seed,
-            )
-            task = build(ctx)
+            task = rebuild(spec.checkpoint, build=spec.build, device=device, seed=spec.seed)
             module = task.model
             if shape is None or dtype is None:
                 first = _first_input(task)
                 if first is not None:
                     shape = shape or tuple(first.shape)
                     dtype = dtype or _dtype_name(first.dtype)
+        elif spec.hf is not None:
+            from raymesh.train import hf  # needs transformers: only where an hf folder is served
+
+            module = hf.load_causal_lm(spec.hf)
         elif isinstance(spec.model, torch.nn.Module):
             module = spec.model
-        if module is not None:
             if spec.checkpoint is not None:
-                module.load_state_dict(export_state_dict(spec.checkpoint))
+                load_weights(module, spec.checkpoint)
+        if module is not None:
             module = module.to(device).eval()
             self.fn: Callable[[Any], Any] = module
+            if spec.hf is not None:
+                self.fn = functools.partial(_logits, module)
         else:
             self.fn = spec.model
         self.module = module
@@ -223,6 +234,12 @@ class LoadedModel:
             raise ValueError("this model has no generate function")
         with torch.inference_mode():
             yield from self.generate_fn(self.module, prompt, max_tokens, temperature, seed)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM's next-token logits at every position of each input [B, T] of token ids."""
+    logits: torch.Tensor = model(input_ids=ids).logits
+    return logits
 
 
 def _first_input(task: Task) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
 from raymesh.train.control.failure import FailureRecord, TooManyFailures
 from raymesh.train.control.placement import use_gpus
 from raymesh.train.control.warm import WarmRanks
+from raymesh.train.export import export_hf
 from raymesh.train.plot import save_picture
 from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
@@ -33,6 +34,7 @@ __all__ = [
     "TrainConfig",
     "TrainError",
     "WarmRanks",
+    "export_hf",
     "fit",
     "load_config",
     "save_picture",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -43,5 +44,20 @@ def fit(
     if chosen is None:
         raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
     fn = resolve(chosen)
+    if config.build is None and (name := _import_name(chosen, fn)) is not None:
+        # Recorded in every checkpoint's manifest, so `raymesh export` and a serve replica
+        # rebuild the model without being told the build function again.
+        config = dataclasses.replace(config, build=name)
     hooks = FaultInjector(config.faults) if config.faults else None
     return TrainController.create(fn, config, progress=progress, hooks=hooks, warm=warm).run()
+
+
+def _import_name(chosen: Any, fn: Callable[..., Any]) -> str | None:
+    """`chosen` as "module:function" when another process can import it; else None (a
+    function of `__main__`, a method, or one defined inside another)."""
+    if isinstance(chosen, str):
+        return chosen
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "." in name or "<" in name:
+        return None
+    return f"{module}:{name}"

@@ -399,6 +399,11 @@ __import__("ray")
 PUBLIC_MODULES = {
     "raymesh.train.checkpoint": "docs/training.md and docs/serve.md document "
     "raymesh.train.checkpoint (export_state_dict, the layout); raymesh.serve loads with it",
+    "raymesh.train.export": "docs/training.md documents raymesh.train.export (rebuild, "
+    "export_hf); raymesh.serve rebuilds a checkpoint's model with it, as an export does",
+    "raymesh.train.hf": "docs/training.md documents raymesh.train.hf (the build function "
+    "job files name, generate); raymesh.serve loads an hf folder with it, and raymesh.train "
+    "does not export it (it needs transformers, which raymesh.train does not)",
 }
 
 # A package reaching into another's private module, (importer, imported) -> why. Each entry

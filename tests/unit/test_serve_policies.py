@@ -242,7 +242,7 @@ def test_a_model_spec_refuses_what_it_cannot_serve(tmp_path):
 
     from raymesh.serve import ModelSpec
 
-    with pytest.raises(ValueError, match="not both or neither"):
+    with pytest.raises(ValueError, match="not several or none"):
         ModelSpec()
     with pytest.raises(ValueError, match="build='no_such_module:build': cannot import module"):
         ModelSpec(build="no_such_module:build")

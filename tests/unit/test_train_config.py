@@ -85,3 +85,12 @@ def test_a_flat_job_file_is_read_as_before(tmp_path):
     job.write_text("workers = [1, 2]\nsteps = 3\nglobal_batch_size = 4\nspares = 1\n")
     config = load_config(job)
     assert config.scaling.spares == 1 and config.run.steps == 3 and config.workers == (1, 2)
+
+
+def test_the_fine_tuning_example_is_a_valid_job_file():
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parents[2] / "examples" / "finetune.toml"
+    config = load_config(job, build=True)
+    assert (config.precision, config.activation_checkpointing) == ("bf16", True)
+    assert config.params["lora_r"] > 0 and config.eval_every

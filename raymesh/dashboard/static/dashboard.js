@@ -335,8 +335,8 @@ const rankSeries = (i, fmt) => ({label: `rank ${i}`, stroke: rankColor(i), width
 // would cost the whole history each second on a long run).
 class Columns {
   constructor() {
-    Object.assign(this, {step: [], loss: [], sps: [], world: [], spares: [], wait: [], dataSps: [], derivedMs: [], rankLoss: [], rankMs: []});
-    this.hasWait = this.hasDataSps = false;
+    Object.assign(this, {step: [], loss: [], evalLoss: [], sps: [], world: [], spares: [], wait: [], dataSps: [], derivedMs: [], rankLoss: [], rankMs: []});
+    this.hasWait = this.hasDataSps = this.hasEval = false;
     this.lastEnd = null;
   }
 
@@ -345,6 +345,8 @@ class Columns {
     const prevStep = this.step[n - 1];
     this.step.push(row.step);
     this.loss.push(num(row.loss));
+    this.evalLoss.push(num(row.eval_loss)); // only the steps that evaluated (Task.eval_dataset)
+    this.hasEval ||= num(row.eval_loss) != null;
     this.sps.push(num(row.samples_per_s));
     this.world.push(num(row.world_size));
     this.spares.push(num(row.spares));
@@ -591,12 +593,13 @@ class JobView {
     const c = this.cols, base = {cursor: {sync: {key: "job"}}, legend: {live: true}};
     const ms = (v) => v.toFixed(1) + " ms";
     const nLoss = c.rankLoss.length, nMs = c.rankMs.length;
+    const evalSeries = c.hasEval ? [{label: "eval", stroke: "#d62728", width: 2, spanGaps: true, points: {show: true, size: 6}, value: (u, v) => fmtLoss(v)}] : [];
     this.charts.loss.update({
-      key: `loss-${nLoss}`,
-      data: [c.step, c.loss, ...c.rankLoss],
+      key: `loss-${nLoss}-${c.hasEval}`,
+      data: [c.step, c.loss, ...(c.hasEval ? [c.evalLoss] : []), ...c.rankLoss],
       opts: {...base, plugins: [this.markers], axes: [stepAxis, yAxis("loss")],
         series: [{label: "step"}, {label: "mean", stroke: "#222", width: 2, value: (u, v) => fmtLoss(v)},
-          ...c.rankLoss.map((_, i) => rankSeries(i, fmtLoss))]},
+          ...evalSeries, ...c.rankLoss.map((_, i) => rankSeries(i, fmtLoss))]},
     });
     // Without per-rank times (older runs) show one line derived from the steps' end times.
     this.charts.steptime.update({

@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, atomic, verified, resharded.
 
 The public front of a package: the writer and the readers (`checkpointer`: `Checkpointer`,
-`export_state_dict`) over one on-disk contract (`layout`: the folders, the manifest and the
+`export_state_dict`; `weights`: `resolve_checkpoint`, `load_weights`, for serving and
+exporting) over one on-disk contract (`layout`: the folders, the manifest and the
 check that a folder holds what its manifest says), whose DCP files are read without running
 code (`unpickling`); `CheckpointError` (`errors`) is what each of them raises.
 
@@ -47,11 +48,27 @@ group (one process), they run locally.
 from raymesh.train.checkpoint.checkpointer import Checkpointer, export_state_dict
 from raymesh.train.checkpoint.errors import CheckpointError
 from raymesh.train.checkpoint.layout import MANIFEST, Manifest
+from raymesh.train.checkpoint.weights import load_weights, resolve_checkpoint
 
-__all__ = ["MANIFEST", "CheckpointError", "Checkpointer", "Manifest", "export_state_dict"]
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "Checkpointer",
+    "Manifest",
+    "export_state_dict",
+    "load_weights",
+    "resolve_checkpoint",
+]
 
 # Their public home, as before this module became a package: what reprs, pickles and a remote
 # error's type name (ActorError.remote_type) say.
-for _public in (CheckpointError, Checkpointer, Manifest, export_state_dict):
+for _public in (
+    CheckpointError,
+    Checkpointer,
+    Manifest,
+    export_state_dict,
+    load_weights,
+    resolve_checkpoint,
+):
     _public.__module__ = __name__
 del _public

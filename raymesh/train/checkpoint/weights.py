@@ -1,0 +1,70 @@
+"""A committed checkpoint's model weights outside training: `resolve_checkpoint` finds the step
+to read (a run's newest one that verifies, or the step folder given) and `load_weights` puts
+its weights into a module, refusing a checkpoint of another model with the keys that differ.
+
+Serving (raymesh.serve) and exporting (raymesh.train.export) both read a checkpoint this way,
+one process, no process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from raymesh.train.checkpoint.checkpointer import Checkpointer, export_state_dict
+from raymesh.train.checkpoint.layout import MANIFEST
+
+__all__ = ["load_weights", "resolve_checkpoint"]
+
+_SHOWN = 3  # mismatching keys named per kind: enough to recognise the model, not a page
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder's newest committed step that verifies, or a step folder itself.
+    Raises ValueError naming the path when there is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = Checkpointer(path).latest()
+    if latest is None:
+        raise ValueError(
+            f"checkpoint={str(path)!r}: no committed checkpoint there (train one with "
+            "`raymesh train job.toml`, or give a step-XXXXXXXX folder)"
+        )
+    return latest
+
+
+def load_weights(module: torch.nn.Module, checkpoint: str | Path) -> None:
+    """Load the model weights of the step folder `checkpoint` into `module`, strictly: every
+    key of the module and of the checkpoint, each at the module's shape. Checksums are
+    verified first (`export_state_dict`: CheckpointError if they fail). A checkpoint of another
+    model raises ValueError naming the checkpoint and a few of the keys that differ (missing,
+    unexpected, or of another shape), before any weight of `module` changes."""
+    state = export_state_dict(checkpoint)
+    mine = module.state_dict()
+    missing = sorted(set(mine) - set(state))
+    unexpected = sorted(set(state) - set(mine))
+    shapes = sorted(
+        f"{k} {list(state[k].shape)} vs {list(mine[k].shape)}"
+        for k in set(mine) & set(state)
+        if isinstance(state[k], torch.Tensor)
+        and isinstance(mine[k], torch.Tensor)
+        and state[k].shape != mine[k].shape
+    )
+    if missing or unexpected or shapes:
+        parts = [
+            f"{len(keys)} {what} (e.g. {', '.join(keys[:_SHOWN])})"
+            for what, keys in (
+                ("missing from it", missing),
+                ("not in the model", unexpected),
+                ("of another shape (checkpoint vs model)", shapes),
+            )
+            if keys
+        ]
+        raise ValueError(
+            f"checkpoint={str(checkpoint)!r} holds the weights of another model: keys "
+            + "; ".join(parts)
+            + ". Build the model the checkpoint's job trained (its build function and params)"
+        )
+    module.load_state_dict(state, strict=True)

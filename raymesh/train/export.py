@@ -1,0 +1,169 @@
+"""A trained model out of raymesh: rebuilt from its checkpoint as a rank of its job built it
+(`rebuild`), and written as a Hugging Face folder that `from_pretrained` reads (`export_hf`,
+`raymesh export RUN --hf OUT`).
+
+    from raymesh import train
+    train.export_hf("runs/lora", "out/lora")  # the run's newest checkpoint: an adapter folder
+    train.export_hf("runs/lora", "out/merged", merge=True)  # base + adapter, one model
+
+Nothing here needs a process group or a GPU: the model is built on the CPU, in this process,
+and the checkpoint's weights are read with `export_state_dict` (checksums verified, tensors
+only: no checkpoint file runs code here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raymesh._common import bad, resolve
+from raymesh.train.checkpoint import MANIFEST, Manifest, load_weights, resolve_checkpoint
+from raymesh.train.config import TrainConfig
+from raymesh.train.task import Context, Task
+
+__all__ = ["export_hf", "rebuild"]
+
+Build = str | Callable[[Context], Task]
+
+
+def rebuild(
+    checkpoint: str | Path | None = None,
+    *,
+    build: Build | None = None,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+) -> Task:
+    """The Task that `build` makes as the one rank of a one-rank job, with the model weights of
+    `checkpoint` loaded into `Task.model`.
+
+    checkpoint: a run's checkpoint folder (its newest committed step that verifies) or one
+        `step-XXXXXXXX` folder. None: the model as built, with its initial weights.
+    build: the build function, or its "module:function" name. None: the one the checkpoint's
+        job named (its manifest's `config.build`).
+    device: the Context's device (where a build function that places its model puts it).
+    seed: torch is seeded with it before `build` runs, as training seeds it, so the model is
+        initialised as the job's was. None: the job's seed (0 without a checkpoint).
+
+    With a checkpoint, the Context's `config` is the job's TrainConfig, read from the manifest,
+    so the build function sees the `ctx.params` it trained with. Raises ValueError when there
+    is no build function, no committed checkpoint, or the checkpoint holds another model's
+    weights (naming the keys that differ).
+    """
+    step = None if checkpoint is None else resolve_checkpoint(checkpoint)
+    config = None if step is None else _job_config(step)
+    build = build if build is not None else (config.build if config is not None else None)
+    if build is None:
+        where = f"checkpoint {str(step)!r} names none" if step is not None else "no checkpoint"
+        raise ValueError(
+            f"build=None: {where}; pass the build function that trained the model "
+            "(`--build module:function`, or build= in Python)"
+        )
+    seed = seed if seed is not None else (config.seed if config is not None else 0)
+    fn = resolve(build)
+    torch.manual_seed(seed)  # as training seeds before build: the same init
+    ctx = Context(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        device=torch.device(device),
+        seed=seed,
+        config=config,
+    )
+    task = fn(ctx)
+    if not isinstance(task, Task):
+        raise ValueError(f"build={build!r} returned {type(task).__name__}: return a train.Task")
+    if step is not None:
+        load_weights(task.model, step)
+    return task
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    build: Build | None = None,
+    merge: bool = False,
+) -> Path:
+    """Write the model of `checkpoint` to the new folder `out` in Hugging Face's format;
+    returns `out`.
+
+    The model is `rebuild(checkpoint, build=build)`'s (the job's build function from the
+    manifest unless `build` is given), then:
+    - a transformers model: `save_pretrained` (config.json, model.safetensors), plus the
+      tokenizer of the folder it was loaded from, when that folder has one;
+    - a PEFT model (LoRA): the adapter alone (adapter_config.json, adapter_model.safetensors,
+      naming its base folder), and the base's tokenizer; with `merge`, the adapter is merged
+      into the base weights (`merge_and_unload`) and the whole model is written instead.
+    The exported config has `use_cache` on again (training turns it off; generation wants it).
+
+    Atomic: written into a temporary sibling of `out`, renamed into place when complete; on any
+    failure nothing is left at `out`. Raises ValueError when `out` exists (never overwritten),
+    for a model that is not a transformers one, for `merge` without an adapter, and as
+    `rebuild` does.
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise bad("out", str(out), "it exists; give a new folder (export never overwrites)")
+    try:
+        import transformers
+
+        from raymesh.train import hf  # the Hugging Face side: with transformers only
+    except ImportError as e:
+        raise ValueError(f"export_hf needs {e.name}: pip install 'raymesh[hf]'") from None
+    model: Any = rebuild(checkpoint, build=build, device="cpu").model
+    adapter = _is_peft(model)
+    if not adapter and not isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(
+            f"the build function's model is a {type(model).__name__}: export --hf needs a "
+            "transformers model (PreTrainedModel, e.g. raymesh.train.hf:build's) or a PEFT one"
+        )
+    if merge and not adapter:
+        raise bad("merge", merge, "the model has no LoRA adapter to merge into it; drop --merge")
+    try:
+        source: Path | None = hf.folder_of(model)
+    except ValueError:  # not loaded from a folder: no tokenizer to carry along
+        source = None
+    if merge:
+        model = model.merge_and_unload()
+    if not adapter or merge:
+        model.config.use_cache = True  # a KV cache speeds generation; only training avoids it
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        model.save_pretrained(tmp)  # safetensors: transformers' and peft's default format
+        if source is not None and hf.has_tokenizer(source):
+            hf.load_tokenizer(source).save_pretrained(tmp)
+        if out.exists() or out.is_symlink():  # made meanwhile: still never overwritten
+            raise bad("out", str(out), "it appeared while exporting; give a new folder")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _job_config(step: Path) -> TrainConfig:
+    """The TrainConfig a checkpoint's job ran with, from its manifest."""
+    try:
+        manifest = Manifest.from_json((step / MANIFEST).read_text())
+        return TrainConfig.from_dict(manifest.config)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"checkpoint={str(step)!r}: its manifest's job config cannot be read ({e}); pass "
+            "the build function (--build module:function) of a job this raymesh can read"
+        ) from None
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    try:
+        import peft
+    except ImportError:  # no peft: no PEFT model either
+        return False
+    return isinstance(model, peft.PeftModel)

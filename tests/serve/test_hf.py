@@ -1,0 +1,91 @@
+"""Serving Hugging Face models in a replica's process (`LoadedModel`, no Ray): an exported
+folder (`ModelSpec(hf=...)`, `raymesh serve --hf`) and a checkpoint of raymesh.train.hf's build
+function, whose params the replica reads from the checkpoint's job."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: a hub call fails, not hangs
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from raymesh import train
+from raymesh.serve import ModelSpec
+from raymesh.serve.model import LoadedModel
+from raymesh.train import hf
+from tests.train.hf_runs import HF_BUILD, job, logits, text_file, trained_run
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model, a LoRA run of it, and the run exported as an adapter and merged."""
+    root = tmp_path_factory.mktemp("hf")
+    tiny = hf.save_tiny_llama(root / "tiny")
+    trained_run(root / "run", job(tiny, text_file(root), lora_r=4))
+    return {
+        "tiny": tiny,
+        "run": root / "run",
+        "adapter": train.export_hf(root / "run", root / "adapter"),
+        "merged": train.export_hf(root / "run", root / "merged", merge=True),
+    }
+
+
+def test_a_replica_serves_an_exported_folder_generating_its_text_and_predicting_logits(runs):
+    loaded = LoadedModel(ModelSpec(hf=str(runs["merged"])), CPU)
+    assert loaded.info.generates and loaded.info.input_dtype == "int64"
+    model = hf.load_causal_lm(runs["merged"]).eval()
+    want = list(hf.generate(model, "def f(", 10, 0.0, 0))
+    assert list(loaded.generate("def f(", 10, 0.0, 0)) == want
+    assert len(want) == 10 and "".join(want)
+    values, errors = loaded.predict([[100, 101, 102], [1, 2, 3]])
+    assert not errors
+    assert torch.equal(
+        torch.tensor(values), logits(model, torch.tensor([[100, 101, 102], [1, 2, 3]]))
+    )
+    # An adapter folder: its base, named in adapter_config.json, with the adapter.
+    adapter = LoadedModel(ModelSpec(hf=runs["adapter"]), CPU)
+    assert adapter.generate("def f(", 10, 0.0, 0).__next__() == want[0]
+
+
+def test_a_replica_rebuilds_a_checkpoint_of_the_hf_build_with_its_jobs_params(runs):
+    spec = ModelSpec(build=HF_BUILD, checkpoint=str(runs["run"])).resolved()
+    loaded = LoadedModel(spec, CPU)  # the build reads params.model and lora_r from the manifest
+    served = hf.load_causal_lm(runs["adapter"]).eval()
+    ids = torch.tensor([list(b"import os")])
+    assert torch.equal(logits(loaded.module, ids), logits(served, ids))
+
+
+def test_an_hf_model_spec_refuses_a_checkpoint_another_model_and_a_folder_of_no_model(
+    runs, tmp_path
+):
+    with pytest.raises(ValueError, match="not several or none"):
+        ModelSpec(hf=str(runs["merged"]), build=HF_BUILD)
+    with pytest.raises(ValueError, match=r"checkpoint=.*an hf folder holds its own weights"):
+        ModelSpec(hf=str(runs["merged"]), checkpoint=str(runs["run"]))
+    with pytest.raises(ValueError, match=r"hf=.*not a Hugging Face model folder.*raymesh export"):
+        ModelSpec(hf=str(tmp_path))
+    spec = ModelSpec(hf=runs["merged"], generate=lambda *a: iter(["x"]))
+    assert spec.hf == str(runs["merged"]) and callable(spec.generate)  # kept when given
+
+
+def test_raymesh_serve_takes_an_hf_folder_or_a_job_file_and_says_which_is_missing(
+    runs, tmp_path, capsys
+):
+    from raymesh.cli.main import main
+
+    assert main(["serve", str(tmp_path / "job.toml"), "--hf", str(runs["merged"])]) == 2
+    assert "or --hf FOLDER, not both" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "give a job file (raymesh serve job.toml) or --hf FOLDER" in capsys.readouterr().err
+    argv = ["serve", "--hf", str(runs["merged"]), "--checkpoint", str(runs["run"])]
+    assert main(argv) == 2  # refused before anything starts
+    assert "an hf folder holds its own weights" in capsys.readouterr().err
