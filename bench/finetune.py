@@ -139,71 +139,6 @@ def param_sum(model: Any) -> float:
     return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
-def hf_module() -> Any:
-    """raymesh.train.hf (issue 35). Until it lands on main, the bench's own stand-in below, which
-    only lets the Trainer side be smoke-tested; the raymesh side needs the real one."""
-    try:
-        from raymesh.train import hf
-
-        return hf
-    except ImportError:
-        log("raymesh.train.hf is missing: using the bench's STAND-IN (Trainer side only)")
-        return _StandIn
-
-
-# ---- STAND-IN for raymesh.train.hf, for smoke-testing the Trainer side before it lands ------
-# Not the real thing: a random Llama and byte tokens (ids 0-255), blocks of pydoc_data's topics
-# text, a 5 % eval tail. Delete once raymesh.train.hf is on main.
-class _StandIn:
-    @staticmethod
-    def save_tiny_llama(path: Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4,
-                        kv_heads: int = 2, intermediate_size: int = 128, max_position: int = 512,
-                        seed: int = 0) -> Path:  # fmt: skip
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=256, hidden_size=hidden_size, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads,
-            intermediate_size=intermediate_size, max_position_embeddings=max_position,
-        )  # fmt: skip
-        LlamaForCausalLM(config).save_pretrained(path)
-        return Path(path)
-
-    @staticmethod
-    def build(ctx: Any) -> Any:
-        import pydoc_data.topics
-
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from raymesh.train import Task
-
-        p = ctx.params
-        model = AutoModelForCausalLM.from_pretrained(p["model"], dtype=torch.float32)
-        if p.get("lora_r"):
-            from peft import LoraConfig, get_peft_model
-
-            targets = list(p.get("lora_targets", ["q_proj", "v_proj"]))
-            lora = LoraConfig(r=p["lora_r"], lora_alpha=p.get("lora_alpha", 16), lora_dropout=0.0,
-                              target_modules=targets)  # fmt: skip
-            model = get_peft_model(model, lora)
-        text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-        ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-        t = p["block_size"]
-        blocks = list(ids[: len(ids) // t * t].view(-1, t))
-        n_eval = max(1, int(len(blocks) * p.get("eval_fraction", 0.05)))
-        trainable = [q for q in model.parameters() if q.requires_grad]
-        return Task(
-            model=model,
-            optimizer=torch.optim.AdamW(trainable, lr=p["lr"], weight_decay=p["weight_decay"]),
-            dataset=blocks[:-n_eval],
-            eval_dataset=blocks[-n_eval:],
-            loss_fn=lambda m, b: m(input_ids=b, labels=b).loss,
-        )
-
-
 # ---- the Trainer side: one torchrun rank -----------------------------------------------------
 def hf_rank(spec: dict[str, Any]) -> None:
     """One rank of the Hugging Face Trainer anchor (run by torchrun). Rank 0 writes the step
@@ -349,8 +284,8 @@ def measured_build(out: str, ctx: Any) -> Any:
 
     if ctx.params.get("lora_r"):
         import peft  # noqa: F401
+    from raymesh.train import hf
 
-    hf = hf_module()
     rss_before = proc_status()["VmRSS"]
     task = hf.build(ctx)
     mine = {
@@ -523,9 +458,9 @@ def prepare(td: Path, modes: list[str], steps: int) -> dict[str, dict[str, Any]]
     import torch
 
     from raymesh.data import order
+    from raymesh.train import hf
     from raymesh.train.task import Context
 
-    hf = hf_module()
     model = hf.save_tiny_llama(td / "model", **MODEL, seed=SEED)
     out: dict[str, dict[str, Any]] = {}
     for mode in modes:
