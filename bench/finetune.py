@@ -1,9 +1,10 @@
 """Fine-tuning benchmark: raymesh.train vs the Hugging Face Trainer (transformers + accelerate,
 DDP under torchrun), full fine-tune and LoRA, in one run.
 
-    python bench/finetune.py              # full run: 60 steps per side and mode (~10-15 min here)
-    python bench/finetune.py --quick      # smoke run: 8 steps (steady window 4..8)
+    python bench/finetune.py              # full run: 60 steps per side and mode (~6 min here)
+    python bench/finetune.py --quick      # smoke run: 8 steps (steady window 4..8), ~1.5 min
     python bench/finetune.py --only lora --steps 40 --precision fp32
+    python bench/finetune.py --quick --side raymesh   # one side only (no comparison)
     python bench/finetune.py --save       # also write bench/results/finetune.json
 
 The job, the same for both sides: a Llama of hidden 256, 4 layers, 8 heads (4 key/value heads),
@@ -25,13 +26,16 @@ Both sides train on the very same blocks in the very same order from the very sa
   (`raymesh.data.order.global_batch`, the order raymesh's ranks read), read sequentially
   (`train_sampling_strategy="sequential"`): accelerate hands each rank its contiguous half of
   each global batch, as raymesh does.
-So the loss curves differ only by arithmetic (reduction order, the Trainer's token-count loss
-normalisation), and the eval losses agree far inside the 2 % target.
+So the loss curves differ only by arithmetic (reduction order, fused vs foreach AdamW, the
+Trainer's token-count loss normalisation), and the eval losses agree far inside the 2 % target
+(0.1 % in the smoke runs).
 
 The Trainer side: `python -m torch.distributed.run --standalone --nproc-per-node 2` this script
 with `--hf-rank`, TrainingArguments(use_cpu=True, ddp_backend="gloo", bf16=..., max_steps=N,
 per_device_train_batch_size=8, lr_scheduler_type="constant", max_grad_norm=1.0, the default
-optimizer (adamw_torch_fused), dataloader_num_workers=0, report_to="none", save_strategy="no",
+optimizer (adamw_torch_fused; raymesh.train.hf.build's is torch's AdamW, foreach: in the smoke
+runs the fused one took ~30-40 ms off the Trainer's 0.85 s full fine-tune step),
+dataloader_num_workers=0, report_to="none", save_strategy="no",
 logging_strategy="no", disable_tqdm=True), and ddp_find_unused_parameters=False: the Trainer's
 default for a PEFT model (and any model not a PreTrainedModel) is True, a graph walk every step
 that this job does not need, so the anchor runs at its best. Eval loss: `trainer.evaluate()`
@@ -39,9 +43,11 @@ after training (the mean over the eval batches, under the same autocast).
 The raymesh side, in a fresh python of its own (its own Ray temp dir): `train.fit(build,
 TrainConfig(workers=2, steps=N, global_batch_size=16, strategy="ddp", precision=...,
 activation_checkpointing=False, grad_clip=1.0, lr_schedule="constant", warmup_steps=0,
-eval_every=N, cpus_per_worker=1, params=...))`, where `build` is `raymesh.train.hf.build` with
-each rank noting its pid, its RSS before the build and its parameter sum. Eval loss: the history's
-`eval_loss` at step N.
+eval_every=N, cpus_per_worker=1, step_timeout_s=300, params=...))`, where `build` is
+`raymesh.train.hf.build` with each rank noting its pid, its RSS before the build and its
+parameter sum. Eval loss: the history's `eval_loss` at step N. (step_timeout_s: the first chunk
+has no measured step time, so its hang timeout is that floor, 30 s by default, for the whole
+chunk; a slow step, e.g. bf16 on this CPU, would count as a hang.)
 
 Measures, per mode and side:
 - steady tokens/s: (N - W) * 16 * 256 / (t[N] - t[W]), t[s] the wall time step s ended
