@@ -482,7 +482,8 @@ def test_a_runtime_error_outside_healing_fails_the_job_with_a_train_error():
 @pytest.mark.parametrize(
     ("floor", "times", "steps", "expected"),
     [
-        (30.0, [], 4, 30.0),  # nothing measured yet: the floor
+        (30.0, [], 4, 120.0),  # nothing measured yet: the floor for each step
+        (30.0, [], 0, 30.0),
         (1.0, [0.2] * 5, 2, 4.0),  # 10 x 0.2 s x 2 steps, above the floor
         (1.0, [0.2] * 5, 0, 2.0),  # a chunk of no steps still allows one step
         (1.0, [0.01] * 5, 4, 1.0),  # 10 x 0.01 s x 4 steps is below the floor

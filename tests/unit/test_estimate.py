@@ -242,3 +242,18 @@ def test_probe_leaves_the_rng_and_buffers_as_it_found_them():
     assert torch.equal(torch.get_rng_state(), before_rng)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_buffers[k]), k
+
+
+def test_the_probe_keeps_nothing_alive_after_it_returns():
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    saved: list[weakref.ref] = []
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        hidden = m[1](m[0](x))  # tanh saves its own output: the tensor its grad_fn belongs to
+        saved.append(weakref.ref(hidden))
+        return m[2](hidden).sum()
+
+    assert probe_activation_bytes(model, loss_fn, torch.randn(32, 64)) > 0
+    assert saved[0]() is None  # returning the tensor itself from the pack hook kept it (a cycle)

@@ -470,8 +470,12 @@ class TrainController:
 
     def chunk_timeout(self, steps: int) -> float:
         """How long a chunk may take before its ranks count as hung: a multiple of the measured
-        step time, never below the configured floor."""
-        return max(self.config.step_timeout_s, 10 * self.log.median_step_s() * max(steps, 1))
+        step time, never below the configured floor; before any step is measured, the floor
+        for each of its steps (a model whose step takes 12 s on CPU is slow, not hung)."""
+        median = self.log.median_step_s()
+        if median == 0:
+            return self.config.step_timeout_s * max(steps, 1)
+        return max(self.config.step_timeout_s, 10 * median * max(steps, 1))
 
     def record(
         self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
