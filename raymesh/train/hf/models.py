@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ EOS = "<eos>"  # the tiny model's end-of-text token (id 256, after the bytes)
 # `dtype` replaced `torch_dtype` in transformers 4.56; older ones know only the latter.
 _NEW_DTYPE = tuple(map(int, transformers.__version__.split(".")[:2])) >= (4, 56)
 _DTYPE_KW = "dtype" if _NEW_DTYPE else "torch_dtype"
+
+# PEFT asks transformers' deprecated `is_gradient_checkpointing` on every adapted model, and each
+# rank would print the FutureWarning: it is theirs to move, not the user's.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,7 +50,8 @@ def estimate_memory(
     `activation_bytes`) and this rank's budget in bytes."""
     dtype = autocast_dtype(config.precision)
     activation = config.activation_bytes
-    blocks = fsdp_blocks(task.model)
+    # No second probe when the user turned checkpointing off: the planner will not weigh it.
+    blocks = fsdp_blocks(task.model) if config.activation_checkpointing is not False else []
     checkpointed = None
     if activation is None:
         activation = probe_activation_bytes(task.model, task.loss_fn, batch, autocast=dtype)
