@@ -310,7 +310,9 @@ def mesh_config(spec: dict[str, Any]) -> Any:
     steps = spec["steps"]
     return train.TrainConfig(
         workers=WORKERS, steps=steps, global_batch_size=spec["global_batch"], seed=SEED,
-        strategy="ddp", precision=spec["precision"], activation_checkpointing=False,
+        strategy=spec.get("strategy", "ddp"), precision=spec["precision"],
+        activation_checkpointing=spec.get("activation_checkpointing", False),
+        memory_budget_gb=spec.get("memory_budget_gb"),
         grad_clip=GRAD_CLIP, lr_schedule="constant", warmup_steps=0, eval_every=steps,
         cpus_per_worker=1.0, report_every=spec["report_every"], params=spec["params"],
         # The first chunk has no measured step time, so its hang timeout is this floor for the
@@ -343,8 +345,8 @@ def raymesh_child(spec: dict[str, Any]) -> dict[str, Any]:
         if any(rss) and (not timeline or time.time() - t0 >= timeline[-1][0] + 1.0):
             timeline.append([round(time.time() - t0, 1), *rss])
 
-    def watch() -> None:
-        while not done.wait(0.2):
+    def watch() -> None:  # VmHWM is a high-water mark: a read a second misses no peak
+        while not done.wait(1.0):
             poll()
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -502,6 +504,52 @@ def prepare(td: Path, modes: list[str], steps: int) -> dict[str, dict[str, Any]]
     return out
 
 
+def fits_run(td: Path, steps: int, warmup: int, precision: str, timeout: float) -> dict:
+    """A full fine-tune whose fp32 DDP estimate is 3x the per-rank budget (a model of 8 blocks,
+    `memory_budget_gb` set to a third of it), with the plan `strategy="auto"` and
+    `activation_checkpointing="auto"` choose; raymesh only (the Trainer has no planner). Its
+    figures: the plan and its reason, the estimate under the plan against the budget, each
+    rank's peak RSS growth against the budget."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from raymesh.train import Context, TrainConfig, hf
+    from raymesh.train.rank.measure import estimate_memory
+
+    model = hf.save_tiny_llama(td / "model8", **{**MODEL, "layers": 8}, seed=SEED)
+    params = {"model": str(model), "block_size": BLOCK, "eval_fraction": EVAL_FRACTION,
+              "weight_decay": 0.0, **MODES["full"]}  # fmt: skip
+    config = TrainConfig(workers=WORKERS, global_batch_size=GLOBAL_BATCH, params=params)
+    torch.manual_seed(SEED)
+    ctx = Context(rank=0, world_size=WORKERS, local_rank=0, local_world_size=WORKERS,
+                  device=torch.device("cpu"), seed=SEED, config=config)  # fmt: skip
+    task = hf.build(ctx)
+    share = GLOBAL_BATCH // WORKERS
+    batch = default_collate([task.dataset[i] for i in range(share)])
+    full, _ = estimate_memory(task, batch, config, torch.device("cpu"), WORKERS)
+    budget = full.ddp_bytes() / 3
+    spec = {
+        "mode": "fits", "side": "raymesh", "steps": steps, "warmup": warmup,
+        "global_batch": GLOBAL_BATCH, "precision": precision, "params": params,
+        "model": str(model), "dir": str(td), "out": str(td / "raymesh_fits"),
+        "timeout": timeout, "report_every": min(5, steps), "strategy": "auto",
+        "activation_checkpointing": "auto", "memory_budget_gb": budget / (1 << 30),
+    }  # fmt: skip
+    log(f"fits: fp32 ddp estimate {full.ddp_bytes() / (1 << 20):.1f} MB, budget a third: "
+        f"{budget / (1 << 20):.1f} MB per rank")  # fmt: skip
+    got = run_side("raymesh", spec)
+    growth = max(got["growth_mb"])
+    return {
+        "fp32_ddp_estimate_mb": round(full.ddp_bytes() / (1 << 20), 1),
+        "budget_mb": round(budget / (1 << 20), 1),
+        "plan": got["strategy"], "reason": got["decision_reason"],
+        "estimate_under_plan_mb": round(got["estimate_bytes"] / (1 << 20), 1),
+        "peak_growth_mb": got["growth_mb"], "peak_growth_over_budget": round(
+            growth / (budget / (1 << 20)), 3),
+        "steps": steps, "tokens_per_s": got["tokens_per_s"], "eval_loss": got["eval_loss"],
+    }  # fmt: skip
+
+
 def run_side(side: str, spec: dict[str, Any]) -> dict[str, Any]:
     if side == "hf_trainer":
         return hf_child(spec)
@@ -526,6 +574,7 @@ def main() -> None:
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="auto: bf16 where the CPU has native bf16, else fp32")  # fmt: skip
     p.add_argument("--save", action="store_true", help="write bench/results/finetune.json")
+    p.add_argument("--no-fits", action="store_true", help="skip the 3x-over-budget run")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec: the raymesh side
     p.add_argument("--hf-rank", help=argparse.SUPPRESS)  # JSON spec: a torchrun rank
     args = p.parse_args()
@@ -605,6 +654,15 @@ def main() -> None:
             if "hf_trainer" in run and "raymesh" in run:
                 run["compare"] = compare(run["hf_trainer"], run["raymesh"])
             res["runs"][mode] = run
+        if not args.no_fits and args.side in (None, "raymesh") and not args.only:
+            try:
+                res["fits"] = fits_run(td, steps, warmup, precision, timeout)
+                f = res["fits"]
+                log(f"fits: plan {f['reason']}; peak growth {f['peak_growth_mb']} MB = "
+                    f"{f['peak_growth_over_budget']}x the {f['budget_mb']} MB budget")  # fmt: skip
+            except Exception as e:
+                res["fits_error"] = f"{type(e).__name__}: {e}"
+                log(f"fits failed: {e}")
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(res, indent=2)
     print(text)
