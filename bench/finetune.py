@@ -575,6 +575,7 @@ def main() -> None:
                    help="auto: bf16 where the CPU has native bf16, else fp32")  # fmt: skip
     p.add_argument("--save", action="store_true", help="write bench/results/finetune.json")
     p.add_argument("--no-fits", action="store_true", help="skip the 3x-over-budget run")
+    p.add_argument("--fits-only", action="store_true", help="only the 3x-over-budget run")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec: the raymesh side
     p.add_argument("--hf-rank", help=argparse.SUPPRESS)  # JSON spec: a torchrun rank
     args = p.parse_args()
@@ -595,7 +596,7 @@ def main() -> None:
     warmup = 3 if args.quick else 10
     if steps < warmup + 3:
         p.error(f"--steps {steps}: needs at least {warmup + 3} (warm-up {warmup}, then 2 timed)")
-    modes = [args.only] if args.only else list(MODES)
+    modes = [] if args.fits_only else [args.only] if args.only else list(MODES)
     native = native_bf16()
     precision = args.precision if args.precision != "auto" else "bf16" if native else "fp32"
     os.environ.update(CHILD_ENV)

@@ -83,3 +83,17 @@ def test_evaluation_is_the_sample_weighted_mean_over_the_whole_set():
         want = float(model(data).pow(2).mean())
     assert math.isclose(got, want, rel_tol=1e-6)
     assert model.training  # left as found
+
+
+def test_the_probe_of_one_sample_times_the_batch_is_the_whole_batchs_activations():
+    from raymesh.train.rank.measure import one_sample
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(16, 32)
+    one, n = one_sample({"x": [x], "meta": "kept"})
+    assert n == 16 and one["x"][0].shape == (1, 32) and one["meta"] == "kept"
+    whole = probe_activation_bytes(model, _loss, x)
+    scaled = n * probe_activation_bytes(model, _loss, one_sample(x)[0])
+    assert abs(scaled - whole) <= 0.05 * whole, (scaled, whole)
+    # Tensors of different first sizes: not a batch of samples, measured whole.
+    assert one_sample((x, torch.zeros(3)))[1] == 1

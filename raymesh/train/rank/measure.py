@@ -1,10 +1,15 @@
 """What one rank of a job would hold, measured on its built model before any wrapping: the
 `MemoryEstimate` the strategy decision is made from, and the rank's memory budget.
 
-Activations are measured with one forward of the first micro-batch under the job's precision
-(autocast to bf16/fp16 saves smaller tensors), and once more with the model's blocks
-checkpointed, for the figure the planner weighs activation checkpointing by
-(`estimate.checkpointed_activations`). Both probes leave no trace (`probe_activation_bytes`).
+Activations are measured with one forward of one sample of the first micro-batch, times the
+micro-batch's size, under the job's precision (autocast to bf16/fp16 saves smaller tensors),
+and once more with the model's blocks checkpointed, for the figure the planner weighs
+activation checkpointing by (`estimate.checkpointed_activations`). One sample, not the whole
+micro-batch: the probe must not itself need the memory of the job it decides how to fit (a
+full fine-tune planned at a third of its fp32 size grew its ranks by 3.7x the budget, most of
+it the probe's unsharded, uncheckpointed forward). What a forward saves grows with the batch
+in proportion, but for the little that is shared across samples. Both probes leave no trace
+(`probe_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,38 @@ from raymesh.train.estimate import (
 from raymesh.train.rank.parallelize import autocast_dtype, set_checkpointing
 from raymesh.train.task import Task
 
-__all__ = ["check_precision", "estimate_memory"]
+__all__ = ["check_precision", "estimate_memory", "one_sample"]
+
+
+def one_sample(batch: Any) -> tuple[Any, int]:
+    """(`batch` cut to its first sample, the number of samples): every tensor in it (nested in
+    lists, tuples and dicts) sliced to `[:1]` along its first dimension, when they all have the
+    same first dimension; else (`batch`, 1), measured whole."""
+    sizes: set[int] = set()
+
+    def size(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            sizes.add(x.shape[0] if x.dim() else -1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                size(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                size(v)
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x[:1]
+        if isinstance(x, (list, tuple)):
+            return type(x)(cut(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        return x
+
+    size(batch)
+    if len(sizes) != 1 or (n := sizes.pop()) < 2:
+        return batch, 1
+    return cut(batch), n
 
 
 def check_precision(precision: str, device: torch.device) -> None:
@@ -54,12 +90,13 @@ def estimate_memory(
     blocks = fsdp_blocks(task.model) if config.activation_checkpointing is not False else []
     checkpointed = None
     if activation is None:
-        activation = probe_activation_bytes(task.model, task.loss_fn, batch, autocast=dtype)
+        one, n = one_sample(batch)
+        activation = n * probe_activation_bytes(task.model, task.loss_fn, one, autocast=dtype)
         if blocks:
             set_checkpointing(task.model, True)
             try:
-                probed = probe_activation_bytes(
-                    task.model, task.loss_fn, batch, autocast=dtype, inputs_of=blocks
+                probed = n * probe_activation_bytes(
+                    task.model, task.loss_fn, one, autocast=dtype, inputs_of=blocks
                 )
             finally:
                 set_checkpointing(task.model, False)
