@@ -52,7 +52,7 @@ def one_sample(batch: Any) -> tuple[Any, int]:
 
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return x[:1]
+            return x[:1].clone()  # its own storage: the probe counts whole storages
         if isinstance(x, (list, tuple)):
             return type(x)(cut(v) for v in x)
         if isinstance(x, dict):
