@@ -550,6 +550,53 @@ def fits_run(td: Path, steps: int, warmup: int, precision: str, timeout: float) 
     }  # fmt: skip
 
 
+def heal_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One raymesh fit of the small model with rank 1 SIGKILLed mid-run: its recovery."""
+    from raymesh import train
+    from raymesh.testing import kill
+
+    config = train.TrainConfig(
+        workers=WORKERS, steps=16, global_batch_size=8, seed=SEED, report_every=2,
+        strategy="ddp", precision=spec["precision"],
+        activation_checkpointing=spec["activation_checkpointing"],
+        faults=[kill(rank=1, at_step=9)], params=spec["params"], step_timeout_s=300.0,
+    )  # fmt: skip
+    result = train.fit("raymesh.train.hf:build", config)
+    [failure] = result.failures
+    ends = [h["end"] for h in result.history]
+    steps = sorted(b - a for a, b in itertools.pairwise(ends))
+    return {
+        "recovery_s": round(failure.recovery_s, 3),
+        "steps_recomputed": failure.steps_recomputed,
+        "median_step_s": round(steps[len(steps) // 2], 4),
+    }
+
+
+def heal_run(td: Path, timeout: float) -> dict[str, Any]:
+    """Kill to first step again, DDP: the small Llama (hidden 64, 2 blocks, blocks of 64
+    tokens) full in fp32, against LoRA in bf16 with activation checkpointing."""
+    from raymesh.train import hf
+
+    model = hf.save_tiny_llama(td / "model_small", seed=SEED)
+    base = {"model": str(model), "block_size": 64, "eval_fraction": 0.0}
+    out: dict[str, Any] = {}
+    for name, extra in {
+        "fp32_full": {"precision": "fp32", "activation_checkpointing": False, "lora_r": 0},
+        "bf16_lora_checkpointed": {"precision": "bf16", "activation_checkpointing": True,
+                                   "lora_r": 8},
+    }.items():  # fmt: skip
+        spec = {"heal": True, "precision": extra["precision"], "dir": str(td),
+                "activation_checkpointing": extra["activation_checkpointing"],
+                "params": {**base, "lora_r": extra["lora_r"]}, "out": str(td / f"heal_{name}"),
+                "timeout": timeout, "mode": f"heal {name}"}  # fmt: skip
+        out[name] = run_side("raymesh", spec)
+        log(f"heal {name}: recovered in {out[name]['recovery_s']} s")
+    out["ratio"] = round(
+        out["bf16_lora_checkpointed"]["recovery_s"] / out["fp32_full"]["recovery_s"], 3
+    )
+    return out
+
+
 def run_side(side: str, spec: dict[str, Any]) -> dict[str, Any]:
     if side == "hf_trainer":
         return hf_child(spec)
@@ -576,6 +623,7 @@ def main() -> None:
     p.add_argument("--save", action="store_true", help="write bench/results/finetune.json")
     p.add_argument("--no-fits", action="store_true", help="skip the 3x-over-budget run")
     p.add_argument("--fits-only", action="store_true", help="only the 3x-over-budget run")
+    p.add_argument("--heal-only", action="store_true", help="only the kill-to-first-step runs")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec: the raymesh side
     p.add_argument("--hf-rank", help=argparse.SUPPRESS)  # JSON spec: a torchrun rank
     args = p.parse_args()
@@ -584,7 +632,8 @@ def main() -> None:
         return
     if args.child:
         spec = json.loads(args.child)
-        Path(spec["out"] + ".json").write_text(json.dumps(raymesh_child(spec)))
+        child = heal_child if spec.get("heal") else raymesh_child
+        Path(spec["out"] + ".json").write_text(json.dumps(child(spec)))
         return
 
     import torch
@@ -596,7 +645,8 @@ def main() -> None:
     warmup = 3 if args.quick else 10
     if steps < warmup + 3:
         p.error(f"--steps {steps}: needs at least {warmup + 3} (warm-up {warmup}, then 2 timed)")
-    modes = [] if args.fits_only else [args.only] if args.only else list(MODES)
+    alone = args.fits_only or args.heal_only
+    modes = [] if alone else [args.only] if args.only else list(MODES)
     native = native_bf16()
     precision = args.precision if args.precision != "auto" else "bf16" if native else "fp32"
     os.environ.update(CHILD_ENV)
@@ -655,7 +705,12 @@ def main() -> None:
             if "hf_trainer" in run and "raymesh" in run:
                 run["compare"] = compare(run["hf_trainer"], run["raymesh"])
             res["runs"][mode] = run
-        if not args.no_fits and args.side in (None, "raymesh") and not args.only:
+        if (
+            not args.heal_only
+            and not args.no_fits
+            and args.side in (None, "raymesh")
+            and not args.only
+        ):
             try:
                 res["fits"] = fits_run(td, steps, warmup, precision, timeout)
                 f = res["fits"]
@@ -664,6 +719,13 @@ def main() -> None:
             except Exception as e:
                 res["fits_error"] = f"{type(e).__name__}: {e}"
                 log(f"fits failed: {e}")
+        if not args.fits_only and args.side in (None, "raymesh") and not args.only:
+            try:
+                res["heal"] = heal_run(td, timeout)
+                log(f"heal: bf16 + LoRA + checkpointing / fp32: {res['heal']['ratio']}x")
+            except Exception as e:
+                res["heal_error"] = f"{type(e).__name__}: {e}"
+                log(f"heal failed: {e}")
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(res, indent=2)
     print(text)
