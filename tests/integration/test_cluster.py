@@ -37,12 +37,16 @@ MULTI_HOST = textwrap.dedent(
     """
     import dataclasses, json, os
     from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
-    cluster.add_node(num_cpus=4)
+    # A head without CPUs (a cluster's usual head) and two hosts of 4.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
     import ray
     ray.init(address=cluster.address)
+    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
     from raymesh import Actor, endpoint, host_mesh
+    from raymesh.actor import PlacementError
     import ray as _ray
 
     class Where(Actor):
@@ -50,10 +54,15 @@ MULTI_HOST = textwrap.dedent(
         def node(self):
             return _ray.get_runtime_context().get_node_id()
 
-    hosts = host_mesh()
+    hosts, everything = host_mesh(), host_mesh(all_hosts=True)
     procs = hosts.spawn_procs(per_host={"procs": 2})
     nodes = procs.spawn("where", Where).node.call().get(timeout=120)
     procs.stop()
+    try:  # the head is a host of all_hosts, where no proc fits
+        everything.spawn_procs(per_host={"procs": 1}, timeout=10)
+        error = None
+    except PlacementError as e:
+        error = str(e)
 
     # Training across the two hosts, 2 ranks each, with a budget that DDP exceeds: auto weighs
     # HSDP (a shard group per host) against FSDP over all 4 with the planner's estimate.
@@ -91,6 +100,7 @@ MULTI_HOST = textwrap.dedent(
     hsdp = train.fit(build, dataclasses.replace(config, memory_budget_gb=budget))
     local = {int(r): json.load(open(os.path.join(seen, r))) for r in os.listdir(seen)}
     print("RESULT", json.dumps({
+        "head": head, "all": everything.node_ids, "error": error,
         "sizes": procs.sizes,
         "host_ids": hosts.node_ids,
         "by_point": [[dict(p), n] for p, n in nodes.items()],
@@ -106,10 +116,14 @@ MULTI_HOST = textwrap.dedent(
 )
 
 
-def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
+def test_host_mesh_spans_every_node_leaves_out_a_head_without_cpus_and_pins_procs(tmp_path):
     out = run_cluster_script(tmp_path / "multi.py", MULTI_HOST, timeout=300)
     assert out["sizes"] == {"hosts": 2, "procs": 2}
-    hosts = out["host_ids"]
+    hosts, head = out["host_ids"], out["head"]
+    # host_mesh() leaves out a head without CPUs; all_hosts=True includes it, and a proc on
+    # every one of its hosts cannot be placed.
+    assert head not in hosts and out["all"][0] == head and set(out["all"]) == {head, *hosts}
+    assert out["error"] and "CPU" in out["error"], out["error"]
     for point, node in out["by_point"]:
         assert node == hosts[point["hosts"]], out
     strategy, shard_size, reason = out["decision"]
@@ -122,56 +136,6 @@ def test_host_mesh_spans_every_node_and_pins_procs_to_their_host(tmp_path):
     nodes = [n for n, *_ in local]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and set(nodes) == set(hosts), local
     assert [x[1:] for x in local] == [[0, 2, "0", "2"], [1, 2, "1", "2"]] * 2, local
-
-
-ZERO_CPU_HEAD = textwrap.dedent(
-    """
-    import json
-    from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    import ray
-    ray.init(address=cluster.address)
-    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
-    from raymesh import Actor, endpoint, host_mesh
-    from raymesh.actor import PlacementError
-
-    class Where(Actor):
-        @endpoint
-        def node(self):
-            return ray.get_runtime_context().get_node_id()
-
-    hosts, everything = host_mesh(), host_mesh(all_hosts=True)
-    procs = hosts.spawn_procs(per_host={"procs": 1})
-    nodes = sorted(procs.spawn("where", Where).node.call().get(timeout=120).values())
-    procs.stop()
-    try:
-        everything.spawn_procs(per_host={"procs": 1}, timeout=10)
-        error = None
-    except PlacementError as e:
-        error = str(e)
-    print("RESULT", json.dumps({
-        "head": head, "hosts": hosts.node_ids, "all": everything.node_ids, "nodes": nodes,
-        "error": error,
-    }))
-    ray.shutdown()
-    cluster.shutdown()
-    """
-)
-
-
-def test_host_mesh_leaves_out_a_head_node_without_cpus_and_all_hosts_includes_it(tmp_path):
-    out = run_cluster_script(tmp_path / "head.py", ZERO_CPU_HEAD, timeout=300)
-    head, hosts = out["head"], out["hosts"]
-    assert len(hosts) == 2 and head not in hosts, out
-    assert out["all"][0] == head and set(out["all"]) == {head, *hosts}, out
-    assert out["nodes"] == sorted(hosts), out  # one proc on each host that can run one
-    # Asking for a proc on the head itself is impossible, and says so.
-    error = out["error"] or ""
-    assert f"host {head[:12]}" in error and "which has 0 CPU in total" in error, error
-    assert "spawn on host_mesh(), which leaves such hosts out" in error, error
 
 
 FROM_A_THREAD = """

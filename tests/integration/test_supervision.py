@@ -286,7 +286,9 @@ CONTROLLER = textwrap.dedent(
 def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # One warm proc is enough to see that warm procs die too (the default 8, each importing
+    # torch on 2 cores, took ~20 s to get ready).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAYMESH_WARM_PROCS="1")
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
