@@ -139,18 +139,26 @@ def nvml(r: Record, args: argparse.Namespace) -> None:
     check(len(facts["gpus"]) == len(devices), "local_facts and read_gpus agree on the GPUs")
 
 
+def nccl_group(dev: Any) -> None:
+    """A process group of one rank over NCCL on `dev` (NCCL refuses two ranks on one GPU).
+    device_id: the communicator is created now, so its whole setup is in the caller's timing."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(dev)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1, device_id=dev)
+
+
 def nccl(r: Record, args: argparse.Namespace) -> None:
     torch = need_cuda(args)
     import torch.distributed as dist
 
     dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     t0 = time.perf_counter()
-    # device_id: the communicator is created now, so that init_s is NCCL's whole setup
-    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1, device_id=dev)
+    nccl_group(dev)
     try:
         r.put(init_s=round(time.perf_counter() - t0, 3), backend=dist.get_backend())
         x = torch.full((1 << 20,), 3.0, device=dev)
@@ -274,11 +282,7 @@ def finetune_memory(r: Record, args: argparse.Namespace) -> None:
     from raymesh.train.strategy import StrategyDecision
 
     dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    dist.init_process_group("nccl", init_method=url, rank=0, world_size=1, device_id=dev)
+    nccl_group(dev)
     try:
         (torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)).sum().item()
         torch.manual_seed(0)

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from raymesh.train import memory_text as text
 from raymesh.train.estimate import MemoryEstimate
 
 __all__ = [
@@ -87,7 +88,7 @@ class StrategyDecision:
         if splits_into_shard_groups(world_size, self.shard_size):
             return self
         reason = (
-            f"fsdp over {_ranks(world_size)}: the world of {world_size} no longer splits into "
+            f"fsdp over {text.ranks(world_size)}: the world of {world_size} no longer splits into "
             f"shard groups of {self.shard_size} (was: {self.reason})"
         )
         return dataclasses.replace(self, strategy="fsdp", shard_size=None, reason=reason)
@@ -146,23 +147,8 @@ class StrategyPolicy:
         ]
         if not variants:
             raise ValueError("offload=True needs a sharded strategy; use 'fsdp' or 'auto'")
-        for ac, off in variants:
-            try:
-                return self._decide(
-                    requested,
-                    estimate,
-                    world_size,
-                    budget_bytes,
-                    shard_size=shard_size,
-                    comm=comm,
-                    checkpointing=ac,
-                    offload=off,
-                    must_fit=True,
-                )
-            except _NoFit:
-                continue
-        ac, off = variants[-1]  # none fits: the least memory, and its numbers
-        try:
+
+        def attempt(ac: bool, off: bool, must_fit: bool) -> StrategyDecision:
             return self._decide(
                 requested,
                 estimate,
@@ -172,13 +158,22 @@ class StrategyPolicy:
                 comm=comm,
                 checkpointing=ac,
                 offload=off,
-                must_fit=False,
+                must_fit=must_fit,
             )
+
+        for ac, off in variants:
+            try:
+                return attempt(ac, off, must_fit=True)
+            except _NoFit:
+                continue
+        ac, off = variants[-1]  # none fits: the least memory, and its numbers
+        try:
+            return attempt(ac, off, must_fit=False)
         except _NoFit as e:
             tried = " and ".join(
                 x for x, on in (("activation checkpointing", ac), ("offload", off)) if on
             )
-            hints = _hints(estimate, ac, off, world_size, precision)
+            hints = text.hints(estimate, ac, off, world_size, precision)
             raise ValueError(
                 (f"with {tried}, " if tried else "") + str(e) + (f"; or: {hints}" if hints else "")
             ) from None
@@ -230,7 +225,7 @@ class StrategyPolicy:
             )
         if requested == "hsdp" and shard_size is None:
             raise ValueError(
-                f"strategy='hsdp' over {_ranks(world_size)} has no shard groups: set "
+                f"strategy='hsdp' over {text.ranks(world_size)} has no shard groups: set "
                 "shard_size (ranks per group, a divisor of workers), or run on hosts that "
                 "each hold the same number (>= 2) of ranks, one group per host"
             )
@@ -241,26 +236,28 @@ class StrategyPolicy:
         fsdp = estimate.fsdp_bytes(world_size)
         hsdp = estimate.fsdp_bytes(shard_size) if shard_size else None
         limit = int(self.headroom * budget_bytes)
-        unit = _unit(max(ddp, fsdp))  # the estimate's terms share one unit so they add up
-        bunit = _unit(budget_bytes)
-        budget = f"{self._pct()} of the {_fmt(budget_bytes, bunit)} budget ({_fmt(limit, bunit)})"
+        unit = text.unit(max(ddp, fsdp))  # the estimate's terms share one unit so they add up
+        bunit = text.unit(budget_bytes)
+        whole, part = text.fmt(budget_bytes, bunit), text.fmt(limit, bunit)
+        budget = f"{self._pct()} of the {whole} budget ({part})"
 
         if (fsdp if offload else min(ddp, fsdp)) > budget_bytes:
             raise _NoFit(
                 f"the job does not fit in memory even sharded: "
-                f"{_ddp_sum(on_device, unit)} with ddp, "
-                f"{_fsdp_sum(estimate, world_size, unit)} with fsdp over {_ranks(world_size)}, "
-                f"both above the per-rank budget of {_fmt(budget_bytes, bunit)}; "
-                f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
+                f"{text.ddp_sum(on_device, unit)} with ddp, "
+                f"{text.fsdp_sum(estimate, world_size, unit)} with fsdp over "
+                f"{text.ranks(world_size)}, "
+                f"both above the per-rank budget of {text.fmt(budget_bytes, bunit)}; "
+                f"{text.fixes(estimate, world_size, budget_bytes, self.headroom)}"
             )
 
         def summary(strategy: str) -> str:
             if strategy == "ddp":
-                return _ddp_sum(on_device, unit)
+                return text.ddp_sum(on_device, unit)
             if strategy == "hsdp":
                 assert shard_size is not None
-                return _fsdp_sum(estimate, shard_size, unit)
-            return _fsdp_sum(estimate, world_size, unit)
+                return text.fsdp_sum(estimate, shard_size, unit)
+            return text.fsdp_sum(estimate, world_size, unit)
 
         need = {"ddp": ddp, "fsdp": fsdp, "hsdp": hsdp}
         chosen: Literal["ddp", "fsdp", "hsdp"]
@@ -270,11 +267,11 @@ class StrategyPolicy:
                 chosen, why = "ddp", f"fits {budget}"
             elif hsdp is not None and hsdp <= limit and hsdp_cheaper:
                 chosen = "hsdp"
-                why = f"fits {budget}; ddp would need {_fmt(ddp, unit)}"
+                why = f"fits {budget}; ddp would need {text.fmt(ddp, unit)}"
             elif fsdp <= limit:
-                chosen, why = "fsdp", f"fits {budget}; ddp would need {_fmt(ddp, unit)}"
+                chosen, why = "fsdp", f"fits {budget}; ddp would need {text.fmt(ddp, unit)}"
                 if hsdp is not None and hsdp > limit:
-                    why += f", hsdp over groups of {shard_size} {_fmt(hsdp, unit)}"
+                    why += f", hsdp over groups of {shard_size} {text.fmt(hsdp, unit)}"
             else:
                 hsdp_text = (
                     f", hsdp over groups of {shard_size} needs {summary('hsdp')}"
@@ -282,9 +279,9 @@ class StrategyPolicy:
                     else ""
                 )
                 raise _NoFit(
-                    f"the job does not fit {budget}: ddp needs {_ddp_sum(on_device, unit)}, "
-                    f"fsdp over {_ranks(world_size)} needs {summary('fsdp')}{hsdp_text}; "
-                    f"{_fixes(estimate, world_size, budget_bytes, self.headroom)}"
+                    f"the job does not fit {budget}: ddp needs {text.ddp_sum(on_device, unit)}, "
+                    f"fsdp over {text.ranks(world_size)} needs {summary('fsdp')}{hsdp_text}; "
+                    f"{text.fixes(estimate, world_size, budget_bytes, self.headroom)}"
                 )
         else:
             chosen = requested  # type: ignore[assignment]
@@ -298,7 +295,7 @@ class StrategyPolicy:
                 why = f"exceeds {budget} (forced by strategy={requested!r})"
             else:
                 why = (
-                    f"exceeds the whole {_fmt(budget_bytes, bunit)} budget "
+                    f"exceeds the whole {text.fmt(budget_bytes, bunit)} budget "
                     f"(forced by strategy={requested!r}; expect out-of-memory)"
                 )
         name: str = chosen
@@ -312,10 +309,11 @@ class StrategyPolicy:
         if checkpointing:
             reason += (
                 f"; activation checkpointing per block (activations "
-                f"{_fmt(full.activation_bytes, unit)} -> {_fmt(estimate.activation_bytes, unit)})"
+                f"{text.fmt(full.activation_bytes, unit)} -> "
+                f"{text.fmt(estimate.activation_bytes, unit)})"
             )
         if offload:
-            reason += f"; offload: {_fmt(estimate.host_bytes, unit)} of state in host memory"
+            reason += f"; offload: {text.fmt(estimate.host_bytes, unit)} of state in host memory"
         if comm and chosen in comm:
             others = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in comm.items() if k != chosen)
             reason += f"; estimated communication {comm[chosen] * 1e3:.3g} ms per step" + (
@@ -337,86 +335,6 @@ class StrategyPolicy:
 
 class _NoFit(ValueError):
     """The job does not fit under one combination (the policy tries the next)."""
-
-
-def _hints(e: MemoryEstimate, ac: bool, off: bool, world_size: int, precision: str) -> str:
-    """What the user may change that the planner may not, with about what it would need:
-    bf16 about halves activations and the gathered block; LoRA drops the base's gradients
-    and optimizer state."""
-    cheapest = e.under(checkpointing=ac, offload=off)
-    unit = _unit(e.ddp_bytes())
-    out = []
-    if precision == "fp32":  # about half the activations and of the gathered block
-        bf16 = dataclasses.replace(
-            cheapest,
-            activation_bytes=cheapest.activation_bytes // 2,
-            largest_block_bytes=cheapest.largest_block_bytes // 2,
-        )
-        out.append(f"precision='bf16' would need about {_fmt(bf16.fsdp_bytes(world_size), unit)}")
-    if e.grad_bytes:  # LoRA: the base frozen, no gradients or optimizer state for it
-        lora = dataclasses.replace(cheapest, grad_bytes=0, optimizer_bytes=0)
-        out.append(
-            f"LoRA (a frozen base, small adapters) would need about "
-            f"{_fmt(min(lora.ddp_bytes(), lora.fsdp_bytes(world_size)), unit)}"
-        )
-    return "; ".join(out) if out else ""
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
-def _unit(nbytes: int) -> tuple[str, int]:
-    for name, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return name, size
-    return "B", 1
-
-
-def _fmt(nbytes: int, unit: tuple[str, int], with_unit: bool = True) -> str:
-    name, size = unit
-    text = f"{nbytes / size:.2f}" if size > 1 else str(nbytes)
-    return f"{text} {name}" if with_unit else text
-
-
-def _ddp_sum(e: MemoryEstimate, unit: tuple[str, int]) -> str:
-    return (
-        f"{_fmt(e.ddp_bytes(), unit)} per rank (params {_fmt(e.param_bytes, unit, False)}"
-        f" + grads {_fmt(e.grad_bytes, unit, False)}"
-        f" + optimizer {_fmt(e.optimizer_bytes, unit, False)}"
-        f" + activations {_fmt(e.activation_bytes, unit, False)})"
-    )
-
-
-def _fsdp_sum(e: MemoryEstimate, world_size: int, unit: tuple[str, int]) -> str:
-    states = e.param_bytes + e.grad_bytes + e.optimizer_bytes
-    return (
-        f"{_fmt(e.fsdp_bytes(world_size), unit)} per rank "
-        f"((params {_fmt(e.param_bytes, unit, False)} + grads {_fmt(e.grad_bytes, unit, False)}"
-        f" + optimizer {_fmt(e.optimizer_bytes, unit, False)}"
-        f" = {_fmt(states, unit, False)}) / {_ranks(world_size)}"
-        f" + largest block {_fmt(e.largest_block_bytes, unit, False)}"
-        f" + activations {_fmt(e.activation_bytes, unit, False)})"
-    )
-
-
-def _fixes(e: MemoryEstimate, world_size: int, budget_bytes: int, headroom: float) -> str:
-    """The ways out, with the numbers that would make the job fit."""
-    limit = int(headroom * budget_bytes)
-    states = e.param_bytes + e.grad_bytes + e.optimizer_bytes
-    room = limit - e.largest_block_bytes - e.activation_bytes
-    fixes = []
-    if room > 0:
-        fixes.append(f"use at least {math.ceil(states / room)} workers (now {world_size})")
-    else:
-        fixes.append("more workers cannot help: activations and one block alone exceed the limit")
-    fixes.append("shrink the model or the per-rank batch (activation_bytes)")
-    best = min(("ddp", e.ddp_bytes()), ("fsdp", e.fsdp_bytes(world_size)), key=lambda c: c[1])
-    if best[1] <= budget_bytes:  # fits the budget itself, only not the headroom
-        fixes.append(f"force strategy={best[0]!r} to use {best[1] / budget_bytes:.0%} of it")
-    need = math.ceil(min(e.ddp_bytes(), e.fsdp_bytes(world_size)) / headroom / _GIB * 100) / 100
-    fixes.append(f"give each rank at least {need:.2f} GiB (memory_budget_gb on CPU)")
-    return "fix: " + ", or ".join(fixes)
 
 
 def splits_into_shard_groups(world_size: int, shard_size: int) -> bool:

@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 from raymesh.train.rank.step import Precision, to_device
 
-__all__ = ["evaluate"]
+__all__ = ["due", "evaluate"]
+
+
+def due(done: int, steps: int, every: int | None) -> bool:
+    """Whether to evaluate once `done` of `steps` steps are complete: every `every` steps
+    (`TrainConfig.eval_every`), and at the last step (with `every` None, only there)."""
+    return done == steps or bool(every and done % every == 0)
 
 
 def evaluate(

@@ -1,8 +1,8 @@
 """The trainer actor: one per rank. It owns the process group, the model, the optimizer and the
 data cursor; the controller tells it what to do, one endpoint call per phase, in the typed
-messages of `raymesh.train.protocol`. (A little over 400 lines: the actor's endpoints, one per
-phase of a rank's life, read best as one class; joining the group, the batches and one step
-live in `group`, `batches` and `step`.)
+messages of `raymesh.train.protocol`. (Over 400 lines: the actor's endpoints, one per phase of
+a rank's life, read best as one class; joining the group, the batches, one step, evaluation and
+the memory measurement live in `group`, `batches`, `step`, `evaluate` and `measure`.)
 
 Determinism (what makes two runs with the same seed bit-identical, and a resumed run equal to an
 uninterrupted one at the same world size):
@@ -44,7 +44,7 @@ from raymesh.train.protocol import (
 )
 from raymesh.train.rank import group
 from raymesh.train.rank.batches import Batches
-from raymesh.train.rank.evaluate import evaluate
+from raymesh.train.rank.evaluate import due, evaluate
 from raymesh.train.rank.measure import check_precision, estimate_memory
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import autocast_dtype, parallelize, settle_buckets
@@ -300,22 +300,21 @@ class TrainWorker(Actor):
         )
 
     def _evaluate(self, step: int) -> float | None:
-        """The eval loss after 0-based `step`, when the task has an eval set and the step is
-        one to evaluate at (every `eval_every`, and the last); else None. COLLECTIVE."""
+        """The eval loss after 0-based `step` when it is one to evaluate at (`due`); else
+        None. COLLECTIVE."""
         assert self.task is not None and self.model is not None
-        cfg, done = self.config, step + 1
-        if self.task.eval_dataset is None:
+        cfg, data = self.config, self.task.eval_dataset
+        if data is None or not due(step + 1, cfg.steps, cfg.eval_every):
             return None
-        if done != cfg.steps and not (cfg.eval_every and done % cfg.eval_every == 0):
-            return None
+        batch = cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size)
         return evaluate(
             self.model,
             self.task.loss_fn,
-            batch_reader(self.task.eval_dataset, self.task.collate_fn),
-            len(self.task.eval_dataset),
+            batch_reader(data, self.task.collate_fn),
+            len(data),
             rank=self.rank,
             world_size=self.world_size,
-            batch_size=cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size),
+            batch_size=batch,
             device=self.device,
             precision=self.precision,
         )
