@@ -54,11 +54,15 @@ def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
     recompute draws the same random numbers as the forward (checkpoint restores the RNG
     state), so a step is the same with it on or off up to the order of float operations."""
     for block in fsdp_blocks(model):
-        if on and "_raymesh_forward" not in block.__dict__:
-            block._raymesh_forward = block.forward  # type: ignore[assignment]
-            block.forward = _checkpointed(block._raymesh_forward)  # type: ignore[method-assign]
-        elif not on and "_raymesh_forward" in block.__dict__:
-            block.forward = block.__dict__.pop("_raymesh_forward")  # type: ignore[method-assign]
+        state = block.__dict__  # instance attributes: nn.Module's own __setattr__ is not needed
+        if on and "_raymesh_forward" not in state:
+            state["_raymesh_forward"] = forward = block.forward
+            state["forward"] = _checkpointed(forward)
+        elif not on and "_raymesh_forward" in state:
+            saved = state.pop("_raymesh_forward")
+            del state["forward"]
+            if getattr(saved, "__func__", None) is not getattr(type(block), "forward", None):
+                state["forward"] = saved  # it was the instance's own before
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
