@@ -1,6 +1,6 @@
 """What several subsystems share, in one place below them all: field checks and `Range`,
 job-file tables, "module:function" names, the HTTP server thread with its TLS, bearer-token
-middleware and error shape, and a future adapter.
+middleware and error shape, a future adapter, and a folder written whole or not at all.
 
 It sits just above the core (it may import the core, and nothing above it), so that
 raymesh.train, .tune, .serve, .federated, .data, .dashboard and the CLI can all use it. Private:
@@ -9,6 +9,7 @@ users meet these through the subsystems (`serve.Tls`, `ServeConfig`'s checks, jo
 
 from raymesh._common.auth import BearerAuth, BearerToken
 from raymesh._common.fields import bad, check_int, check_seconds, is_int
+from raymesh._common.folders import new_folder
 from raymesh._common.functions import resolve
 from raymesh._common.futures import Pending
 from raymesh._common.http_error import HTTPError, error_json
@@ -33,6 +34,7 @@ __all__ = [
     "free_port",
     "from_table",
     "is_int",
+    "new_folder",
     "read_toml",
     "resolve",
     "split_job",

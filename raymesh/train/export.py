@@ -13,16 +13,13 @@ only: no checkpoint file runs code here).
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raymesh._common import bad, resolve
+from raymesh._common import bad, new_folder, resolve
 from raymesh.train.checkpoint import MANIFEST, Manifest, load_weights, resolve_checkpoint
 from raymesh.train.config import TrainConfig
 from raymesh.train.task import Context, Task
@@ -134,18 +131,12 @@ def export_hf(
         model = model.merge_and_unload()
     if not adapter or merge:
         model.config.use_cache = True  # a KV cache speeds generation; only training avoids it
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:12]}"
-    try:
+    with new_folder(out) as tmp:
         model.save_pretrained(tmp)  # safetensors: transformers' and peft's default format
         if source is not None and hf.has_tokenizer(source):
             hf.load_tokenizer(source).save_pretrained(tmp)
         if out.exists() or out.is_symlink():  # made meanwhile: still never overwritten
             raise bad("out", str(out), "it appeared while exporting; give a new folder")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -7,9 +7,6 @@ from (`folder_of`). Nothing is downloaded: every load is `local_files_only`.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 
-from raymesh._common import bad, check_int
+from raymesh._common import bad, check_int, new_folder
 
 __all__ = [
     "EOS",
@@ -105,15 +102,9 @@ def save_tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
-    try:
+    with new_folder(path) as tmp:  # onto nothing, or onto an empty folder
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path)  # onto nothing, or onto an empty folder
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
