@@ -14,6 +14,7 @@ in proportion, but for the little that is shared across samples. Both probes lea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -108,4 +109,4 @@ def estimate_memory(
     else:
         budget = cpu_budget_bytes(config.memory_budget_gb, ranks_per_host=ranks_per_host)
     e = estimate(task.model, task.optimizer, activation)
-    return MemoryEstimate(**{**e.__dict__, "checkpointed_activation_bytes": checkpointed}), budget
+    return dataclasses.replace(e, checkpointed_activation_bytes=checkpointed), budget
