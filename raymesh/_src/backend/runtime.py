@@ -44,26 +44,26 @@ def before_shutdown(fn: Callable[[], None]) -> None:
     Ray is up again. A thread still inside a Ray call while Ray shuts down can crash the
     process (a segfault in Ray's core worker), so every raymesh thread that calls into Ray on
     its own (the supervisor, the warm-proc fillers) registers here."""
-    with _init_lock:
-        if fn not in _quiescers:
-            _quiescers.append(fn)
+    _add(_quiescers, fn)
 
 
 def on_connect(fn: Callable[[], None]) -> None:
     """Call `fn()` each time raymesh connects this process to Ray itself (its own `ray.init`,
     not the user's or a Ray worker's): the modules above this one start what a new session
     needs (the host agent, warm procs) without this module importing them."""
-    with _init_lock:
-        if fn not in _connect_hooks:
-            _connect_hooks.append(fn)
+    _add(_connect_hooks, fn)
 
 
 def on_shutdown(fn: Callable[[], None]) -> None:
     """Call `fn()` in `shutdown()`, after the `before_shutdown` hooks and before Ray shuts
     down (not at interpreter exit, where Ray's own shutdown ends everything anyway)."""
+    _add(_shutdown_hooks, fn)
+
+
+def _add(hooks: list[Callable[[], None]], fn: Callable[[], None]) -> None:
     with _init_lock:
-        if fn not in _shutdown_hooks:
-            _shutdown_hooks.append(fn)
+        if fn not in hooks:
+            hooks.append(fn)
 
 
 def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> Any:
