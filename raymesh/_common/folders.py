@@ -1,0 +1,28 @@
+"""Writing a new folder whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["new_folder"]
+
+
+@contextlib.contextmanager
+def new_folder(path: Path) -> Iterator[Path]:
+    """A temporary sibling of `path` to write into; renamed to `path` in one `os.replace` when
+    the block ends, removed when it raises, so `path` holds the whole folder or nothing.
+    `os.replace` fails on a folder that is not empty: the caller checks what may stand at
+    `path` (a check at the end of the block sees anything made meanwhile)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
