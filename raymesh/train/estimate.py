@@ -195,11 +195,12 @@ def probe_activation_bytes(
     is counted once, whole; the model's own parameters are excluded (they are in param_bytes).
     The probe runs no backward and leaves no trace: the RNG streams and the model's buffers
     (e.g. BatchNorm running statistics) are restored, so a run that probes trains exactly like
-    one that does not.
+    one that does not. A model built on the meta device is probed with fake tensors in place of
+    its meta ones (`_fakes_for_meta`): shapes and dtypes without memory, on `batch`'s device.
     """
-    param_storages = {
-        p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"
-    }
+    mode, fakes = _fakes_for_meta(model, _device_of(batch))
+    params = [fakes.get(id(p), p) for p in model.parameters()]
+    param_storages = {_storage_key(p) for p in params}
     seen: set[int] = set()
     total = 0
 
@@ -207,7 +208,7 @@ def probe_activation_bytes(
         nonlocal total
         try:
             storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
+            key, nbytes = _storage_key(t), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             key, nbytes = id(t), t.numel() * t.element_size()
         if key not in param_storages and key not in seen:
@@ -228,14 +229,20 @@ def probe_activation_bytes(
 
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     rng = torch.random.fork_rng(devices=devices)  # the CPU stream, plus the model's GPUs
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    device = next((p.device.type for p in model.parameters()), "cpu")
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    device = next((p.device.type for p in params), "cpu")
     cast = (
         torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     )
     hooks = [m.register_forward_pre_hook(count_inputs, with_kwargs=True) for m in inputs_of]
     try:
-        with rng, cast, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with (
+            rng,
+            _swapped(model, mode, fakes),
+            cast,
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+        ):
             loss = loss_fn(model, batch)
             del loss  # frees the graph and everything it saved
     finally:
@@ -243,8 +250,78 @@ def probe_activation_bytes(
             h.remove()
     with torch.no_grad():
         for name, b in model.named_buffers():
-            b.copy_(buffers[name])
+            if name in buffers:
+                b.copy_(buffers[name])
     return total
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The storage's own address, not its data's: a meta or fake tensor has no data (every
+    # data_ptr is 0), and views of one storage share it either way.
+    return int(t.untyped_storage()._cdata)
+
+
+def _device_of(batch: Any) -> torch.device:
+    """The device of the first tensor in `batch` (nested in lists, tuples, dicts); else CPU."""
+    if isinstance(batch, torch.Tensor):
+        return batch.device
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, (list, tuple)) or isinstance(batch, dict):
+        for item in items:
+            found = _device_of(item)
+            if found.type != "cpu":
+                return found
+    return torch.device("cpu")
+
+
+def _fakes_for_meta(
+    model: torch.nn.Module, device: torch.device
+) -> tuple[Any, dict[int, torch.Tensor]]:
+    """(a fake tensor mode, {id(tensor): a fake tensor of its shape and dtype on `device`}) for
+    the model's parameters and buffers on the meta device; (None, {}) when none is. Fake
+    tensors run a real forward (autocast included, which meta tensors skip) while allocating
+    nothing, so a model built on the meta device is probed before a byte of it exists. Code
+    that branches on values sees none: transformers then keeps a causal mask (and repeats the
+    KV heads for it) that it drops for real tensors, ~10 % more on a small Llama, never less.
+    PyTorch's fake tensors are private API (torch._subclasses) but what torch.compile and
+    torch.export are built on; a torch without them fails the probe, not the job's results."""
+    meta = [t for t in (*model.parameters(), *model.buffers()) if t.is_meta]
+    if not meta:
+        return None, {}
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = {
+            id(t): torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(
+                t.requires_grad
+            )
+            for t in meta
+        }
+    return mode, fakes
+
+
+@contextlib.contextmanager
+def _swapped(model: torch.nn.Module, mode: Any, fakes: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within it, every module's meta parameters and buffers are their fakes (a tied one in
+    every module that holds it), under `mode`; all are put back on exit."""
+    if mode is None:
+        yield
+        return
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            for name, t in table.items():
+                if t is not None and id(t) in fakes:
+                    swapped.append((table, name, t))
+                    table[name] = fakes[id(t)]
+    try:
+        with mode:
+            yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
 
 
 def checkpointed_activations(full: int, checkpointed: int, blocks: int) -> int:

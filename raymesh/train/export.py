@@ -22,6 +22,7 @@ import torch
 from raymesh._common import bad, new_folder, resolve
 from raymesh.train.checkpoint import MANIFEST, Manifest, load_weights, resolve_checkpoint
 from raymesh.train.config import TrainConfig
+from raymesh.train.materialize import materialize
 from raymesh.train.task import Context, Task
 
 __all__ = ["export_hf", "rebuild"]
@@ -37,7 +38,8 @@ def rebuild(
     seed: int | None = None,
 ) -> Task:
     """The Task that `build` makes as the one rank of a one-rank job, with the model weights of
-    `checkpoint` loaded into `Task.model`.
+    `checkpoint` loaded into `Task.model`, on `device` (a model built on the meta device is
+    given the checkpoint's tensors, or without one filled by its `init_weights`).
 
     checkpoint: a run's checkpoint folder (its newest committed step that verifies) or one
         `step-XXXXXXXX` folder. None: the model as built, with its initial weights.
@@ -77,7 +79,9 @@ def rebuild(
     if not isinstance(task, Task):
         raise ValueError(f"build={build!r} returned {type(task).__name__}: return a train.Task")
     if step is not None:
-        load_weights(task.model, step)
+        load_weights(task.model, step)  # a model built on meta takes the checkpoint's tensors
+    # What is still on meta (no checkpoint) is filled by init_weights.
+    materialize(task.model, torch.device(device), task.init_weights, task.optimizer)
     return task
 
 

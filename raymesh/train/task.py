@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from raymesh.train.materialize import check_init
+
 __all__ = ["Context", "Task"]
 
 
@@ -58,7 +60,9 @@ class Task:
     """The job a rank trains: a model, its optimizer, a map-style dataset and a loss.
 
     model: an nn.Module on any device; raymesh moves it to `Context.device` and wraps it in DDP
-        or FSDP2 as the strategy decides.
+        or FSDP2 as the strategy decides. A model too large for one rank is built on the meta
+        device (`with torch.device("meta"):`, no memory) with `init_weights`: raymesh shards it
+        first, then allocates only each rank's shards and has `init_weights` fill them.
     optimizer: built over `model.parameters()` (raymesh rebuilds its param groups after FSDP
         sharding, keeping the class and hyperparameters).
     dataset: a map-style dataset (`__len__`, `__getitem__`); raymesh decides which indices each
@@ -69,6 +73,12 @@ class Task:
     eval_dataset: a map-style dataset the ranks evaluate `loss_fn` on every
         `TrainConfig.eval_every` steps (split across ranks, no gradients); the mean is the
         report's `eval_loss`. None: no evaluation.
+    init_weights: `init_weights(model)` fills a model built on the meta device, once its
+        tensors are allocated on the rank's device (under no_grad; sharded by then under
+        FSDP/HSDP, so its parameters are DTensors and it should read only their local
+        shards, as DCP does). `raymesh.train.hf.PretrainedWeights(folder)` reads a
+        `save_pretrained` folder's safetensors so. Required when the model has meta tensors;
+        ignored otherwise. A checkpoint restored afterwards overwrites what it filled.
     """
 
     model: torch.nn.Module
@@ -77,4 +87,13 @@ class Task:
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     collate_fn: Callable[[list[Any]], Any] | None = None
     eval_dataset: Any = None
+    init_weights: Callable[[torch.nn.Module], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(
+                f"Task.model={type(self.model).__name__}: give a torch.nn.Module (a "
+                "transformers PreTrainedModel and a PEFT model are ones)"
+            )
+        check_init(self.model, self.init_weights)

@@ -30,8 +30,10 @@ def job(model: Path, text: Path, **params: Any) -> TrainConfig:
 
 
 def built(config: TrainConfig) -> Task:
-    """hf.build's Task for `config`, as a rank builds it (torch seeded first)."""
+    """hf.build's Task for `config`, as a rank of one builds it (torch seeded first), its
+    model filled from the pretrained weights."""
     from raymesh.train import hf
+    from raymesh.train.materialize import materialize
 
     torch.manual_seed(config.seed)
     ctx = Context(
@@ -43,7 +45,9 @@ def built(config: TrainConfig) -> Task:
         seed=config.seed,
         config=config,
     )
-    return hf.build(ctx)
+    task = hf.build(ctx)
+    materialize(task.model, ctx.device, task.init_weights, task.optimizer)
+    return task
 
 
 def trained_run(dir: Path, config: TrainConfig, model: torch.nn.Module | None = None) -> Task:

@@ -61,6 +61,19 @@ def test_ranks_stuck_behind_a_failure_are_replaced_but_not_counted() -> None:
     assert d.action == "replace" and "failure 1 of max_failures=1" in d.reason
 
 
+def test_a_place_stuck_again_at_the_same_step_counts_so_a_world_that_cannot_form_aborts() -> None:
+    # Seen for real: a replacement whose setup waited on a collective the survivors never
+    # joined was stuck at every re-form, and the job replaced it for ever.
+    def stuck(rank: int, step: int) -> FailureRecord:
+        return FailureRecord(rank=rank, step=step, cause="stuck joining", kind="stuck")
+
+    policy = FailurePolicy(max_failures=2)
+    once = [*_failures(1), stuck(1, 3), stuck(0, 3), stuck(1, 7)]
+    assert policy.decide(once, 2, replacements=1, lost=1, min_workers=2).action == "replace"
+    d = policy.decide([*once, stuck(1, 3), stuck(1, 3)], 2, replacements=1, lost=1, min_workers=2)
+    assert d.action == "abort" and "3 failures, more than max_failures=2" in d.reason
+
+
 def test_grow_back_to_max_with_the_ranks_that_are_ready() -> None:
     policy = GrowPolicy()
     assert policy.decide(4, max_workers=4, ready=2) is None

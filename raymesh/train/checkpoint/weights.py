@@ -67,4 +67,6 @@ def load_weights(module: torch.nn.Module, checkpoint: str | Path) -> None:
             + "; ".join(parts)
             + ". Build the model the checkpoint's job trained (its build function and params)"
         )
-    module.load_state_dict(state, strict=True)
+    # A module built on the meta device has no storage to copy into: it takes the tensors.
+    meta = any(t.is_meta for t in mine.values() if isinstance(t, torch.Tensor))
+    module.load_state_dict(state, strict=True, assign=meta)

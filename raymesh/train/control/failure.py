@@ -84,11 +84,17 @@ class FailurePolicy:
         """failures: all so far (the newest last); lost: ranks to replace now; replacements:
         how many new ranks can be placed now."""
         now = failures[-1].time if failures else time.time()
-        counted = [
-            f
-            for f in failures
-            if f.kind != "stuck" and (self.window_s is None or now - f.time <= self.window_s)
-        ]
+        # A rank stuck behind a peer's failure is not at fault, once; stuck again in the same
+        # place at the same step, the world cannot re-form there, and replacing it forever
+        # would hang the job: from then on it counts.
+        stuck_at: set[tuple[int, int]] = set()
+        counted = []
+        for f in failures:
+            if f.kind == "stuck" and (f.rank, f.step) not in stuck_at:
+                stuck_at.add((f.rank, f.step))
+                continue
+            if self.window_s is None or now - f.time <= self.window_s:
+                counted.append(f)
         window = f" in the last {self.window_s:g}s" if self.window_s is not None else ""
         if len(counted) > self.max_failures:
             return FailureDecision(

@@ -16,6 +16,7 @@ as one model) and `raymesh serve --hf out/lora` serves it (docs/training.md).
 
 The parts work alone too: a tiny Llama saved from a config, with a byte-level tokenizer
 (`save_tiny_llama`, for tests and demos), a model loaded in fp32 with LoRA (`load_causal_lm`),
+or built on the meta device and filled with each rank's shards only (`PretrainedWeights`),
 text packed into blocks (`packed_text`), the loss (`causal_lm_loss`) and token streaming for
 raymesh.serve (`generate`). Models load with `local_files_only=True`: a folder, never the hub.
 Needs transformers (and peft for LoRA): `pip install 'raymesh[hf]'`; raymesh.train itself
@@ -33,11 +34,13 @@ from raymesh.train.hf.models import (
     save_tiny_llama,
 )
 from raymesh.train.hf.text import PackedText, packed_text, python_text
+from raymesh.train.hf.weights import PretrainedWeights
 
 __all__ = [
     "Lora",
     "PackedText",
     "Params",
+    "PretrainedWeights",
     "build",
     "causal_lm_loss",
     "folder_of",

@@ -13,6 +13,7 @@ import torch
 from raymesh._common import bad, check_int, from_table
 from raymesh.train.hf.models import Lora, folder_of, load_causal_lm, load_tokenizer
 from raymesh.train.hf.text import PackedText, packed_text, python_text
+from raymesh.train.hf.weights import PretrainedWeights
 from raymesh.train.task import Context, Task
 
 __all__ = ["Params", "build", "causal_lm_loss"]
@@ -92,7 +93,8 @@ def build(ctx: Context) -> Task:
     AdamW over the parameters that require grad only (a frozen base gets no optimizer
     state), the causal LM loss, and the last `eval_fraction` of the blocks as the eval set."""
     params = Params.of(ctx.params)
-    model = load_causal_lm(params.model, lora=params.lora())
+    # Built on meta: the trainer shards it, then each rank reads only its shards.
+    model = load_causal_lm(params.model, lora=params.lora(), meta=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise bad(
@@ -119,4 +121,5 @@ def build(ctx: Context) -> Task:
         dataset=PackedText(blocks.tokens[:cut], params.block_size),
         loss_fn=causal_lm_loss,
         eval_dataset=PackedText(blocks.tokens[cut:], params.block_size) if held else None,
+        init_weights=PretrainedWeights(folder_of(model), seed=ctx.seed),
     )

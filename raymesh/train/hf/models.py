@@ -144,10 +144,17 @@ def load_tokenizer(path: str | Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def load_causal_lm(path: str | Path, *, lora: Lora | None = None) -> torch.nn.Module:
+def load_causal_lm(
+    path: str | Path, *, lora: Lora | None = None, meta: bool = False
+) -> torch.nn.Module:
     """The causal LM saved in the folder `path` (no download), in fp32 (the master weights:
     mixed precision is the trainer's job), with its KV cache off (training never uses it, and
     activation checkpointing recomputes layers, which a cache would corrupt).
+
+    meta: build it from the folder's config with its parameters on the meta device (no memory,
+        nothing read; computed buffers such as rotary frequencies are real), for a
+        `Task(init_weights=PretrainedWeights(path))` that reads each rank's shards once the
+        trainer has sharded it. A LoRA adapter is added on meta too.
 
     lora: wrap it in a new LoRA adapter (PEFT): only the adapter's weights require grad.
         ValueError naming `targets` when a target matches no module, listing the model's
@@ -169,9 +176,18 @@ def load_causal_lm(path: str | Path, *, lora: Lora | None = None) -> torch.nn.Mo
             "not a model folder (no config.json); save one with model.save_pretrained(folder) "
             "or raymesh.train.hf.save_tiny_llama(folder)",
         )
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, **{_DTYPE_KW: torch.float32}
-    )
+    if meta:
+        from accelerate import init_empty_weights  # parameters on meta, buffers real
+
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, **{_DTYPE_KW: torch.float32}
+            )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, **{_DTYPE_KW: torch.float32}
+        )
     model.config.use_cache = False
     if lora is None:
         return model

@@ -16,6 +16,9 @@ follows from the decision, so a decision tested without a model is the one appli
   (`autocast_dtype`). Master weights and optimizer state stay fp32 either way.
 - Offload (`decision.offload`): FSDP2's `CPUOffloadPolicy`: shards, gradients and optimizer
   state in pinned host memory, copied to the GPU per block.
+- A model built on the meta device (`raymesh.train.materialize`) is allocated and filled by
+  `init_weights` after sharding, so each rank allocates and reads only its shards; under DDP
+  before wrapping (every rank holds a replica).
 
 The units are `raymesh.train.estimate.fsdp_blocks`, the same the memory estimate counts as
 FSDP's largest unit, so the estimate and the wrapping agree on what is gathered at once.
@@ -34,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.checkpoint import checkpoint
 
 from raymesh.train.estimate import fsdp_blocks
+from raymesh.train.materialize import materialize, on_meta, repointed
 from raymesh.train.strategy import StrategyDecision
 
 __all__ = ["autocast_dtype", "no_sync", "parallelize", "set_checkpointing", "settle_buckets"]
@@ -83,6 +87,7 @@ def parallelize(
     optimizer: torch.optim.Optimizer,
     precision: str = "fp32",
     ddp_timings: bool = False,
+    init_weights: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """Wrap `model` (already on `device`) for the current process group as `decision` says,
     and return the module to train. COLLECTIVE: every rank of the group calls it, with its own
@@ -100,6 +105,10 @@ def parallelize(
     `optimizer`'s param groups are re-pointed at the new parameters by name (class, groups and
     hyperparameters unchanged) and its state is cleared (it referred to the old ones).
 
+    A model with tensors on the meta device is materialized (`materialize`, with
+    `init_weights`): under FSDP/HSDP after sharding, so only this rank's shards are allocated
+    and filled; under DDP before wrapping. The optimizer is re-pointed at the new parameters.
+
     Raises ValueError when no process group of `world_size` ranks is initialised, when HSDP's
     shard groups do not divide `world_size` (see `StrategyDecision.mesh`), or, sharded, when
     `optimizer` holds a parameter that is not one of `model`'s.
@@ -112,22 +121,16 @@ def parallelize(
             f"{dist.get_world_size()} ranks; pass the group's size"
         )
     set_checkpointing(model, decision.checkpointing)
+    meta = on_meta(model)
     if not decision.sharded:
+        if meta:
+            materialize(model, device, init_weights, optimizer)
         ids = [device.index] if device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if ddp_timings:
             ddp._set_ddp_runtime_logging_sample_rate(1)
         return ddp
 
-    # Names, not objects: fully_shard replaces the parameters, keeping their names.
-    names = {id(p): n for n, p in model.named_parameters()}
-    try:
-        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    except KeyError:
-        raise ValueError(
-            "parallelize: the optimizer holds a parameter that is not in the model; build the "
-            "optimizer from model.parameters() (FSDP must re-point it at the sharded ones)"
-        ) from None
     mesh = None  # FSDP: every rank, one dimension
     dims = decision.mesh(world_size)
     if dims is not None:  # HSDP: reduce-scatter within a shard group, then all-reduce
@@ -138,12 +141,13 @@ def parallelize(
         policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if decision.offload:
         policies["offload_policy"] = CPUOffloadPolicy()
-    for unit in fsdp_blocks(model):
-        fully_shard(unit, mesh=mesh, **policies)
-    fully_shard(model, mesh=mesh, **policies)
-    params = dict(model.named_parameters())
-    for group, ns in zip(optimizer.param_groups, groups):
-        group["params"] = [params[n] for n in ns]
+    # Names, not objects: fully_shard replaces the parameters, keeping their names.
+    with repointed(model, optimizer):
+        for unit in fsdp_blocks(model):
+            fully_shard(unit, mesh=mesh, **policies)
+        fully_shard(model, mesh=mesh, **policies)
+        if meta:
+            materialize(model, device, init_weights)
     optimizer.state.clear()
     return model
 

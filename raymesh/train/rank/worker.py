@@ -34,6 +34,7 @@ from raymesh.data.sources import batch_reader
 from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
 from raymesh.train.hooks import RankHooks
+from raymesh.train.materialize import materialize, place
 from raymesh.train.protocol import (
     ChunkResult,
     Feeders,
@@ -145,7 +146,7 @@ class TrainWorker(Actor):
                 "the build function's Task has no dataset: give Task(dataset=...), or a "
                 "pipeline as TrainConfig(data=raymesh.data.Pipeline(source=...))"
             )
-        task.model.to(self.device)
+        place(task.model, self.device)  # a model built on meta is allocated when wrapped
         self.task = task
         self.batches = Batches(
             cfg.run,
@@ -198,6 +199,7 @@ class TrainWorker(Actor):
             # A world of one has nothing to reduce: DDP's hooks would cost ~0.7 ms a step (3x
             # the whole step of a small model) and change nothing. It is wrapped again as soon
             # as an elastic job grows (reform).
+            materialize(self.task.model, self.device, self.task.init_weights, self.optimizer)
             self.model = self.task.model
             return
         self.model = parallelize(
@@ -208,6 +210,7 @@ class TrainWorker(Actor):
             optimizer=self.optimizer,
             precision=self.config.precision,
             ddp_timings=self.config.rebalance,  # per-step compute timings (see step.Timing)
+            init_weights=self.task.init_weights,
         )
 
     def _new_checkpointer(self) -> None:
