@@ -142,7 +142,8 @@ def native_bf16() -> bool:
 def param_sum(model: Any) -> float:
     """Every parameter summed in float64: equal on both sides iff they start from the same
     weights (to rounding)."""
-    return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
+    return float(sum(p.detach().double().sum().item() for p in local))
 
 
 # ---- the Trainer side: one torchrun rank -----------------------------------------------------
@@ -293,14 +294,22 @@ def measured_build(out: str, ctx: Any) -> Any:
     from raymesh.train import hf
 
     rss_before = proc_status()["VmRSS"]
-    task = hf.build(ctx)
+    task = hf.build(ctx)  # on the meta device: the weights are read once it is wrapped
     mine = {
         "pid": os.getpid(),
         "rss_before_build_kb": rss_before,
         "rss_after_build_kb": proc_status()["VmRSS"],
-        "init_sum": param_sum(task.model),
     }
     Path(f"{out}.rank{ctx.rank}").write_text(json.dumps(mine))
+    fill = task.init_weights
+    assert fill is not None
+
+    def noted(model: Any) -> None:  # the initial weights, as read (a shard under FSDP)
+        fill(model)
+        mine["init_sum"] = param_sum(model)
+        Path(f"{out}.rank{ctx.rank}").write_text(json.dumps(mine))
+
+    task.init_weights = noted
     return task
 
 
@@ -467,6 +476,7 @@ def prepare(td: Path, modes: list[str], steps: int) -> dict[str, dict[str, Any]]
 
     from raymesh.data import order
     from raymesh.train import hf
+    from raymesh.train.materialize import materialize
     from raymesh.train.task import Context
 
     model = hf.save_tiny_llama(td / "model", **MODEL, seed=SEED)
@@ -481,6 +491,7 @@ def prepare(td: Path, modes: list[str], steps: int) -> dict[str, dict[str, Any]]
                       device=torch.device("cpu"), seed=SEED,
                       config=argparse.Namespace(params=params))  # fmt: skip
         task = hf.build(ctx)
+        materialize(task.model, torch.device("cpu"), task.init_weights, task.optimizer)
         n = len(task.dataset)
         plan = [i for s in range(steps) for i in order.global_batch(SEED, s, GLOBAL_BATCH, n)]
         data = {

@@ -13,6 +13,11 @@ with an optional `[serve]` table of deploy's arguments and ServeConfig's fields:
     checkpoint_root = "runs"                 # POST /admin/reload loads only from under it
     tls = {cert = "cert.pem", key = "key.pem"}         # HTTPS
 
+or, for a fine-tuned Hugging Face model, the folder `raymesh export RUN --hf OUT` wrote:
+
+    [serve]
+    hf = "out/finetune"      # served instead of the build function and its checkpoint
+
 Tokens are best left out of the file: $RAYMESH_SERVE_TOKEN and $RAYMESH_SERVE_ADMIN_TOKEN.
 """
 
@@ -39,14 +44,24 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
     table = tables.get("serve", {})
     if not isinstance(table, dict):
         raise ValueError(f"{path}: serve must be a table ([serve])")
-    job = load_config(path, build=True)  # the model, built as training built it
+    hf = table.pop("hf", None)
     model: dict[str, Any] = {k: table.pop(k) for k in MODEL_KEYS if k in table}
     if "input_shape" in model:
         model["input_shape"] = tuple(model["input_shape"])
     checkpoint = overrides.pop("checkpoint", None)
-    if checkpoint is None and job.checkpoint is not None:
-        checkpoint = job.checkpoint.dir
-    model.update(build=job.build, checkpoint=checkpoint, seed=job.seed)
+    if hf is not None:  # an exported folder: its own weights, no build function to run
+        if not isinstance(hf, str) or not hf:
+            raise ValueError(
+                f"{path}: serve.hf={hf!r}: give the folder `raymesh export --hf` wrote"
+            )
+        model.update(hf=hf)  # relative to the working directory, as [checkpoint] dir is
+        if checkpoint is not None:
+            model.update(checkpoint=checkpoint)  # refused by deploy, with the fix
+    else:
+        job = load_config(path, build=True)  # the model, built as training built it
+        if checkpoint is None and job.checkpoint is not None:
+            checkpoint = job.checkpoint.dir
+        model.update(build=job.build, checkpoint=checkpoint, seed=job.seed)
     table.update({k: v for k, v in overrides.items() if v is not None})
     try:
         config = ServeConfig.from_dict(table)

@@ -167,6 +167,13 @@ class TrainConfig:
                 f"must split workers={self.max_workers} into 2 or more equal shard groups; "
                 f"use a divisor of {self.max_workers} below it",
             )
+        if self.precision == "fp16" and self.strategy in ("fsdp", "hsdp"):
+            raise bad(
+                "precision",
+                "fp16",
+                f"with strategy={self.strategy!r}: loss scaling is for DDP here; use "
+                "precision='bf16' (no scaling needed), or strategy='ddp'",
+            )
         if self.warmup_steps > self.steps:
             raise bad(
                 "warmup_steps",

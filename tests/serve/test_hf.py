@@ -89,3 +89,24 @@ def test_raymesh_serve_takes_an_hf_folder_or_a_job_file_and_says_which_is_missin
     argv = ["serve", "--hf", str(runs["merged"]), "--checkpoint", str(runs["run"])]
     assert main(argv) == 2  # refused before anything starts
     assert "an hf folder holds its own weights" in capsys.readouterr().err
+
+
+def test_a_job_files_serve_hf_names_the_folder_served_instead_of_its_build(runs, tmp_path):
+    from raymesh.serve import ServeConfig, load_serving
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'build = "{HF_BUILD}"\nsteps = 1\nglobal_batch_size = 2\n'
+        f'[params]\nmodel = "{runs["tiny"]}"\n'
+        f'[checkpoint]\ndir = "{runs["run"]}"\n'
+        f'[serve]\nhf = "{runs["merged"]}"\nmax_batch_size = 4\n'
+    )
+    model, config = load_serving(job)
+    assert model == {"hf": str(runs["merged"])} and config == ServeConfig(max_batch_size=4)
+    loaded = LoadedModel(ModelSpec(**model), CPU)
+    want = hf.load_causal_lm(runs["merged"]).eval()
+    ids = torch.tensor([list(b"import os")])
+    assert torch.equal(logits(loaded.module, ids), logits(want, ids))
+    job.write_text(job.read_text().replace(f'hf = "{runs["merged"]}"', "hf = 3"))
+    with pytest.raises(ValueError, match=r"serve\.hf=3: give the folder"):
+        load_serving(job)

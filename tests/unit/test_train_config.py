@@ -72,6 +72,8 @@ def test_what_spans_sections_is_checked_by_the_config():
         TrainConfig(workers=4, global_batch_size=2)
     with pytest.raises(ValueError, match=r"^shard_size=4: must split workers=4"):
         TrainConfig(workers=4, global_batch_size=4, shard_size=4)
+    with pytest.raises(ValueError, match=r"^precision='fp16': with strategy='fsdp'.*'bf16'"):
+        TrainConfig(precision="fp16", strategy="fsdp")
     with pytest.raises(ValueError, match="rank 2 does not exist with workers=2"):
         TrainConfig(workers=2, global_batch_size=2, faults=["kill:rank=2:step=1"])
     with pytest.raises(ValueError, match=r"^warmup_steps=5: is longer than the run \(steps=4\)"):
