@@ -1,0 +1,106 @@
+"""The generator role: an actor holding a copy of the policy, which answers prompts in groups
+and scores the answers where they are made.
+
+A mesh of these is the RL loop's sampler: `load(version, state)` installs policy `version`
+(the weights the trainer published), `sample(items)` answers each (key, prompt) with
+`group_size` completions under the installed version, scored by the reward, as `Rollout`s
+for the buffer. Completions are reproducible (`raymesh.rl.sampling`), so a rollout lost with
+its generator is remade elsewhere, the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raymesh._common import resolve
+from raymesh.actor import Actor, endpoint
+from raymesh.rl.algorithms import GRPO
+from raymesh.rl.buffer import Rollout
+from raymesh.rl.sampling import Completions, Reward, sample_group, sample_seed, score
+from raymesh.train import Context, Task
+
+__all__ = ["Generator"]
+
+
+class Generator(Actor):
+    """One generator proc. `policy` is a raymesh.train build function (or its
+    "module:function" name) of a byte-level model (`vocab` 256, tokens are bytes, as
+    raymesh.examples.tinygpt's): its Task's model is the policy, built as a one-rank job would
+    build it (torch seeded with `seed`), in eval mode. `reward`: (prompt, completion) -> float,
+    or its "module:function" name."""
+
+    def __init__(
+        self,
+        policy: Any,
+        reward: Reward | str,
+        algorithm: GRPO,
+        *,
+        seed: int,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        build = resolve(policy, "policy")
+        self.reward: Reward = resolve(reward, "reward")
+        self.algorithm = algorithm
+        self.seed = seed
+        torch.manual_seed(seed)
+        ctx = Context(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            device=torch.device("cpu"),
+            seed=seed,
+            config=_Params(params or {}),
+        )
+        task = build(ctx)
+        if not isinstance(task, Task):
+            raise TypeError(f"policy={policy!r} returned {type(task).__name__}, not train.Task")
+        vocab = getattr(task.model, "vocab", None)
+        if vocab != 256:
+            raise ValueError(
+                f"policy={policy!r}: its model has vocab={vocab!r}; generators sample byte-level "
+                "policies (vocab = 256, as raymesh.examples.tinygpt's) for now"
+            )
+        self.model = task.model.eval()
+        self.context = getattr(self.model, "block_size", None)
+        self.version = -1  # nothing installed yet: the build's own weights
+
+    @endpoint
+    def load(self, version: int, state: dict[str, torch.Tensor]) -> int:
+        """Install policy `version` (its full state dict); returns the version now installed."""
+        self.model.load_state_dict(state, strict=True)
+        self.version = version
+        return version
+
+    @endpoint
+    def sample(self, items: list[tuple[int, bytes]]) -> list[Rollout]:
+        """For each (key, prompt): `group_size` scored completions of `prompt` by the installed
+        policy, as a Rollout of that key and version, with `Completions` as its data."""
+        out = []
+        for key, prompt in items:
+            seeds = [
+                sample_seed(self.seed, self.version, key, i)
+                for i in range(self.algorithm.group_size)
+            ]
+            tokens, logp = sample_group(
+                self.model,
+                torch.tensor(list(prompt or b"\n")),
+                seeds,
+                max_tokens=self.algorithm.max_tokens,
+                temperature=self.algorithm.temperature,
+                context=self.context,
+            )
+            texts = [bytes(row.tolist()) for row in tokens]
+            rewards, dropped = score(self.reward, prompt, texts)
+            data = Completions(prompt, tokens, logp, rewards, dropped)
+            out.append(Rollout(key=key, version=self.version, data=data))
+        return out
+
+
+class _Params:
+    """The `ctx.config` a build function reads `params` from."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params

@@ -1,0 +1,103 @@
+"""Completions and their rewards, on one process: what a generator does between weight loads.
+
+Reproducible: completion `index` of the rollout `key`, made by policy `version` of a run seeded
+`seed`, draws its tokens from a torch.Generator seeded by `sample_seed(seed, version, key,
+index)`. So it is the same bytes whichever generator makes it, and a generator that replaces
+a dead one remakes exactly what the dead one would have made.
+
+Rewards are the user's: a reward that raises, or returns a non-number or NaN, drops only that
+completion, with its reason (`Completions.dropped`), never averaged in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Completions", "Reward", "sample_group", "sample_seed", "score"]
+
+Reward = Callable[[bytes, bytes], float]  # (prompt, completion) -> reward
+
+
+def sample_seed(seed: int, version: int, key: int, index: int) -> int:
+    """The seed of completion `index` of rollout `key` made by policy `version`: stable across
+    processes and Python versions (a hash of the four numbers, not Python's hash)."""
+    text = f"raymesh.rl:{seed}:{version}:{key}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+@dataclass
+class Completions:
+    """One prompt's group of completions: `tokens` [G, T] (the completion only, no prompt),
+    their log-probabilities under the policy that made them `logp` [G, T] (at the sampling
+    temperature), `rewards` [G] (NaN where dropped) and {index: reason} for the dropped."""
+
+    prompt: bytes
+    tokens: torch.Tensor
+    logp: torch.Tensor
+    rewards: torch.Tensor
+    dropped: dict[int, str] = field(default_factory=dict)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    logits: torch.Tensor = getattr(out, "logits", out)  # a transformers output, or the tensor
+    return logits[:, -1, :].float()
+
+
+@torch.no_grad()
+def sample_group(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    seeds: list[int],
+    *,
+    max_tokens: int,
+    temperature: float,
+    context: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logp), each [len(seeds), max_tokens]: one completion of `prompt` (a 1-D
+    LongTensor) per seed, sampled from softmax(logits / temperature), row i drawing with a
+    generator seeded seeds[i]. The rows are decoded together (one forward per token for the
+    whole group); `context`: the most tokens the model sees (its block size)."""
+    device = next(model.parameters()).device
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    ids = prompt.to(device).long().unsqueeze(0).repeat(len(seeds), 1)
+    tokens = torch.empty(len(seeds), max_tokens, dtype=torch.long)
+    logp = torch.empty(len(seeds), max_tokens)
+    for t in range(max_tokens):
+        window = ids if context is None else ids[:, -context:]
+        logprobs = F.log_softmax(_logits(model, window) / temperature, dim=-1).cpu()
+        for row, generator in enumerate(generators):
+            token = torch.multinomial(logprobs[row].exp(), 1, generator=generator)
+            tokens[row, t] = token
+            logp[row, t] = logprobs[row, token]
+        ids = torch.cat([ids, tokens[:, t : t + 1].to(device)], dim=1)
+    return tokens, logp
+
+
+def score(reward: Reward, prompt: bytes, completions: list[bytes]) -> tuple[torch.Tensor, dict]:
+    """(rewards [G], {index: reason}) of `reward(prompt, completion)` for each completion; one
+    that raises, or returns something that is not a finite real number, is NaN with its reason."""
+    values, dropped = [], {}
+    for i, completion in enumerate(completions):
+        try:
+            value = reward(prompt, completion)
+        except Exception as e:  # the user's function: its failure drops this sample only
+            values.append(math.nan)
+            dropped[i] = f"the reward raised {type(e).__name__}: {e}"
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            values.append(math.nan)
+            dropped[i] = f"the reward returned {type(value).__name__} {value!r}, not a number"
+        elif not math.isfinite(float(value)):
+            values.append(math.nan)
+            dropped[i] = f"the reward returned {value!r}, not a finite number"
+        else:
+            values.append(float(value))
+    return torch.tensor(values, dtype=torch.float64), dropped
