@@ -1,16 +1,32 @@
 """raymesh.rl: reinforcement learning on meshes (issue 36, in progress).
 
+    from raymesh import rl
+
+    result = rl.run(
+        policy="raymesh.examples.tinygpt:build",  # a train build function: model + optimizer
+        prompts=["def ", "import "],
+        reward=score,                             # (prompt, completion) -> float, or "module:fn"
+        algorithm=rl.GRPO(group_size=8, max_tokens=32),
+        steps=100,
+        generators=2,                             # generator procs
+        max_staleness=1,                          # 0: synchronous
+    )
+
 What is here:
+- `run`: GRPO post-training of a byte-level policy with a mesh of `Generator` procs and one
+  `Learner` proc, on one controller, asynchronous up to `max_staleness` versions; a generator
+  SIGKILLed mid-rollout is replaced and its rollouts made again, so a synchronous run ends with
+  the weights of a run without the fault (docs/rl.md).
 - the learning rules, as pure functions of tensors: `GRPO` for language models, `PPO` with
   `gae` for environments;
-- the bounded, versioned `RolloutBuffer` between the generators and the trainer;
-- the generator role, `Generator`: an actor holding a copy of a byte-level policy, which answers
-  prompts in groups, reproducibly (a completion is a function of seed, policy version, key and
-  index: `sample_seed`), and scores them with the user's reward where they are made, dropping a
-  completion whose reward raises or is no finite number, with its reason.
+- the bounded, versioned `RolloutBuffer` between the generators and the learner;
+- reproducible sampling (`sample_seed`: a completion is a function of seed, policy version, key
+  and index) and scoring (`score`: a reward that raises or is no finite number drops only its
+  completion, with its reason).
 
-Not built yet: the loop that runs generators, rewards and a raymesh.train trainer together
-(`rl.run`), weight publication, PPO's environment runners, and `raymesh rl`.
+Not built yet: the learner as a raymesh.train job (any strategy, healing), weight sync in
+buckets or over Ray's tensor transport, PPO's environment runners, reward actors, `--resume`,
+metrics in the report sinks and the dashboard, `raymesh rl`, and the benchmarks.
 """
 
 from raymesh.rl.algorithms import (
@@ -26,6 +42,8 @@ from raymesh.rl.algorithms import (
 )
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.generator import Generator
+from raymesh.rl.learner import Learner
+from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, sample_seed, score
 
 __all__ = [
@@ -33,6 +51,8 @@ __all__ = [
     "PPO",
     "Completions",
     "Generator",
+    "Learner",
+    "RLResult",
     "Rollout",
     "RolloutBuffer",
     "Stats",
@@ -42,6 +62,7 @@ __all__ = [
     "grpo_loss",
     "kl_to_reference",
     "ppo_loss",
+    "run",
     "sample_seed",
     "score",
 ]
