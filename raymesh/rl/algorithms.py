@@ -154,7 +154,7 @@ def grpo_loss(
             raise ValueError("kl > 0 needs the reference policy's log-probabilities (logp_ref)")
         divergence = _masked_mean(kl_to_reference(logp_new, logp_ref), mask)
         loss = loss + kl * divergence
-        stats["kl"] = float(divergence)
+        stats["kl"] = divergence.item()
     return loss, stats
 
 
@@ -211,8 +211,8 @@ def ppo_loss(
     bonus = entropy.mean()
     loss = policy + value_coef * value - entropy_coef * bonus
     return loss, {
-        "policy_loss": float(policy),
-        "value_loss": float(value),
-        "entropy": float(bonus),
+        "policy_loss": policy.item(),
+        "value_loss": value.item(),
+        "entropy": bonus.item(),
         "clip_fraction": float(clipped.float().mean()),
     }

@@ -79,7 +79,7 @@ class Learner(Actor):
         self.version += 1
         return {
             **stats,
-            "loss": float(loss),
+            "loss": loss.item(),
             "reward_mean": sum(rewards) / max(1, len(rewards)),
             "staleness_mean": sum(lag) / max(1, len(lag)),
             "samples": float(len(rewards)),
