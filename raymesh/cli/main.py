@@ -19,6 +19,8 @@
     raymesh federated JOB.toml federated learning, a line per round
     raymesh federated client --server URL --token T --client module:fn
                                an edge client taking part in a federated run
+    raymesh rl JOB.toml [--steps N]
+                               post-train a policy with GRPO (a line per step)
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
 starts the embedded local Ray (and stops it again on exit).
@@ -36,6 +38,7 @@ from raymesh import __version__
 from raymesh.cli import dashboard as dashboard_cli
 from raymesh.cli import export as export_cli
 from raymesh.cli import federated as federated_cli
+from raymesh.cli import rl as rl_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
 from raymesh.cli import train as train_cli
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_parser(sub)
     export_cli.add_parser(sub)
     federated_cli.add_parser(sub)
+    rl_cli.add_parser(sub)
     dashboard_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "topology":
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return federated_cli.run(args)
     if args.command == "dashboard":
         return dashboard_cli.run(args)
+    if args.command == "rl":
+        return rl_cli.run(args)
     if args.command == "train":
         return train_cli.run(args)
     if args.command == "info":

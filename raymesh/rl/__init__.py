@@ -42,6 +42,7 @@ from raymesh.rl.algorithms import (
 )
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.generator import Generator
+from raymesh.rl.jobfile import RLJob, load_rl_job
 from raymesh.rl.learner import Learner
 from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, sample_seed, score
@@ -52,6 +53,7 @@ __all__ = [
     "Completions",
     "Generator",
     "Learner",
+    "RLJob",
     "RLResult",
     "Rollout",
     "RolloutBuffer",
@@ -61,6 +63,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "kl_to_reference",
+    "load_rl_job",
     "ppo_loss",
     "run",
     "sample_seed",

@@ -19,7 +19,7 @@ from raymesh.actor import Actor, endpoint
 from raymesh.rl.algorithms import GRPO
 from raymesh.rl.buffer import Rollout
 from raymesh.rl.sampling import Completions, Reward, sample_group, sample_seed, score
-from raymesh.train import Context, Task
+from raymesh.train.export import rebuild
 
 __all__ = ["Generator"]
 
@@ -28,8 +28,8 @@ class Generator(Actor):
     """One generator proc. `policy` is a raymesh.train build function (or its
     "module:function" name) of a byte-level model (`vocab` 256, tokens are bytes, as
     raymesh.examples.tinygpt's): its Task's model is the policy, built as a one-rank job would
-    build it (torch seeded with `seed`), in eval mode. `reward`: (prompt, completion) -> float,
-    or its "module:function" name."""
+    build it (torch seeded with `seed`; from the checkpoint `init` when given, as the learner),
+    in eval mode. `reward`: (prompt, completion) -> float, or its "module:function" name."""
 
     def __init__(
         self,
@@ -38,25 +38,12 @@ class Generator(Actor):
         algorithm: GRPO,
         *,
         seed: int,
-        params: dict[str, Any] | None = None,
+        init: str | None = None,
     ) -> None:
-        build = resolve(policy, "policy")
         self.reward: Reward = resolve(reward, "reward")
         self.algorithm = algorithm
         self.seed = seed
-        torch.manual_seed(seed)
-        ctx = Context(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            local_world_size=1,
-            device=torch.device("cpu"),
-            seed=seed,
-            config=_Params(params or {}),
-        )
-        task = build(ctx)
-        if not isinstance(task, Task):
-            raise TypeError(f"policy={policy!r} returned {type(task).__name__}, not train.Task")
+        task = rebuild(init, build=policy, seed=seed)  # the learner's model, built the same way
         vocab = getattr(task.model, "vocab", None)
         if vocab != 256:
             raise ValueError(
@@ -97,10 +84,3 @@ class Generator(Actor):
             data = Completions(prompt, tokens, logp, rewards, dropped)
             out.append(Rollout(key=key, version=self.version, data=data))
         return out
-
-
-class _Params:
-    """The `ctx.config` a build function reads `params` from."""
-
-    def __init__(self, params: dict[str, Any]) -> None:
-        self.params = params

@@ -14,6 +14,7 @@ healing) is the part of issue 36 still to build.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ from raymesh.actor import Actor, endpoint
 from raymesh.rl.algorithms import GRPO, Stats, group_advantages, grpo_loss
 from raymesh.rl.buffer import Rollout
 from raymesh.rl.sampling import Completions
-from raymesh.train.export import rebuild
+from raymesh.train import TrainConfig
+from raymesh.train.checkpoint import Checkpointer, resolve_checkpoint
+from raymesh.train.export import job_config, rebuild
 
 __all__ = ["Learner"]
 
@@ -33,7 +36,11 @@ class Learner(Actor):
     and optimizer), from the checkpoint `init` when given, seeded with `seed`."""
 
     def __init__(self, policy: Any, algorithm: GRPO, *, seed: int, init: str | None) -> None:
-        torch.manual_seed(seed)
+        # What a checkpoint of the policy records as its job: the init's (so `raymesh serve`
+        # and `export` rebuild the model as it was trained), naming this build function.
+        config = job_config(resolve_checkpoint(init)) if init is not None else TrainConfig()
+        build = policy if isinstance(policy, str) else config.build
+        self.config = dataclasses.replace(config, build=build).to_dict()
         task = rebuild(init, build=policy, seed=seed)
         self.model = task.model.train()
         self.optimizer = task.optimizer
@@ -46,6 +53,23 @@ class Learner(Actor):
         """(the current version, its weights)."""
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return self.version, state
+
+    @endpoint
+    def save(self, folder: str) -> str:
+        """Checkpoint the policy and its optimizer in `folder` as raymesh.train does (step =
+        the version), which `raymesh serve --checkpoint`, `export` and `init=` read; returns
+        the step folder."""
+        Checkpointer(folder, keep=1).save(
+            self.version,
+            self.model,
+            self.optimizer,
+            world_size=1,
+            strategy="ddp",
+            config=self.config,
+            data_position=self.version,
+            rank=0,
+        )
+        return str(resolve_checkpoint(folder))
 
     @endpoint
     def learn(self, rollouts: list[Rollout]) -> Stats:

@@ -57,6 +57,7 @@ class RLResult:
     weights: dict[str, torch.Tensor]
     remade: list[int] = field(default_factory=list)
     replaced: int = 0
+    checkpoint: str | None = None  # the step folder the final policy was saved in
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights
@@ -82,6 +83,7 @@ def run(
     max_staleness: int = 0,
     seed: int = 0,
     init: str | None = None,
+    checkpoint: str | None = None,
     timeout_s: float = 300.0,
     progress: Callable[[Stats], None] | None = None,
 ) -> RLResult:
@@ -89,7 +91,9 @@ def run(
     "module:function" name; from the checkpoint `init` when given) on `prompts` scored by
     `reward` ((prompt, completion) -> float, or its "module:function" name), for `steps`
     GRPO steps of `prompts_per_step` prompts, with `generators` generator procs sampling at
-    most `max_staleness` policy versions behind. `progress` gets each step's statistics.
+    most `max_staleness` policy versions behind. `checkpoint`: a folder to save the final
+    policy in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`).
+    `progress` gets each step's statistics.
     ValueError naming the argument for a bad one, before any proc starts."""
     algorithm = algorithm if algorithm is not None else GRPO()
     items = [p.encode() if isinstance(p, str) else p for p in prompts]
@@ -108,12 +112,15 @@ def run(
 
         def new_generator() -> _Gen:
             procs = this_host().spawn_procs(per_host={"procs": 1}, name="rl-gen", escalate=False)
-            actor = procs.spawn("gen", Generator, policy, reward, algorithm, seed=seed)
+            actor = procs.spawn("gen", Generator, policy, reward, algorithm, seed=seed, init=init)
             return _Gen(procs, actor)
 
         gens = [new_generator() for _ in range(generators)]
         loop = _Loop(items, prompts_per_step, max_staleness, timeout_s, new_generator)
-        return loop.run(learner, gens, steps, progress)
+        result = loop.run(learner, gens, steps, progress)
+        if checkpoint is not None:
+            result.checkpoint = learner.save.call_one(checkpoint).get(timeout=timeout_s)
+        return result
     finally:
         for mesh in [*(g.procs for g in gens), learner_procs]:
             try:

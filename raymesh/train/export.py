@@ -25,7 +25,7 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.materialize import materialize
 from raymesh.train.task import Context, Task
 
-__all__ = ["export_hf", "rebuild"]
+__all__ = ["export_hf", "job_config", "rebuild"]
 
 Build = str | Callable[[Context], Task]
 
@@ -55,7 +55,7 @@ def rebuild(
     weights (naming the keys that differ).
     """
     step = None if checkpoint is None else resolve_checkpoint(checkpoint)
-    config = None if step is None else _job_config(step)
+    config = None if step is None else job_config(step)
     build = build if build is not None else (config.build if config is not None else None)
     if build is None:
         where = f"checkpoint {str(step)!r} names none" if step is not None else "no checkpoint"
@@ -144,7 +144,7 @@ def export_hf(
     return out
 
 
-def _job_config(step: Path) -> TrainConfig:
+def job_config(step: Path) -> TrainConfig:
     """The TrainConfig a checkpoint's job ran with, from its manifest."""
     try:
         manifest = Manifest.from_json((step / MANIFEST).read_text())

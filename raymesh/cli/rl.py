@@ -1,0 +1,43 @@
+"""`raymesh rl JOB.toml [--steps N]`: GRPO post-training from an RL job file
+(raymesh.rl.jobfile), with a line per step: mean reward, staleness, loss, clip fraction."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from raymesh.cli import errors
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("rl", help="post-train a policy with GRPO from a TOML file")
+    p.add_argument("job", help="TOML RL job file (policy, init, reward, prompts, [grpo])")
+    p.add_argument("--steps", type=int, help="override steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    return errors.run("rl", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from raymesh import rl
+
+    job = rl.load_rl_job(args.job, steps=args.steps)
+
+    def line(stats: dict[str, float]) -> None:
+        sys.stderr.write(
+            f"step {int(stats['version'])}/{job.steps} reward {stats['reward_mean']:.4f} "
+            f"staleness {stats['staleness_mean']:.2f} loss {stats['loss']:.4f} "
+            f"clip {stats['clip_fraction']:.3f} samples {int(stats['samples'])}\n"
+        )
+        sys.stderr.flush()
+
+    result = rl.run(**job.run_kwargs(), progress=line)
+    if result.replaced:
+        print(f"replaced {result.replaced} generator(s); remade keys {result.remade}")
+    if result.checkpoint is not None:
+        print(f"saved {result.checkpoint}")
+    return 0

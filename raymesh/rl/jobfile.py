@@ -1,0 +1,93 @@
+"""An RL job from a TOML file (`raymesh rl job.toml`): a file of its own, whose top level is
+`rl.run`'s arguments and whose `[grpo]` table is the algorithm's:
+
+    policy = "raymesh.examples.tinygpt:build"     # the trained model's build function
+    init = "runs/tinygpt"                          # start from its checkpoint
+    reward = "raymesh.examples.rewards:python_lines"
+    prompts = ["def ", "import ", "class "]        # or prompts_file = "prompts.txt" (a line each)
+    steps = 20
+    checkpoint = "runs/tinygpt-grpo"               # the post-trained policy, served as any run
+    [grpo]
+    group_size = 8
+    max_tokens = 32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raymesh._common import bad, check_int, check_seconds, from_table, read_toml
+from raymesh.rl.algorithms import GRPO
+
+__all__ = ["RLJob", "load_rl_job"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLJob:
+    """`rl.run`'s arguments, from a job file (see the module); checked on construction."""
+
+    policy: str
+    reward: str
+    steps: int
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: str | None = None
+    init: str | None = None
+    checkpoint: str | None = None
+    prompts_per_step: int = 4
+    generators: int = 2
+    max_staleness: int = 0
+    seed: int = 0
+    timeout_s: float = 300.0
+    grpo: GRPO = field(default_factory=GRPO)
+
+    def __post_init__(self) -> None:
+        for key in ("policy", "reward"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or ":" not in value:
+                raise bad(key, value, "name a function as 'module:function'")
+        for key in ("steps", "prompts_per_step", "generators"):
+            check_int(key, getattr(self, key), minimum=1)
+        check_int("max_staleness", self.max_staleness, minimum=0)
+        check_int("seed", self.seed)
+        check_seconds("timeout_s", self.timeout_s)
+        if self.prompts and self.prompts_file is not None:
+            raise bad("prompts_file", self.prompts_file, "give prompts or prompts_file, not both")
+        if self.prompts_file is not None:
+            path = Path(self.prompts_file)
+            if not path.is_file():
+                raise bad("prompts_file", self.prompts_file, "no such file: a prompt per line")
+            lines = [line for line in path.read_text("utf-8").splitlines() if line.strip()]
+            object.__setattr__(self, "prompts", lines)
+        if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
+            raise bad("prompts", self.prompts, "give a non-empty list of strings")
+
+    def run_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `rl.run`."""
+        return {
+            "policy": self.policy,
+            "prompts": self.prompts,
+            "reward": self.reward,
+            "algorithm": self.grpo,
+            "steps": self.steps,
+            "prompts_per_step": self.prompts_per_step,
+            "generators": self.generators,
+            "max_staleness": self.max_staleness,
+            "seed": self.seed,
+            "init": self.init,
+            "checkpoint": self.checkpoint,
+            "timeout_s": self.timeout_s,
+        }
+
+
+def load_rl_job(path: str | Path, **overrides: Any) -> RLJob:
+    """The RLJob of the file `path`, with `overrides` (None values skipped) on top. ValueError
+    naming the file and the field."""
+    data = read_toml(path)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        data["grpo"] = from_table(GRPO, data.get("grpo", {}), "grpo")
+        return from_table(RLJob, data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
