@@ -8,18 +8,6 @@ def spaces(prompt: bytes, completion: bytes) -> float:
     return completion.count(b" ") / max(1, len(completion))
 
 
-def unruly(prompt: bytes, completion: bytes) -> object:
-    """Bad in every way a reward can be, by the completion's first byte."""
-    kind = completion[0] % 4
-    if kind == 0:
-        raise RuntimeError("no score for this one")
-    if kind == 1:
-        return float("nan")
-    if kind == 2:
-        return "high"
-    return 1.0
-
-
 def es(prompt: bytes, completion: bytes) -> float:
     """Easy to learn: the share of the letter e."""
     return completion.count(b"e") / max(1, len(completion))

@@ -16,9 +16,10 @@ JOB = """
 policy = "tests.rl.rewards:build"
 reward = "raymesh.examples.rewards:python_lines"
 prompts = ["def ", "x = "]
-steps = 2
+steps = 3
 prompts_per_step = 2
 generators = 1
+max_staleness = 1
 checkpoint = "{out}"
 [grpo]
 group_size = 4
@@ -26,16 +27,22 @@ max_tokens = 6
 """
 
 
-def test_raymesh_rl_runs_a_job_file_and_saves_a_checkpoint_serving_rebuilds(tmp_path, capsys):
+def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebuilds(
+    tmp_path, capsys
+):
     job = tmp_path / "grpo.toml"
     job.write_text(JOB.format(out=tmp_path / "out"))
     assert main(["rl", str(job)]) == 0
     out, err = capsys.readouterr()
-    assert "step 1/2 reward" in err and "step 2/2 reward" in err
-    assert f"saved {tmp_path / 'out' / 'step-00000002'}" in out
+    steps = [line.split() for line in err.splitlines() if line.startswith("step ")]
+    assert [s[1] for s in steps] == ["1/3", "2/3", "3/3"]
+    # Within the staleness bound, and every sample of every step there (2 prompts x 4).
+    assert all(0 <= float(s[s.index("staleness") + 1]) <= 1 for s in steps), steps
+    assert all(s[s.index("samples") + 1] == "8" for s in steps), steps
+    assert f"saved {tmp_path / 'out' / 'step-00000003'}" in out
     task = rebuild(tmp_path / "out")  # what `raymesh serve --checkpoint` and export do
     assert task.model.vocab == 256
-    # Started from the build's weights, two GRPO steps later they moved.
+    # Started from the build's weights, three GRPO steps later they moved.
     torch.manual_seed(0)
     fresh = rebuild(None, build="tests.rl.rewards:build", seed=0).model.state_dict()
     assert any(not torch.equal(fresh[k], v) for k, v in task.model.state_dict().items())
@@ -45,7 +52,7 @@ def test_raymesh_rl_runs_a_job_file_and_saves_a_checkpoint_serving_rebuilds(tmp_
     ("change", "message"),
     [
         (("reward = ", "reward = 3 #"), r"reward=3: name a function"),
-        (("steps = 2", "steps = 0"), r"steps=0: give an integer >= 1"),
+        (("steps = 3", "steps = 0"), r"steps=0: give an integer >= 1"),
         (("group_size = 4", "group_size = 1"), r"group_size=1"),
         (('prompts = ["def ", "x = "]', "prompts = []"), r"prompts=\[\]: give a non-empty"),
         (("generators = 1", "generators = 1\nwarp = 9"), r"unknown key\(s\) \['warp'\]"),

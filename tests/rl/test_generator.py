@@ -3,8 +3,6 @@ key, index), whichever proc makes them, and a bad reward drops only its own samp
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -56,35 +54,5 @@ def test_two_generators_make_the_same_rollouts_and_each_version_its_own():
         gens.load.call(1, _weights(1)).get(timeout=60)
         [again] = gens.slice(procs=0).sample.call(ITEMS[:1]).get(timeout=60).values()
         assert again[0].version == 1 and not torch.equal(again[0].data.tokens, tokens)
-    finally:
-        procs.stop()
-
-
-def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name="generator")
-    try:
-        gen = procs.spawn(
-            "gen",
-            Generator,
-            "raymesh.examples.tinygpt:build",
-            "tests.rl.rewards:unruly",
-            rl.GRPO(group_size=16, max_tokens=2),
-            seed=0,
-        )
-        [[rollout]] = gen.sample.call([(0, b"x")]).get(timeout=60).values()
-        data = rollout.data
-        kinds = [int(row[0]) % 4 for row in data.tokens]
-        assert set(kinds) == {0, 1, 2, 3}  # 16 samples: every kind of reward came up
-        for i, kind in enumerate(kinds):
-            if kind == 3:
-                assert data.rewards[i] == 1.0 and i not in data.dropped
-            else:
-                assert math.isnan(data.rewards[i])
-                reason = data.dropped[i]
-                assert {
-                    0: "raised RuntimeError: no score",
-                    1: "nan, not a finite",
-                    2: "str 'high'",
-                }[kind] in reason
     finally:
         procs.stop()

@@ -17,7 +17,7 @@ PROMPTS = ["def ", "x = ", "import ", "class "]
 ALGORITHM = rl.GRPO(group_size=8, max_tokens=8)
 
 
-def _run(reward, steps: int = 8, **kw):  # type: ignore[no-untyped-def]
+def _run(reward, steps: int = 6, **kw):  # type: ignore[no-untyped-def]
     return rl.run(
         policy="tests.rl.rewards:build",
         prompts=PROMPTS,
@@ -35,7 +35,7 @@ def _run(reward, steps: int = 8, **kw):  # type: ignore[no-untyped-def]
 def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill(tmp_path):
     clean = _run(rewards.es)
     rewards_by_step = [row["reward_mean"] for row in clean.history]
-    assert clean.version == 8 and len(clean.history) == 8
+    assert clean.version == 6 and len(clean.history) == 6
     assert all(row["staleness_mean"] == 0 and row["samples"] == 32 for row in clean.history)
     assert sum(rewards_by_step[-3:]) > sum(rewards_by_step[:3]), rewards_by_step  # it learns
     # Another run with the seed, whose generator dies mid-rollout: the same weights, so a run
@@ -43,16 +43,9 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill(tm
     killed = _run(functools.partial(rewards.es_or_die, flag=str(tmp_path / "killed")))
     assert (tmp_path / "killed").exists() and killed.replaced == 1
     assert killed.remade and len(killed.remade) <= 2  # the dead generator's keys, made again
-    assert [r["samples"] for r in killed.history] == [32] * 8  # none lost, none twice
+    assert [r["samples"] for r in killed.history] == [32] * 6  # none lost, none twice
     differ = [k for k, v in clean.weights.items() if not torch.equal(killed.weights[k], v)]
     assert differ == [], differ
-
-
-def test_an_asynchronous_run_keeps_its_samples_within_the_staleness_bound():
-    run = _run(rewards.es, steps=5, max_staleness=1)
-    lags = [row["staleness_mean"] for row in run.history]
-    assert all(0 <= lag <= 1 for lag in lags), lags
-    assert run.version == 5 and all(row["samples"] == 32 for row in run.history)
 
 
 def test_bad_arguments_are_refused_before_any_proc_starts():

@@ -170,3 +170,21 @@ def test_a_full_buffer_holds_the_generators_back_and_every_wait_times_out():
     with pytest.raises(TimeoutError, match=r"2 of 3 rollouts"):
         buffer.take(3, version=0, timeout_s=0.1)
     assert len(buffer) == 2  # nothing taken by a take that timed out
+
+
+def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
+    scores = {b"a": 1.5, b"b": float("nan"), b"c": "high", b"d": True, b"e": 2}
+
+    def unruly(prompt: bytes, completion: bytes) -> object:
+        if completion not in scores:
+            raise RuntimeError("no score for this one")
+        return scores[completion]
+
+    rewards, dropped = rl.score(unruly, b"p", [b"a", b"b", b"c", b"d", b"e", b"f"])
+    assert rewards[0] == 1.5 and rewards[4] == 2.0
+    assert all(math.isnan(rewards[i]) for i in (1, 2, 3, 5))
+    assert "nan, not a finite number" in dropped[1]
+    assert "returned str 'high', not a number" in dropped[2]
+    assert "returned bool True, not a number" in dropped[3]
+    assert "raised RuntimeError: no score for this one" in dropped[5]
+    assert set(dropped) == {1, 2, 3, 5}
