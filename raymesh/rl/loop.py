@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from raymesh._common import bad, check_int
+from raymesh._common import bad, check_int, check_seconds, resolve
 from raymesh.actor import Future, ProcMesh, this_host
 from raymesh.rl.algorithms import GRPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
@@ -103,9 +103,14 @@ def run(
     check_int("prompts_per_step", prompts_per_step, minimum=1)
     check_int("generators", generators, minimum=1)
     check_int("max_staleness", max_staleness, minimum=0)
-    if not timeout_s > 0:
-        raise bad("timeout_s", timeout_s, "give seconds > 0")
-    learner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="rl-learner")
+    check_seconds("timeout_s", timeout_s)
+    resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
+    resolve(reward, "reward")
+    # escalate=False: a dead learner surfaces as SupervisionError from its call, not as the
+    # process-wide unhandled-fault hook.
+    learner_procs = this_host().spawn_procs(
+        per_host={"procs": 1}, name="rl-learner", escalate=False
+    )
     gens: list[_Gen] = []
     try:
         learner = learner_procs.spawn("learner", Learner, policy, algorithm, seed=seed, init=init)

@@ -53,3 +53,5 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         rl.run(policy="tests.rl.rewards:build", prompts=[], reward=rewards.es, steps=1)
     with pytest.raises(ValueError, match=r"^max_staleness=-1"):
         _run(rewards.es, max_staleness=-1)
+    with pytest.raises(ValueError, match=r"^reward='tests\.rl\.rewards:nope'"):
+        _run("tests.rl.rewards:nope")
