@@ -27,6 +27,7 @@ from raymesh._src.host_mesh import HostMesh, host_mesh, hosts_from_config, this_
 from raymesh._src.local_proc import this_proc
 from raymesh._src.proc_mesh import ProcMesh, preload, shutdown_context
 from raymesh._src.shape import Extent, Point, Shape
+from raymesh._src.shared import Shared
 from raymesh._src.supervision import FrontModule, set_unhandled_fault_hook
 from raymesh._src.value_mesh import ValueMesh
 
@@ -49,6 +50,7 @@ __all__ = [
     "PortReceiver",
     "ProcMesh",
     "Shape",
+    "Shared",
     "SupervisionError",
     "ValueMesh",
     "concurrent_endpoint",

@@ -51,6 +51,7 @@ from raymesh._src.hosted_actor import HostedActor, refused, stopped
 from raymesh._src.logs import name_actors_in_records
 from raymesh._src.proc_loop import ProcLoop, awaited, guarded
 from raymesh._src.shape import Point
+from raymesh._src.shared import unshare
 
 logger = logging.getLogger("raymesh")
 # How long stopping one actor waits for each of its steps: its async endpoints to end once
@@ -166,6 +167,7 @@ class ProcRuntime:
             spec = slot.endpoints.get(endpoint)
             if spec is None:
                 raise TypeError(f"{type(slot.instance).__name__}.{endpoint} is not an endpoint")
+            args, kwargs = unshare(args, kwargs)  # read shared values inside the actor's turn
             ctx = slot.context(message_point)
             fn = getattr(slot.instance, endpoint)
             if spec.concurrent or spec.explicit_response_port:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raymesh.actor import Actor, endpoint
+from raymesh.actor import Actor, Shared, endpoint
 from raymesh.rl.algorithms import GRPO, Stats, group_advantages, grpo_loss
 from raymesh.rl.buffer import Rollout
 from raymesh.rl.sampling import Completions
@@ -49,10 +49,10 @@ class Learner(Actor):
         self.version = 0
 
     @endpoint
-    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(the current version, its weights)."""
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return self.version, state
+    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
+        """(the current version, its weights, stored once in this host's object store): the
+        loop hands the reference to every generator, and each reads the one copy."""
+        return self.version, Shared(self.model.state_dict())
 
     @endpoint
     def save(self, folder: str) -> str:

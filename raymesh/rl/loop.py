@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from raymesh._common import bad, check_int, check_seconds, resolve
-from raymesh.actor import Future, ProcMesh, this_host
+from raymesh.actor import Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.generator import Generator
@@ -155,7 +155,7 @@ class _Loop:
         self.next_key = 0
         self.remade: list[int] = []
         self.replaced = 0
-        self.published: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.published: tuple[int, Shared[dict[str, torch.Tensor]]] | None = None
 
     def run(
         self,
@@ -175,12 +175,14 @@ class _Loop:
                 progress(stats)
             self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
         assert self.published is not None
-        version, weights = self.published
+        version, shared = self.published
+        weights = {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}
         return RLResult(history, version, weights, self.remade, self.replaced)
 
-    def _publish(self, published: tuple[int, dict[str, torch.Tensor]]) -> None:
+    def _publish(self, published: tuple[int, Shared[dict[str, torch.Tensor]]]) -> None:
         """Hand version v to every generator: queued behind its current call, so it is
-        installed between two calls."""
+        installed between two calls. The weights travel as a reference: one copy in the
+        learner's object store, read by each generator, none through this process."""
         self.published = published
         for g in self.gens:
             g.actor.load.call_one(*published)

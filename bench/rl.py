@@ -1,0 +1,130 @@
+"""RL benchmark, first part: weight sync of a ~10M-parameter policy to 4 generators.
+
+    python bench/rl.py            # 5 rounds, median (~1 min on 2 cores)
+    python bench/rl.py --save     # also write bench/results/rl.json
+
+Issue 36's target: publishing a policy version to 4 generators within 1.2x the cost of one
+`ray.put` of its state dict and 4 `ray.get`s of it. Measured, in one run on one machine:
+  raymesh_rl      what rl.run does per step: the learner's `weights()` (its state stored once in
+                  the object store, as a `raymesh.Shared`: the controller gets a reference),
+                  then `load(version, shared)` on each of 4 generators (one proc mesh each),
+                  until every generator has installed it
+  raymesh_shared  the controller's state as `Shared(state)`, then the same 4 loads: the
+                  anchor's work through raymesh's calls
+  ray_put_get     the anchor: `ray.put(state)` in the controller, then 4 plain Ray actors each
+                  `ray.get` it and `load_state_dict` it (the same work as a generator's load)
+The policy is a byte-level TinyGPT of 12 blocks, width 256 (9.6M parameters, 38 MB fp32).
+Each round runs the three once, in that order; figures are medians over rounds. Prints one
+JSON object (and the load average at start and end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GENERATORS = 4
+
+
+def big(ctx: Any) -> Any:
+    """The policy: a TinyGPT of ~10M parameters (a train build function)."""
+    from raymesh.examples.tinygpt import TinyGPT, lm_loss
+    from raymesh.train import Task
+
+    model = TinyGPT(block_size=64, n_layer=12, n_head=4, n_embd=256)
+    return Task(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()), dataset=[0], loss_fn=lm_loss
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--save", action="store_true", help="write bench/results/rl.json")
+    args = p.parse_args()
+
+    import ray
+
+    from raymesh import Shared as rl_shared
+    from raymesh import cluster, rl, this_host
+    from raymesh.rl.learner import Learner
+
+    load_start = os.getloadavg()
+    cluster.ensure_ray()
+    policy = big  # shipped by value to the procs (a __main__ function)
+    algorithm = rl.GRPO()
+    learner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="bench-learner")
+    learner = learner_procs.spawn("learner", Learner, policy, algorithm, seed=0, init=None)
+    meshes = [
+        this_host().spawn_procs(per_host={"procs": 1}, name=f"bench-gen{i}")
+        for i in range(GENERATORS)
+    ]
+    gens = [m.spawn("gen", rl.Generator, policy, _reward, algorithm, seed=0) for m in meshes]
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def __init__(self) -> None:
+            self.model = big(None).model
+
+        def load(self, refs: list[Any]) -> int:
+            self.model.load_state_dict(ray.get(refs[0]))
+            return 0
+
+    plains = [Plain.remote() for _ in range(GENERATORS)]
+    ray.get([p.load.remote([ray.put(big(None).model.state_dict())]) for p in plains])
+    params = sum(t.numel() for t in big(None).model.parameters())
+
+    times: dict[str, list[float]] = {"raymesh_rl": [], "raymesh_shared": [], "ray_put_get": []}
+    state = big(None).model.state_dict()
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        version, shared = learner.weights.call_one().get(timeout=120)
+        for f in [g.load.call_one(version, shared) for g in gens]:
+            f.get(timeout=120)
+        times["raymesh_rl"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        shared = rl_shared(state)
+        for f in [g.load.call_one(version, shared) for g in gens]:
+            f.get(timeout=120)
+        times["raymesh_shared"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref = ray.put(state)
+        ray.get([p.load.remote([ref]) for p in plains], timeout=120)
+        times["ray_put_get"].append(time.perf_counter() - t0)
+    for m in [*meshes, learner_procs]:
+        m.stop().get(timeout=60)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    anchor = median["ray_put_get"]
+    out = {
+        "bench": "rl weight sync",
+        "parameters": params,
+        "state_mb": round(sum(t.numel() * t.element_size() for t in state.values()) / 1e6, 1),
+        "generators": GENERATORS,
+        "rounds": args.rounds,
+        "median_s": {k: round(v, 4) for k, v in median.items()},
+        "vs_ray_put_get": {k: round(v / anchor, 2) for k, v in median.items()},
+        "target": "raymesh_rl <= 1.2x ray_put_get",
+        "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(json.dumps(out, indent=1))
+    if args.save:
+        Path(__file__).with_name("results").joinpath("rl.json").write_text(
+            json.dumps(out, indent=1)
+        )
+
+
+def _reward(prompt: bytes, completion: bytes) -> float:
+    return 0.0
+
+
+if __name__ == "__main__":
+    main()
