@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 
-def spaces(prompt: bytes, completion: bytes) -> float:
-    """A made-up reward: the share of spaces in the completion."""
-    return completion.count(b" ") / max(1, len(completion))
-
-
 def es(prompt: bytes, completion: bytes) -> float:
     """Easy to learn: the share of the letter e."""
     return completion.count(b"e") / max(1, len(completion))

@@ -188,3 +188,26 @@ def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
     assert "returned bool True, not a number" in dropped[3]
     assert "raised RuntimeError: no score for this one" in dropped[5]
     assert set(dropped) == {1, 2, 3, 5}
+
+
+def test_a_completion_is_a_function_of_its_seed_and_each_seed_draws_its_own():
+    # Across procs, tests/rl/test_run.py checks it: a generator's rollouts remade by another
+    # proc after a SIGKILL leave the run's weights bitwise equal.
+    from raymesh.examples.tinygpt import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(block_size=32, n_layer=1, n_head=2, n_embd=32).eval()
+    prompt = torch.tensor(list(b"def "))
+    seeds = [rl.sample_seed(7, 0, 3, i) for i in range(4)]
+    tokens, logp = rl.sampling.sample_group(model, prompt, seeds, max_tokens=6, temperature=1.0)
+    again, logp_again = rl.sampling.sample_group(
+        model, prompt, seeds, max_tokens=6, temperature=1.0
+    )
+    assert torch.equal(tokens, again) and torch.equal(logp, logp_again)
+    assert tokens.shape == (4, 6) and bool((logp <= 0).all())
+    assert len({bytes(r.tolist()) for r in tokens}) > 1  # a group's completions differ
+    # Alone, row 2 draws what it drew in the group: a row depends on its seed, not its place.
+    [row] = rl.sampling.sample_group(model, prompt, seeds[2:3], max_tokens=6, temperature=1.0)[0]
+    assert torch.equal(row, tokens[2])
+    other = [rl.sample_seed(7, 1, 3, i) for i in range(4)]  # policy version 1
+    assert len(set(seeds) | set(other)) == 8
