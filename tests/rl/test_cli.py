@@ -65,3 +65,17 @@ def test_a_bad_job_file_names_the_file_and_the_field(tmp_path, capsys, change, m
         rl.load_rl_job(job)
     assert main(["rl", str(job)]) == 2
     assert str(job) in capsys.readouterr().err
+
+
+def test_the_readmes_rl_job_file_reads_as_a_valid_job():
+    from pathlib import Path
+
+    job = rl.load_rl_job(Path(__file__).resolve().parents[2] / "examples" / "grpo.toml")
+    assert job.policy == "raymesh.examples.tinygpt:build" and job.init == "runs/tinygpt"
+    assert job.checkpoint == "runs/tinygpt-grpo" and job.max_staleness == 1
+    longest = max(len(p.encode()) for p in job.prompts)
+    assert longest + job.grpo.max_tokens <= 64  # within tinygpt's context (block_size)
+    from raymesh.examples.rewards import python_lines
+
+    # 4 lines: one compiles with a word; a comment, a bare number and a syntax error do not.
+    assert python_lines(b"def ", b"f(x): pass\n# a comment\n42\nx = \n") == 0.25
