@@ -21,6 +21,9 @@ Without CUDA the GPU sections are skipped with the reason; so is any section onc
   with activation checkpointing and CPU offload, as raymesh.train.rank.parallelize applies
   them: losses, where the parameters live, and the device part of the estimate
   (`MemoryEstimate.under(checkpointing, offload)`) against torch.cuda.max_memory_allocated.
+- finetune_fit: raymesh.train.fit on 1 GPU worker, FSDP2 + bf16 + activation checkpointing +
+  CPU offload, as a user's job file asks: TinyGPT (full fine-tune) and a small HF Llama with a
+  LoRA adapter (raymesh.train.hf): time, losses (they must fall), the decision's reason.
 - spawn_and_messages: RAYMESH_WARM_PROCS=16; spawn 16 procs and an actor mesh until all answer,
   call_one and call-all-16 latency, what CPU procs see of the GPU; a GPU proc (per_host={"gpus":
   1}): its CUDA_VISIBLE_DEVICES, a CUDA allocation, and how a CUDA tensor it returns arrives.
@@ -48,6 +51,7 @@ from typing import Any, Literal, NoReturn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _isolated import run_isolated
 
+GPU = True  # finetune_fit: False tries its plumbing on a CPU
 FLOOR_S = 10.0  # a section starts with at least this long, and keeps this for each one after it
 ITERATIONS = {
     "full": {"train_steps": 40, "memory_steps": 5, "call_one": 500, "call_all": 200, "warmup": 20},
@@ -419,6 +423,49 @@ def spawn_and_messages(r: Record, args: argparse.Namespace) -> None:
         backend.shutdown()
 
 
+def finetune_fit(r: Record, args: argparse.Namespace) -> None:
+    """raymesh.train.fit as a user runs a fine-tune on one GPU: FSDP2 in bf16 with activation
+    checkpointing and CPU offload, for TinyGPT (full) and a small HF Llama (LoRA adapter)."""
+    need_cuda(args)
+    from raymesh import train
+    from raymesh._src.backend import ensure_ray, shutdown
+    from raymesh.train import hf
+
+    root = Path(args.out + ".finetune")
+    model = hf.save_tiny_llama(root / "llama", hidden_size=256, layers=4, heads=8, kv_heads=4)
+    text = root / "text.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(4000)))
+    jobs = {
+        "tinygpt": ("raymesh.examples.tinygpt:build", {}),
+        "llama_lora": (
+            "raymesh.train.hf:build",
+            {"model": str(model), "text": str(text), "block_size": 64, "lora_r": 8},
+        ),
+    }
+    ensure_ray()
+    try:
+        for name, (build, params) in jobs.items():
+            config = train.TrainConfig(
+                build=build, params=params, workers=1, gpus=GPU, strategy="fsdp",
+                precision="bf16", activation_checkpointing=True, offload=GPU,
+                steps=args.it["train_steps"] // 2, global_batch_size=16, report_every=5,
+                grad_clip=1.0, timeout_s=left(args),
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            result = train.fit(None, config)
+            losses = [h["loss"] for h in result.history]
+            fig = {"fit_s": round(time.perf_counter() - t0, 2), "reason": result.decision.reason}
+            fig.update(first_loss=finite(losses[0]), final_loss=finite(losses[-1]))
+            decision = result.decision
+            fig.update(offload=decision.offload, checkpointing=decision.checkpointing)
+            r.put(**{name: fig})
+            check(decision.offload == GPU and decision.checkpointing, f"{name}: {fig}")
+            check(all(math.isfinite(x) for x in losses), f"{name}: losses {losses}")
+            check(losses[-1] < losses[0], f"{name}: the loss did not fall: {losses}")
+    finally:
+        shutdown()
+
+
 # name: (function, its own time limit in seconds, skipped at once without CUDA, environment).
 # A trainer is a GPU proc, which never comes from the warm pool (pool.py): warm CPU procs would
 # only compete with its start.
@@ -431,6 +478,7 @@ SECTIONS: dict[str, tuple[Callable[[Record, Any], None], float, bool, dict[str, 
     "train_fsdp": (train_section("fsdp"), 75, True, NO_POOL),
     "memory_estimate": (memory_estimate, 45, True, {}),
     "finetune_memory": (finetune_memory, 45, True, {}),
+    "finetune_fit": (finetune_fit, 90, True, NO_POOL),
     "spawn_and_messages": (spawn_and_messages, 150, False, {"RAYMESH_WARM_PROCS": "16"}),
 }
 

@@ -98,6 +98,15 @@ class Future(Generic[R]):
             return True
         return all(backend.done(self._items))
 
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call `fn()` once `done()` is True: at once (on this thread) if it is already, else
+        on whichever thread saw the last reply (or a proc's death) arrive, so keep `fn` short
+        (set an event, hand real work to a thread of your own). Called once."""
+        if self._error is not None or self._value is not _UNSET:
+            fn()
+        else:
+            backend.when_done(self._items, fn)
+
     def __await__(self) -> Generator[Any, None, R]:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -108,10 +117,7 @@ class Future(Generic[R]):
             except RuntimeError:  # the loop closed while this waited: nobody is waiting
                 pass
 
-        if self._error is not None or self._value is not _UNSET:
-            wake()
-        else:
-            backend.when_done(self._items, wake)
+        self.add_done_callback(wake)
         yield from waiter.__await__()
         return self.get(timeout=None)  # every item is in: this does not wait
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymesh.examples import on_compute_device
 from raymesh.train import Context, Task
 
 __all__ = [
@@ -127,8 +128,8 @@ class MLP784(nn.Module):
 def classification_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Mean cross-entropy of `model(x)` against labels y, for a batch (x [B, dim], y [B])."""
     x, y = batch
-    device = next(model.parameters()).device
-    return F.cross_entropy(model(x.to(device)), y.to(device))
+    logits = model(on_compute_device(model, x))
+    return F.cross_entropy(logits, y.to(logits.device))
 
 
 def build(ctx: Context) -> Task:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymesh.examples import on_compute_device
 from raymesh.train import Context, Task
 
 __all__ = [
@@ -231,9 +232,8 @@ class CharDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Mean next-byte cross-entropy of `model` on a batch (x, y) of [B, T] byte tensors."""
     x, y = batch
-    device = next(model.parameters()).device
-    logits = model(x.to(device))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1))
+    logits = model(on_compute_device(model, x))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1))
 
 
 def build(ctx: Context) -> Task:

@@ -17,6 +17,9 @@ What is here:
   `Learner` proc, on one controller, asynchronous up to `max_staleness` versions; a generator
   SIGKILLed mid-rollout is replaced and its rollouts made again, so a synchronous run ends with
   the weights of a run without the fault (docs/rl.md).
+- `run(algorithm=PPO(env=...))`: PPO on a gymnasium environment, with a mesh of `EnvRunner`
+  procs (GAE computed where the values are) and one `PPOLearner` proc; a runner SIGKILLed
+  mid-segment is replaced and its segment made again (docs/rl.md);
 - the learning rules, as pure functions of tensors: `GRPO` for language models, `PPO` with
   `gae` for environments;
 - the bounded, versioned `RolloutBuffer` between the generators and the learner;
@@ -25,8 +28,8 @@ What is here:
   completion, with its reason).
 
 Not built yet: the learner as a raymesh.train job (any strategy, healing), weight sync in
-buckets or over Ray's tensor transport, PPO's environment runners, reward actors, `--resume`,
-metrics in the report sinks and the dashboard, `raymesh rl`, and the benchmarks.
+buckets or over Ray's tensor transport, reward actors, `--resume`, metrics in the report
+sinks and the dashboard, and the GRPO benchmark against TRL.
 """
 
 from raymesh.rl.algorithms import (
@@ -41,22 +44,27 @@ from raymesh.rl.algorithms import (
     ppo_loss,
 )
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.environments import ActorCritic, EnvRunner, Segment
 from raymesh.rl.generator import Generator
 from raymesh.rl.jobfile import RLJob, load_rl_job
-from raymesh.rl.learner import Learner
+from raymesh.rl.learner import Learner, PPOLearner
 from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, sample_seed, score
 
 __all__ = [
     "GRPO",
     "PPO",
+    "ActorCritic",
     "Completions",
+    "EnvRunner",
     "Generator",
     "Learner",
+    "PPOLearner",
     "RLJob",
     "RLResult",
     "Rollout",
     "RolloutBuffer",
+    "Segment",
     "Stats",
     "clipped_surrogate",
     "gae",

@@ -72,7 +72,11 @@ class PPO:
     value_coef: float = 0.5  # weight of the value loss
     entropy_coef: float = 0.0  # weight of the entropy bonus
     epochs: int = 4  # passes over each batch of rollouts
+    minibatches: int = 4  # optimizer steps per pass (the batch split this many ways)
     rollout_steps: int = 128  # environment steps per runner per batch
+    envs_per_runner: int = 8  # environment copies each runner steps together
+    lr: float = 2.5e-4  # Adam's learning rate
+    max_grad_norm: float = 0.5  # gradients clipped to this norm
 
     def __post_init__(self) -> None:
         if not isinstance(self.env, str) or not self.env:
@@ -81,8 +85,10 @@ class PPO:
             _check_fraction(field, getattr(self, field), 0.0, 1.0, "give a number in [0, 1]")
         for field in ("value_coef", "entropy_coef"):
             _check_fraction(field, getattr(self, field), 0.0, math.inf, "give a weight >= 0")
-        check_int("epochs", self.epochs, minimum=1)
-        check_int("rollout_steps", self.rollout_steps, minimum=1)
+        _check_fraction("lr", self.lr, 1e-12, 1.0, "give a learning rate in (0, 1], e.g. 2.5e-4")
+        _check_fraction("max_grad_norm", self.max_grad_norm, 1e-12, math.inf, "give a norm > 0")
+        for field in ("epochs", "minibatches", "rollout_steps", "envs_per_runner"):
+            check_int(field, getattr(self, field), minimum=1)
 
 
 Stats = dict[str, float]

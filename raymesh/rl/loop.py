@@ -1,4 +1,6 @@
-"""`rl.run`: GRPO post-training with a mesh of generators and a learner, on one controller.
+"""`rl.run`: a mesh of workers making rollouts and one learner, on one controller: GRPO's
+generators answering prompts, or PPO's environment runners (`_text_roles`, `_env_roles` say
+what each spawns; the loop is the same).
 
 The loop, each step s (policy version s):
 1. Keep every generator busy with keys (a key is one prompt's group: key k answers prompt
@@ -12,18 +14,23 @@ The loop, each step s (policy version s):
 With max_staleness=0 no key of step s + 1 is handed out before version s + 1 is published: the
 loop is synchronous, and each step's batch is a function of the seed alone.
 
-Faults: a generator whose proc dies is replaced by a new proc, which installs the current
-version; the keys it held are made again, by the same (seed, version, key, index), so none is
-lost, and the buffer takes each key once, so none is counted twice. A rollout found too stale
-is dropped and its key made again. Every wait has a timeout (`timeout_s`): TimeoutError, never
-a hang.
+For PPO a key is one runner's segment (`rollout_steps` steps of its environments); a step takes
+one per runner.
+
+Faults: a generator (or runner) whose proc dies is replaced by a new proc, which installs the
+current version; the keys it held are made again, by the same (seed, version, key, index), so
+none is lost, and the buffer takes each key once, so none is counted twice. A rollout found
+too stale is dropped and its key made again. Every wait has a timeout (`timeout_s`):
+TimeoutError, never a hang.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,17 +40,18 @@ import torch
 
 from raymesh._common import bad, check_int, check_seconds, resolve
 from raymesh.actor import Future, ProcMesh, Shared, this_host
-from raymesh.rl.algorithms import GRPO, Stats
+from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
-from raymesh.rl.learner import Learner
+from raymesh.rl.learner import Learner, PPOLearner
 from raymesh.rl.sampling import Reward
 
 __all__ = ["RLResult", "run"]
 
 logger = logging.getLogger("raymesh")
 
-_POLL_S = 0.05  # how often the loop looks at the generators' calls while it waits
+_POLL_S = 0.5  # the longest the loop waits between looks at the calls (a reply wakes it)
 
 
 @dataclass
@@ -73,39 +81,49 @@ class _Gen:
 
 def run(
     *,
-    policy: str | Callable[..., Any],
-    prompts: Sequence[str | bytes],
-    reward: Reward | str,
-    algorithm: GRPO | None = None,
+    policy: str | Callable[..., Any] | None = None,
+    prompts: Sequence[str | bytes] | None = None,
+    reward: Reward | str | None = None,
+    algorithm: GRPO | PPO | None = None,
     steps: int,
     prompts_per_step: int = 4,
     generators: int = 2,
+    env_runners: int = 2,
     max_staleness: int = 0,
     seed: int = 0,
     init: str | None = None,
     checkpoint: str | None = None,
     timeout_s: float = 300.0,
     progress: Callable[[Stats], None] | None = None,
+    stop: Callable[[Stats], bool] | None = None,
 ) -> RLResult:
-    """Post-train `policy` (a raymesh.train build function of a byte-level model, or its
-    "module:function" name; from the checkpoint `init` when given) on `prompts` scored by
-    `reward` ((prompt, completion) -> float, or its "module:function" name), for `steps`
-    GRPO steps of `prompts_per_step` prompts, with `generators` generator procs sampling at
-    most `max_staleness` policy versions behind. `checkpoint`: a folder to save the final
-    policy in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`).
-    `progress` gets each step's statistics.
+    """Train `policy` with `algorithm`, for at most `steps` policy updates; the run ends early
+    after the first step whose statistics `stop` accepts. `progress` gets each step's.
+
+    GRPO (the default): post-train `policy` (a raymesh.train build function of a byte-level
+    model, or its "module:function" name; from the checkpoint `init` when given) on `prompts`
+    scored by `reward` ((prompt, completion) -> float, or its "module:function" name), with
+    `prompts_per_step` prompts a step and `generators` generator procs sampling at most
+    `max_staleness` policy versions behind. `checkpoint`: a folder to save the final policy
+    in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`).
+
+    PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
+    the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
+    segment each a step.
+
     ValueError naming the argument for a bad one, before any proc starts."""
     algorithm = algorithm if algorithm is not None else GRPO()
-    items = [p.encode() if isinstance(p, str) else p for p in prompts]
-    if not items or not all(isinstance(p, bytes) for p in items):
-        raise bad("prompts", f"{len(items)} prompt(s)", "give a non-empty list of strings")
     check_int("steps", steps, minimum=1)
-    check_int("prompts_per_step", prompts_per_step, minimum=1)
-    check_int("generators", generators, minimum=1)
     check_int("max_staleness", max_staleness, minimum=0)
     check_seconds("timeout_s", timeout_s)
-    resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
-    resolve(reward, "reward")
+    if isinstance(algorithm, PPO):
+        roles = _env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
+    elif isinstance(algorithm, GRPO):
+        roles = _text_roles(
+            policy, prompts, reward, algorithm, prompts_per_step, generators, seed, init
+        )
+    else:
+        raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")
     # escalate=False: a dead learner surfaces as SupervisionError from its call, not as the
     # process-wide unhandled-fault hook.
     learner_procs = this_host().spawn_procs(
@@ -113,16 +131,20 @@ def run(
     )
     gens: list[_Gen] = []
     try:
-        learner = learner_procs.spawn("learner", Learner, policy, algorithm, seed=seed, init=init)
+        cls, args, kwargs = roles.learner
+        learner = learner_procs.spawn("learner", cls, *args, **kwargs)
+        incarnations = itertools.count()
 
-        def new_generator() -> _Gen:
-            procs = this_host().spawn_procs(per_host={"procs": 1}, name="rl-gen", escalate=False)
-            actor = procs.spawn("gen", Generator, policy, reward, algorithm, seed=seed, init=init)
-            return _Gen(procs, actor)
+        def new_worker(index: int) -> _Gen:
+            procs = this_host().spawn_procs(
+                per_host={"procs": 1}, name=f"rl-{roles.name}", escalate=False
+            )
+            cls, args, kwargs = roles.worker(index, next(incarnations))
+            return _Gen(procs, procs.spawn(roles.name, cls, *args, **kwargs))
 
-        gens = [new_generator() for _ in range(generators)]
-        loop = _Loop(items, prompts_per_step, max_staleness, timeout_s, new_generator)
-        result = loop.run(learner, gens, steps, progress)
+        gens = [new_worker(i) for i in range(roles.workers)]
+        loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
+        result = loop.run(learner, gens, steps, progress, stop)
         if checkpoint is not None:
             result.checkpoint = learner.save.call_one(checkpoint).get(timeout=timeout_s)
         return result
@@ -134,16 +156,107 @@ def run(
                 logger.warning("raymesh.rl: stopping %s failed: %s", mesh, e)
 
 
+_Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class _Roles:
+    """What an algorithm's run spawns: the learner's (class, args, kwargs), a worker's for
+    its index and incarnation, how many workers, the rollouts a step takes, and the argument
+    of a worker's `sample` call for a list of keys."""
+
+    name: str
+    learner: _Spawn
+    worker: Callable[[int, int], _Spawn]
+    workers: int
+    per_step: int
+    request: Callable[[list[int]], Any]
+
+
+def _text_roles(
+    policy: Any,
+    prompts: Sequence[str | bytes] | None,
+    reward: Any,
+    algorithm: GRPO,
+    per_step: int,
+    generators: int,
+    seed: int,
+    init: str | None,
+) -> _Roles:
+    items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
+    if not items or not all(isinstance(p, bytes) for p in items):
+        raise bad("prompts", f"{len(items)} prompt(s)", "give a non-empty list of strings")
+    check_int("prompts_per_step", per_step, minimum=1)
+    check_int("generators", generators, minimum=1)
+    if policy is None:
+        raise bad(
+            "policy", policy, 'give a train build function, e.g. "raymesh.examples.tinygpt:build"'
+        )
+    resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
+    if reward is None:
+        raise bad("reward", reward, "give a function (prompt, completion) -> float")
+    resolve(reward, "reward")
+
+    def request(keys: list[int]) -> list[tuple[int, bytes]]:
+        # key k answers prompt k mod len(prompts)
+        return [(k, items[k % len(items)]) for k in keys]
+
+    return _Roles(
+        name="gen",
+        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init}),
+        worker=lambda i, n: (Generator, (policy, reward, algorithm), {"seed": seed, "init": init}),
+        workers=generators,
+        per_step=per_step,
+        request=request,
+    )
+
+
+def _env_roles(
+    policy: Any,
+    prompts: Any,
+    reward: Any,
+    algorithm: PPO,
+    runners: int,
+    seed: int,
+    init: str | None,
+    checkpoint: str | None,
+) -> _Roles:
+    for name, value in (
+        ("prompts", prompts),
+        ("reward", reward),
+        ("init", init),
+        ("checkpoint", checkpoint),
+    ):
+        if value is not None:
+            raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
+    check_int("env_runners", runners, minimum=1)
+    spaces(algorithm.env)  # an unknown environment fails here, not in every proc
+    if policy is not None:
+        resolve(policy, "policy")
+    return _Roles(
+        name="runner",
+        learner=(PPOLearner, (policy, algorithm), {"seed": seed}),
+        worker=lambda i, n: (
+            EnvRunner,
+            (policy, algorithm),
+            {"seed": seed, "index": i, "incarnation": n},
+        ),
+        workers=runners,
+        per_step=runners,
+        request=lambda keys: keys,
+    )
+
+
 class _Loop:
     def __init__(
         self,
-        prompts: list[bytes],
+        request: Callable[[list[int]], Any],
         per_step: int,
         max_staleness: int,
         timeout_s: float,
-        new_generator: Callable[[], _Gen],
+        new_generator: Callable[[int], _Gen],
     ) -> None:
-        self.prompts = prompts
+        self.request = request
         self.per_step = per_step
         self.max_staleness = max_staleness
         self.timeout_s = timeout_s
@@ -156,6 +269,7 @@ class _Loop:
         self.remade: list[int] = []
         self.replaced = 0
         self.published: tuple[int, Shared[dict[str, torch.Tensor]]] | None = None
+        self.arrived = threading.Event()  # a sampling call's reply (or failure) came in
 
     def run(
         self,
@@ -163,6 +277,7 @@ class _Loop:
         gens: list[_Gen],
         steps: int,
         progress: Callable[[Stats], None] | None,
+        stop: Callable[[Stats], bool] | None,
     ) -> RLResult:
         self.gens = gens
         self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
@@ -174,6 +289,8 @@ class _Loop:
             if progress is not None:
                 progress(stats)
             self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
+            if stop is not None and stop(stats):
+                break
         assert self.published is not None
         version, shared = self.published
         weights = {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}
@@ -192,19 +309,22 @@ class _Loop:
         deadline = time.monotonic() + self.timeout_s
         limit = (step + 1 + self.max_staleness) * self.per_step  # keys handed out so far, at most
         while True:
+            self.arrived.clear()  # before looking: a reply that comes after it sets it again
             self._harvest()
             for key in self.buffer.stale():
                 self.remade.append(key)
                 self.todo.append(key)
             self._dispatch(limit)
             try:
-                return self.buffer.take(self.per_step, version=step, timeout_s=_POLL_S)
+                return self.buffer.take(self.per_step, version=step, timeout_s=0)
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"rl.run: step {step} got fewer than {self.per_step} rollouts in "
                         f"{self.timeout_s:g}s; the generators are not delivering"
                     ) from None
+            # Woken by a reply (or a proc's death); _POLL_S bounds the wait regardless.
+            self.arrived.wait(_POLL_S)
 
     def _dispatch(self, limit: int) -> None:
         chunk = max(1, math.ceil(self.per_step / len(self.gens)))
@@ -220,7 +340,8 @@ class _Loop:
                     self.next_key += 1
             if keys:
                 g.keys = keys
-                g.call = g.actor.sample.call_one([(k, self._prompt(k)) for k in keys])
+                g.call = g.actor.sample.call_one(self.request(keys))
+                g.call.add_done_callback(self.arrived.set)
 
     def _harvest(self) -> None:
         for i, g in enumerate(self.gens):
@@ -233,7 +354,7 @@ class _Loop:
                 self.remade.extend(g.keys)
                 self.todo.extendleft(reversed(g.keys))
                 g.procs.stop()
-                self.gens[i] = self.new_generator()
+                self.gens[i] = self.new_generator(i)
                 self.replaced += 1
                 if self.published is not None:
                     self.gens[i].actor.load.call_one(*self.published)
@@ -241,6 +362,3 @@ class _Loop:
             g.call, g.keys = None, []
             for r in rollouts:
                 self.buffer.put(r, timeout_s=self.timeout_s)
-
-    def _prompt(self, key: int) -> bytes:
-        return self.prompts[key % len(self.prompts)]

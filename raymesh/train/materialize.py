@@ -50,10 +50,14 @@ def materialize(
     device: torch.device,
     init_weights: Callable[[torch.nn.Module], None] | None,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    params_on: torch.device | None = None,
 ) -> None:
     """Allocate the model's meta tensors on `device` (only the local shards of a sharded model:
     FSDP2 re-registers them) and fill them with `init_weights(model)`, under no_grad; its real
-    tensors move to `device`. The parameters are new objects afterwards: `optimizer`, when
+    tensors move to `device`. `params_on`: where the parameters are allocated instead (the
+    CPU, for FSDP2's CPU offload, whose shards live in host memory; buffers stay on `device`,
+    where the forward runs). The parameters are new objects afterwards: `optimizer`, when
     given, is re-pointed at them (`repointed`). ValueError naming `init_weights` when it is
     None and something is on meta."""
     if not on_meta(model):
@@ -61,8 +65,15 @@ def materialize(
         return
     check_init(model, init_weights)
     assert init_weights is not None
+    buffers = {id(b) for b in model.buffers()}
+    params_device = params_on or device
+
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        where = device if id(t) in buffers else params_device
+        return torch.empty_like(t, device=where) if t.is_meta else t.to(where)
+
     with repointed(model, optimizer) if optimizer is not None else contextlib.nullcontext():
-        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        model._apply(allocate)
     with torch.no_grad():
         init_weights(model)
 

@@ -111,13 +111,21 @@ def test_the_job_page_shows_the_live_curves_a_kill_and_its_healing(fit, tmp_path
         # The kill appears, then how it was healed (the row is drawn again as news comes).
         selector = 'tr.failure[data-rank="1"]'
 
+        def failure_row() -> dict[str, str] | None:
+            # Read in one script: the page redraws the row as news comes, so an element
+            # found by one WebDriver call may be gone by the next.
+            return browser.execute_script(
+                "const r = document.querySelector(arguments[0]);"
+                "return r ? {text: r.innerText, step: r.dataset.step} : null;",
+                selector,
+            )
+
         def failure_text() -> str:
-            rows = browser.find_elements("css selector", selector)
-            return rows[0].text if rows else ""
+            row = failure_row()
+            return row["text"] if row else ""
 
         _wait("the failure", failure_text)
-        row = browser.find_element("css selector", selector)
-        assert row.get_attribute("data-step") == str(KILL_STEP)
+        assert failure_row()["step"] == str(KILL_STEP)  # type: ignore[index]
         _wait("its recovery", lambda: "healed in" in failure_text())
         text = failure_text()
         assert "died" in text and "SIGKILL" in text and "replace" in text, text

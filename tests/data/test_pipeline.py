@@ -116,6 +116,8 @@ def _config(**kw) -> train.TrainConfig:
 
 
 def test_fit_with_a_pipeline_is_bitwise_the_fit_without_one(tmp_path):
+    # train.fit, not the warm `fit`: on warm ranks the 40 steps can end before the workers
+    # are up, and this test checks the later batches came from them.
     plain = train.fit(BUILD, _config(steps=40))
     pipe = data.Pipeline(source=teacher(), transform=pause, workers=2)  # pause: a cost, no change
     piped = train.fit(BUILD_WITHOUT_DATA, _config(steps=40, data=pipe, run_dir=str(tmp_path)))
@@ -130,7 +132,7 @@ def test_fit_with_a_pipeline_is_bitwise_the_fit_without_one(tmp_path):
     assert plain.data is None and "data_wait" not in plain.history[0]
 
 
-def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(tmp_path):
+def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(fit, tmp_path):
     """Both runs mix batches made by the ranks (until the workers are up) and by workers."""
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -152,7 +154,7 @@ def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(t
     killer = threading.Thread(target=kill_one)
     killer.start()
     try:
-        healed = train.fit(BUILD_WITHOUT_DATA, _config(data=pipe))
+        healed = fit(BUILD_WITHOUT_DATA, _config(data=pipe))
     finally:
         replaced.touch()
         logging.getLogger("raymesh").removeHandler(lost)
@@ -164,8 +166,8 @@ def test_augmented_fit_heals_a_killed_preprocessing_proc_and_resumes_mid_epoch(t
     # 200 samples, 32 a step: step 10 ends inside the second epoch.
     ckpt = train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10)
     augmented = data.Pipeline(source=teacher(), transform=augment, workers=1)
-    train.fit(BUILD_WITHOUT_DATA, _config(steps=10, checkpoint=ckpt, data=augmented))
-    resumed = train.fit(BUILD_WITHOUT_DATA, _config(checkpoint=ckpt, data=augmented))
+    fit(BUILD_WITHOUT_DATA, _config(steps=10, checkpoint=ckpt, data=augmented))
+    resumed = fit(BUILD_WITHOUT_DATA, _config(checkpoint=ckpt, data=augmented))
     assert resumed.resumed_from == 10
     assert equal(healed.state_dict(), resumed.state_dict())
 
@@ -183,11 +185,11 @@ class _Heard(logging.Handler):
             self.heard.set()
 
 
-def test_a_transform_that_raises_stops_the_job_naming_the_sample_and_skip_leaves_it_out():
+def test_a_transform_that_raises_stops_the_job_naming_the_sample_and_skip_leaves_it_out(fit):
     pipe = data.Pipeline(source=Indexed(64), transform=fails_on_seven, workers=1)
     config = _config(global_batch_size=64, steps=4, data=pipe)
     with pytest.raises(train.TrainError, match=r"dataset Indexed .*sample 7: transform raised"):
-        train.fit("tests.data.helpers:build_indexed", config)
+        fit("tests.data.helpers:build_indexed", config)
     skipping = data.Pipeline(source=Indexed(64), transform=fails_on_seven, on_error="skip")
     sizes = [len(b[1]) for b in data.batches(skipping, batch_size=64, steps=2)]
     assert sizes == [63, 63]

@@ -164,6 +164,25 @@ def test_await_a_future(procs):
     assert asyncio.run(main()) == [2, 2, 2, 2]
 
 
+def test_a_futures_done_callback_runs_once_when_every_reply_is_in(procs):
+    import threading
+
+    workers = procs.spawn("called_back", AsyncWorker)
+    calls: list[bool] = []
+    woken = threading.Event()
+
+    def note() -> None:
+        calls.append(future.done())
+        woken.set()
+
+    future = workers.work.call(0.3)
+    future.add_done_callback(note)
+    assert woken.wait(30) and calls == [True]  # once, after the replies of all four
+    future.get(timeout=30)
+    future.add_done_callback(lambda: calls.append(True))  # already done: at once, here
+    assert calls == [True, True]
+
+
 def test_context_gives_the_rank_and_the_message_rank_within_the_slice(procs):
     counters = procs.spawn("ctx", Counter)
     whole = counters.where.call().get(timeout=30).values()

@@ -1,5 +1,6 @@
-"""`rl.run` end to end on real procs: it learns, and a run with the same seed whose generator
-was SIGKILLed mid-rollout (replaced, its keys made again once) ends with bitwise-equal weights."""
+"""`rl.run` end to end on real procs: GRPO learns, and a run with the same seed whose generator
+was SIGKILLed mid-rollout (replaced, its keys made again once) ends with bitwise-equal weights;
+PPO learns CartPole through a SIGKILLed environment runner."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from raymesh import rl
-from tests.rl import rewards
+from raymesh.rl.environments import ActorCritic
+from tests.rl import policies, rewards
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
@@ -48,6 +50,28 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill(tm
     assert differ == [], differ
 
 
+def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
+    # CartPole in the RL zoo's PPO settings, 2 runners x 8 envs x 32 steps = 512 steps a
+    # version; one runner dies mid-segment, is replaced, and its segment is made again.
+    algorithm = rl.PPO(
+        env="CartPole-v1", gamma=0.98, lam=0.8, lr=1e-3, epochs=20, minibatches=2,
+        rollout_steps=32, envs_per_runner=8,
+    )  # fmt: skip
+    flag = tmp_path / "killed"
+    policy = functools.partial(
+        policies.actor_critic_or_die, flag=str(flag), after=2 * algorithm.rollout_steps + 5
+    )
+    result = rl.run(
+        policy=policy, algorithm=algorithm, steps=150, env_runners=2, seed=1, timeout_s=120,
+        stop=lambda stats: stats["episode_return_mean"] >= 200,
+    )  # fmt: skip
+    assert flag.exists() and result.replaced == 1 and len(result.remade) == 1
+    assert result.history[-1]["episode_return_mean"] >= 200, result.history[-1]  # it learned
+    assert result.version == len(result.history) < 150
+    assert all(row["env_steps"] == 512 and row["staleness_mean"] == 0 for row in result.history)
+    ActorCritic(4, 2).load_state_dict(result.state_dict())  # the default policy's weights
+
+
 def test_bad_arguments_are_refused_before_any_proc_starts():
     with pytest.raises(ValueError, match=r"^prompts=.*give a non-empty list"):
         rl.run(policy="tests.rl.rewards:build", prompts=[], reward=rewards.es, steps=1)
@@ -55,3 +79,14 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         _run(rewards.es, max_staleness=-1)
     with pytest.raises(ValueError, match=r"^reward='tests\.rl\.rewards:nope'"):
         _run("tests.rl.rewards:nope")
+    cartpole = rl.PPO(env="CartPole-v1")
+    with pytest.raises(ValueError, match=r"^prompts=.*environment RL \(rl\.PPO\) takes none"):
+        rl.run(algorithm=cartpole, prompts=PROMPTS, steps=1)
+    with pytest.raises(ValueError, match=r"^env='CartPole-v9'.*e\.g\. 'CartPole-v1'"):
+        rl.run(algorithm=rl.PPO(env="CartPole-v9"), steps=1)
+    with pytest.raises(ValueError, match=r"^env='Pendulum-v1'.*Discrete actions only"):
+        rl.run(algorithm=rl.PPO(env="Pendulum-v1"), steps=1)
+    with pytest.raises(ValueError, match=r"^env_runners=0"):
+        rl.run(algorithm=cartpole, env_runners=0, steps=1)
+    with pytest.raises(ValueError, match=r"^minibatches=0"):
+        rl.PPO(env="CartPole-v1", minibatches=0)

@@ -13,10 +13,10 @@ from .weights import MLP, close
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 
-def test_a_straggler_gets_fewer_samples_and_the_weights_are_unchanged():
+def test_a_straggler_gets_fewer_samples_and_the_weights_are_unchanged(fit):
     base = dict(workers=2, steps=24, global_batch_size=48, seed=0, report_every=2)
-    clean = train.fit(MLP, train.TrainConfig(**base))
-    result = train.fit(
+    clean = fit(MLP, train.TrainConfig(**base))
+    result = fit(
         MLP,
         train.TrainConfig(**base, rebalance=True, faults=[slow(rank=1, factor=3.0, at_step=1)]),
     )

@@ -37,10 +37,9 @@ def _config(tmp_path, **kw) -> train.TrainConfig:
     return train.TrainConfig(**base)
 
 
-@pytest.mark.usefixtures("ray_cluster")
-def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(tmp_path):
-    clean = train.fit(MLP, _config(tmp_path / "clean"))
-    result = train.fit(MLP, _config(tmp_path / "healed", faults=[kill(rank=1, at_step=6)]))
+def test_a_killed_fsdp_rank_is_healed_from_the_newest_checkpoint(fit, tmp_path):
+    clean = fit(MLP, _config(tmp_path / "clean"))
+    result = fit(MLP, _config(tmp_path / "healed", faults=[kill(rank=1, at_step=6)]))
     [failure] = result.failures
     assert (failure.rank, failure.step, failure.kind) == (1, 6, "died")
     # Shards do not survive their rank: steps 5 and 6 are trained again from step 4's checkpoint.

@@ -77,6 +77,30 @@ def test_a_meta_model_filled_on_one_rank_is_the_saved_model_and_starts_at_its_ba
     assert a and all(t.abs().sum() > 0 for t in a)  # drawn, not left empty
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU offload)")
+def test_offloaded_params_are_allocated_in_host_memory_and_buffers_on_the_gpu(
+    folder: Path,
+) -> None:
+    # FSDP2's CPU offload keeps shards on the CPU: allocated on the GPU, loading failed there.
+    meta = load_causal_lm(folder, meta=True)
+    materialize(meta, torch.device("cuda", 0), PretrainedWeights(folder), params_on=CPU)
+    assert {p.device.type for p in meta.parameters()} == {"cpu"}
+    assert {b.device.type for b in meta.buffers()} <= {"cuda"}
+    want = load_causal_lm(folder).state_dict()
+    assert all(torch.equal(t.cpu(), want[n]) for n, t in meta.state_dict().items())
+
+
+def test_the_examples_losses_keep_a_placed_batch_where_it_is_and_move_a_cpu_one() -> None:
+    # Under CPU offload the parameters' device (the CPU) is not where the forward runs: a
+    # batch fit placed on ctx.device must stay there. Meta stands in for the GPU here.
+    from raymesh.examples import on_compute_device
+
+    model = torch.nn.Linear(2, 2)
+    placed = torch.ones(2, 2, device="meta")
+    assert on_compute_device(model, placed) is placed
+    assert on_compute_device(model.to("meta"), torch.ones(2, 2)).is_meta
+
+
 def test_a_meta_model_needs_init_weights_and_the_folder_of_its_own_weights(
     folder: Path, tmp_path: Path
 ) -> None:

@@ -211,3 +211,15 @@ def test_a_completion_is_a_function_of_its_seed_and_each_seed_draws_its_own():
     assert torch.equal(row, tokens[2])
     other = [rl.sample_seed(7, 1, 3, i) for i in range(4)]  # policy version 1
     assert len(set(seeds) | set(other)) == 8
+
+
+def test_log_prob_and_entropy_are_the_categorical_distributions():
+    from raymesh.rl.environments import log_prob_and_entropy
+
+    logits = torch.tensor([[0.0, 1.0, -2.0], [3.0, 3.0, 3.0], [-1.0, 0.5, 0.0]])
+    actions = torch.tensor([1, 0, 2])
+    logp, entropy = log_prob_and_entropy(logits, actions)
+    categorical = torch.distributions.Categorical(logits=logits)
+    assert torch.allclose(logp, categorical.log_prob(actions))
+    assert torch.allclose(entropy, categorical.entropy())
+    assert torch.isclose(entropy[1], torch.log(torch.tensor(3.0)))  # uniform: log 3

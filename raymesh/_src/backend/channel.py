@@ -245,7 +245,8 @@ class _Client:
         msgid = next(self._ids).to_bytes(8, "little") if reply else b""
         with self._lock:
             cause = self._dead.get(addr)
-            if cause is None and reply:
+            registered = cause is None and reply
+            if registered:
                 self._pending[msgid] = _Pending(addr, future, fetch, mac)
             watch = addr not in self._watched
             self._watched.add(addr)
@@ -261,8 +262,10 @@ class _Client:
                 cause = "its process exited (its channel closed)"
         if cause is not None:
             with self._lock:
-                self._pending.pop(msgid, None)
-            future.set_exception(ChannelFailed(cause))
+                # The I/O thread may have failed this call already (close() pops what it fails).
+                owned = not registered or self._pending.pop(msgid, None) is not None
+            if owned:
+                future.set_exception(ChannelFailed(cause))
         elif not reply:
             future.set_result(None)
         return future

@@ -146,8 +146,9 @@ def parallelize(
         for unit in fsdp_blocks(model):
             fully_shard(unit, mesh=mesh, **policies)
         fully_shard(model, mesh=mesh, **policies)
-        if meta:
-            materialize(model, device, init_weights)
+        if meta:  # offloaded shards live in host memory from the start, as FSDP2 keeps them
+            params_on = torch.device("cpu") if decision.offload else None
+            materialize(model, device, init_weights, params_on=params_on)
     optimizer.state.clear()
     return model
 
