@@ -32,9 +32,10 @@ import torch
 import torch.nn as nn
 
 from raymesh._common import bad, resolve
-from raymesh.actor import Actor, endpoint
+from raymesh.actor import endpoint
 from raymesh.rl.algorithms import PPO, gae
 from raymesh.rl.buffer import Rollout
+from raymesh.rl.policy_copy import PolicyCopy
 
 __all__ = [
     "ActorCritic",
@@ -160,7 +161,7 @@ class Segment:
         return int(self.actions.shape[0])
 
 
-class EnvRunner(Actor):
+class EnvRunner(PolicyCopy):
     """One runner proc: see the module. `index` and `incarnation` pick its seeds."""
 
     def __init__(
@@ -179,14 +180,6 @@ class EnvRunner(Actor):
         self.generator = torch.Generator().manual_seed(own)
         self.obs = torch.as_tensor(self.envs.reset(seed=own)[0], dtype=torch.float32)
         self.running = np.zeros(algorithm.envs_per_runner)  # each env's episode return so far
-        self.version = -1
-
-    @endpoint
-    def load(self, version: int, state: dict[str, torch.Tensor]) -> int:
-        """Install policy `version`; returns it."""
-        self.model.load_state_dict(state, strict=True)
-        self.version = version
-        return version
 
     @endpoint
     def sample(self, keys: list[int]) -> list[Rollout]:

@@ -15,16 +15,17 @@ from typing import Any
 import torch
 
 from raymesh._common import resolve
-from raymesh.actor import Actor, endpoint
+from raymesh.actor import endpoint
 from raymesh.rl.algorithms import GRPO
 from raymesh.rl.buffer import Rollout
+from raymesh.rl.policy_copy import PolicyCopy
 from raymesh.rl.sampling import Completions, Reward, sample_group, sample_seed, score
 from raymesh.train.export import rebuild
 
 __all__ = ["Generator"]
 
 
-class Generator(Actor):
+class Generator(PolicyCopy):
     """One generator proc. `policy` is a raymesh.train build function (or its
     "module:function" name) of a byte-level model (`vocab` 256, tokens are bytes, as
     raymesh.examples.tinygpt's): its Task's model is the policy, built as a one-rank job would
@@ -52,14 +53,6 @@ class Generator(Actor):
             )
         self.model = task.model.eval()
         self.context = getattr(self.model, "block_size", None)
-        self.version = -1  # nothing installed yet: the build's own weights
-
-    @endpoint
-    def load(self, version: int, state: dict[str, torch.Tensor]) -> int:
-        """Install policy `version` (its full state dict); returns the version now installed."""
-        self.model.load_state_dict(state, strict=True)
-        self.version = version
-        return version
 
     @endpoint
     def sample(self, items: list[tuple[int, bytes]]) -> list[Rollout]:
