@@ -31,7 +31,8 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"step {int(stats['version'])}/{job.steps} reward {stats['reward_mean']:.4f} "
             f"staleness {stats['staleness_mean']:.2f} loss {stats['loss']:.4f} "
-            f"clip {stats['clip_fraction']:.3f} samples {int(stats['samples'])}\n"
+            f"clip {stats['clip_fraction']:.3f} samples {int(stats['samples'])} "
+            f"took {stats['step_s']:.2f}s (sync {stats['sync_s'] * 1000:.0f} ms)\n"
         )
         sys.stderr.flush()
 

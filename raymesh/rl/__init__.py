@@ -28,8 +28,8 @@ What is here:
   completion, with its reason).
 
 Not built yet: the learner as a raymesh.train job (any strategy, healing), weight sync in
-buckets or over Ray's tensor transport, reward actors, `--resume`, metrics in the report
-sinks and the dashboard, and the GRPO benchmark against TRL.
+buckets or over Ray's tensor transport, reward actors, `--resume`, the dashboard's view of
+an RL run, and the GRPO benchmark against TRL.
 """
 
 from raymesh.rl.algorithms import (

@@ -35,6 +35,7 @@ class RLJob:
     prompts_file: str | None = None
     init: str | None = None
     checkpoint: str | None = None
+    run_dir: str | None = None  # metrics.jsonl: a JSON line per step
     prompts_per_step: int = 4
     generators: int = 2
     max_staleness: int = 0
@@ -77,6 +78,7 @@ class RLJob:
             "seed": self.seed,
             "init": self.init,
             "checkpoint": self.checkpoint,
+            "run_dir": self.run_dir,
             "timeout_s": self.timeout_s,
         }
 

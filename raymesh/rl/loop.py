@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +95,7 @@ def run(
     seed: int = 0,
     init: str | None = None,
     checkpoint: str | None = None,
+    run_dir: str | None = None,
     timeout_s: float = 300.0,
     progress: Callable[[Stats], None] | None = None,
     stop: Callable[[Stats], bool] | None = None,
@@ -110,6 +113,12 @@ def run(
     PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
     the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
     segment each a step.
+
+    Every step's statistics carry its timing: `step_s` (the whole step), `learn_s` (the
+    learner's update), `sync_s` (fetching the new version's reference from the learner; its
+    installation on the workers overlaps their next sampling) and `rollouts_per_s`.
+    `run_dir`: a folder to append them to, a JSON line per step in `metrics.jsonl` (with
+    `step`, the version), each line written whole, as raymesh.train's run folder.
 
     ValueError naming the argument for a bad one, before any proc starts."""
     algorithm = algorithm if algorithm is not None else GRPO()
@@ -144,7 +153,10 @@ def run(
 
         gens = [new_worker(i) for i in range(roles.workers)]
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
-        result = loop.run(learner, gens, steps, progress, stop)
+        sinks = [progress] if progress is not None else []
+        if run_dir is not None:
+            sinks.insert(0, _MetricsFile(Path(run_dir) / "metrics.jsonl"))
+        result = loop.run(learner, gens, steps, sinks, stop)
         if checkpoint is not None:
             result.checkpoint = learner.save.call_one(checkpoint).get(timeout=timeout_s)
         return result
@@ -247,6 +259,21 @@ def _env_roles(
     )
 
 
+class _MetricsFile:
+    """Appends each step's statistics to `path`, a JSON line per step, each written whole (a
+    reader that keeps complete lines never sees a torn one); NaN as null (JSON has no NaN)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def __call__(self, stats: Stats) -> None:
+        row: dict[str, Any] = {"step": int(stats["version"])}
+        row.update({k: (v if math.isfinite(v) else None) for k, v in stats.items()})
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 class _Loop:
     def __init__(
         self,
@@ -276,19 +303,30 @@ class _Loop:
         learner: Any,
         gens: list[_Gen],
         steps: int,
-        progress: Callable[[Stats], None] | None,
+        sinks: list[Callable[[Stats], None]],
         stop: Callable[[Stats], bool] | None,
     ) -> RLResult:
         self.gens = gens
         self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
         history = []
         for step in range(steps):
+            start = time.perf_counter()
             batch = self._collect(step)
+            learning = time.perf_counter()
             stats = learner.learn.call_one(batch).get(timeout=self.timeout_s)
-            history.append(stats)
-            if progress is not None:
-                progress(stats)
+            syncing = time.perf_counter()
             self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
+            end = time.perf_counter()
+            stats = {
+                **stats,
+                "step_s": end - start,
+                "learn_s": syncing - learning,
+                "sync_s": end - syncing,
+                "rollouts_per_s": len(batch) / max(end - start, 1e-9),
+            }
+            history.append(stats)
+            for sink in sinks:
+                sink(stats)
             if stop is not None and stop(stats):
                 break
         assert self.published is not None

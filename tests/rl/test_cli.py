@@ -3,6 +3,8 @@ raymesh.train checkpoint that serving rebuilds; a bad job file is one line namin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ prompts_per_step = 2
 generators = 1
 max_staleness = 1
 checkpoint = "{out}"
+run_dir = "{out}/run"
 [grpo]
 group_size = 4
 max_tokens = 6
@@ -40,6 +43,12 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     assert all(0 <= float(s[s.index("staleness") + 1]) <= 1 for s in steps), steps
     assert all(s[s.index("samples") + 1] == "8" for s in steps), steps
     assert f"saved {tmp_path / 'out' / 'step-00000003'}" in out
+    # A JSON line per step in the run folder, with the step's timing and what it learned.
+    rows = [json.loads(line) for line in (tmp_path / "out" / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["step_s"] >= r["learn_s"] + r["sync_s"] > 0 and r["rollouts_per_s"] > 0, r
+        assert r["samples"] == 8 and "reward_mean" in r, r
     task = rebuild(tmp_path / "out")  # what `raymesh serve --checkpoint` and export do
     assert task.model.vocab == 256
     # Started from the build's weights, three GRPO steps later they moved.
