@@ -1,6 +1,7 @@
 """What several subsystems share, in one place below them all: field checks and `Range`,
 job-file tables, "module:function" names, the HTTP server thread with its TLS, bearer-token
-middleware and error shape, a future adapter, and a folder written whole or not at all.
+middleware and error shape, a future adapter, a folder written whole or not at all, and lines
+appended whole.
 
 It sits just above the core (it may import the core, and nothing above it), so that
 raymesh.train, .tune, .serve, .federated, .data, .dashboard and the CLI can all use it. Private:
@@ -9,7 +10,7 @@ users meet these through the subsystems (`serve.Tls`, `ServeConfig`'s checks, jo
 
 from raymesh._common.auth import BearerAuth, BearerToken
 from raymesh._common.fields import bad, check_int, check_seconds, is_int
-from raymesh._common.folders import new_folder
+from raymesh._common.folders import append_lines, new_folder
 from raymesh._common.functions import resolve
 from raymesh._common.futures import Pending
 from raymesh._common.http_error import HTTPError, error_json
@@ -27,6 +28,7 @@ __all__ = [
     "Range",
     "ServerThread",
     "Tls",
+    "append_lines",
     "bad",
     "check_int",
     "check_seconds",

@@ -1,4 +1,4 @@
-"""Writing a new folder whole or not at all."""
+"""Writing a new folder whole or not at all, and lines appended whole."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["new_folder"]
+__all__ = ["append_lines", "new_folder"]
 
 
 @contextlib.contextmanager
@@ -26,3 +26,11 @@ def new_folder(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def append_lines(path: Path, text: str) -> None:
+    """Append `text` (whole lines) to `path` in one `write`, making its folder if need be: a
+    concurrent reader that keeps only complete lines never sees a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text)

@@ -156,10 +156,6 @@ class Segment:
     returns: torch.Tensor
     episodes: list[float] = field(default_factory=list)
 
-    @property
-    def steps(self) -> int:
-        return int(self.actions.shape[0])
-
 
 class EnvRunner(PolicyCopy):
     """One runner proc: see the module. `index` and `incarnation` pick its seeds."""

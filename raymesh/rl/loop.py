@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from raymesh._common import bad, check_int, check_seconds, resolve
+from raymesh._common import append_lines, bad, check_int, check_seconds, resolve
 from raymesh.actor import Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
@@ -264,14 +264,12 @@ class _MetricsFile:
     reader that keeps complete lines never sees a torn one); NaN as null (JSON has no NaN)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
 
     def __call__(self, stats: Stats) -> None:
         row: dict[str, Any] = {"step": int(stats["version"])}
         row.update({k: (v if math.isfinite(v) else None) for k, v in stats.items()})
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_lines(self.path, json.dumps(row) + "\n")
 
 
 class _Loop:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raymesh._common import append_lines
+
 __all__ = ["Event", "Progress", "Report", "ReportSink", "RunFolder", "TensorBoard", "sinks"]
 
 
@@ -117,15 +119,10 @@ class RunFolder(ReportSink):
                 out["rank_step_s"] = list(report.rank_step_s[i])
                 out["rank_loss"] = list(report.rank_loss[i])
             lines.append(json.dumps(out) + "\n")
-        self._append(self.metrics, "".join(lines))
+        append_lines(self.metrics, "".join(lines))
 
     def on_event(self, event: Event) -> None:
-        self._append(self.events, json.dumps(event.to_json(), default=str) + "\n")
-
-    def _append(self, path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:  # one write: a concurrent reader sees whole lines or none
-            f.write(text)
+        append_lines(self.events, json.dumps(event.to_json(), default=str) + "\n")
 
 
 class TensorBoard(ReportSink):
