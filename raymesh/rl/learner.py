@@ -20,6 +20,7 @@ healing) is the part of issue 36 still to build.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -56,6 +57,10 @@ class Learner(Actor):
         self.algorithm = algorithm
         self.context = getattr(self.model, "block_size", None)
         self.version = 0
+        # GRPO's KL is to the initial policy: a frozen copy, kept only when the KL is weighed
+        self.reference = None
+        if algorithm.kl > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     @endpoint
     def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
@@ -83,9 +88,10 @@ class Learner(Actor):
     @endpoint
     def learn(self, rollouts: list[Rollout]) -> Stats:
         """One GRPO step on `rollouts`; the policy's version goes up by one. Returns the
-        step's statistics: loss, clip fraction, mean reward and staleness, samples used."""
+        step's statistics: loss, clip fraction, mean reward and staleness, samples used, and
+        the KL to the initial policy when `algorithm.kl` > 0."""
         a = self.algorithm
-        tokens, old, advantages, mask, rewards, lag = [], [], [], [], [], []
+        prompts, completions, old, advantages, mask, rewards, lag = [], [], [], [], [], [], []
         for r in rollouts:
             data: Completions = r.data
             valid = ~torch.isnan(data.rewards)
@@ -93,18 +99,28 @@ class Learner(Actor):
             if int(valid.sum()) >= 2:
                 adv[valid] = group_advantages(data.rewards[valid], int(valid.sum()))
             prompt = torch.tensor(list(data.prompt or b"\n"))
-            for i in range(len(data.rewards)):
-                tokens.append((prompt, data.tokens[i]))
-                old.append(data.logp[i])
-                advantages.append(float(adv[i]))
-                mask.append(float(valid[i]))
+            prompts.extend([prompt] * len(data.rewards))
+            completions.append(data.tokens)
+            old.append(data.logp)
+            advantages.append(adv)
+            mask.append(valid)
             rewards.extend(data.rewards[valid].tolist())
             lag.append(self.version - r.version)
-        new = torch.stack([self._logp(p, t) for p, t in tokens])
-        old_t = torch.stack(old)
-        masks = torch.tensor(mask)[:, None].expand_as(new)
+        tokens = torch.cat(completions)
+        new = self._logp(self.model, prompts, tokens)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._logp(self.reference, prompts, tokens)
+        masks = torch.cat(mask).to(new.dtype)[:, None].expand_as(new)
         loss, stats = grpo_loss(
-            new, old_t, torch.tensor(advantages, dtype=new.dtype), masks, clip=a.clip
+            new,
+            torch.cat(old),
+            torch.cat(advantages).to(new.dtype),
+            masks,
+            clip=a.clip,
+            kl=a.kl,
+            logp_ref=ref,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -119,19 +135,31 @@ class Learner(Actor):
             "version": float(self.version),
         }
 
-    def _logp(self, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
-        """The log-probabilities of `completion`'s tokens after `prompt`, at the sampling
-        temperature, with gradients."""
-        ids = torch.cat([prompt, completion])[None, :-1]
-        if self.context is not None and ids.shape[1] > self.context:
+    def _logp(
+        self, model: nn.Module, prompts: list[torch.Tensor], completions: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, T]: the log-probabilities of completion i's tokens after prompt i under `model`,
+        at the sampling temperature, in one forward. The rows are padded on the right: a
+        causal model's logits at a position see only what is before it, and every row starts
+        at position 0, so a row's values are those of its own unpadded forward."""
+        t = completions.shape[1]
+        longest = max(len(p) for p in prompts) + t - 1
+        if self.context is not None and longest > self.context:
             raise ValueError(
-                f"a prompt of {len(prompt)} tokens and max_tokens={len(completion)} exceed the "
-                f"policy's context of {self.context} tokens; lower max_tokens or the prompts"
+                f"a prompt of {longest - t + 1} tokens and max_tokens={t} exceed the policy's "
+                f"context of {self.context} tokens; lower max_tokens or the prompts"
             )
-        out = self.model(ids)
-        logits = getattr(out, "logits", out)[0, len(prompt) - 1 :].float()
-        logp = F.log_softmax(logits / self.algorithm.temperature, dim=-1)
-        return logp.gather(1, completion[:, None].long())[:, 0]
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p) + t - 1] = torch.cat([p, completions[i, :-1]])
+        out = model(ids)
+        logits = getattr(out, "logits", out)
+        # completion token j of row i is predicted at position len(prompt i) - 1 + j
+        starts = torch.tensor([len(p) - 1 for p in prompts])
+        at = (starts[:, None] + torch.arange(t))[:, :, None]
+        picked = logits.gather(1, at.expand(-1, -1, logits.shape[-1])).float()
+        logp = F.log_softmax(picked / self.algorithm.temperature, dim=-1)
+        return logp.gather(2, completions[:, :, None].long())[:, :, 0]
 
 
 class PPOLearner(Actor):

@@ -64,21 +64,33 @@ def sample_group(
     """(tokens, logp), each [len(seeds), max_tokens]: one completion of `prompt` (a 1-D
     LongTensor) per seed, sampled from softmax(logits / temperature), row i drawing with a
     generator seeded seeds[i]. The rows are decoded together (one forward per token for the
-    whole group); `context`: the most tokens the model sees (its block size)."""
+    whole group); `context`: the most tokens the model sees (its block size).
+
+    The draw is the Gumbel-max trick: token t of row i is argmax(logp + g), with g Gumbel
+    noise that row i's generator draws up front for all its tokens. That is a sample from the
+    softmax, as `torch.multinomial` would draw, and it takes one vectorised step per token for
+    the whole group instead of one draw per row."""
     device = next(model.parameters()).device
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
     ids = prompt.to(device).long().unsqueeze(0).repeat(len(seeds), 1)
     tokens = torch.empty(len(seeds), max_tokens, dtype=torch.long)
     logp = torch.empty(len(seeds), max_tokens)
+    gumbel: torch.Tensor | None = None
     for t in range(max_tokens):
         window = ids if context is None else ids[:, -context:]
         logprobs = F.log_softmax(_logits(model, window) / temperature, dim=-1).cpu()
-        for row, generator in enumerate(generators):
-            token = torch.multinomial(logprobs[row].exp(), 1, generator=generator)
-            tokens[row, t] = token
-            logp[row, t] = logprobs[row, token]
-        ids = torch.cat([ids, tokens[:, t : t + 1].to(device)], dim=1)
+        if gumbel is None:  # [G, T, vocab], once the vocabulary is known
+            gumbel = torch.stack([_gumbel(s, (max_tokens, logprobs.shape[-1])) for s in seeds])
+        step = (logprobs + gumbel[:, t]).argmax(dim=-1)
+        tokens[:, t] = step
+        logp[:, t] = logprobs.gather(1, step[:, None])[:, 0]
+        ids = torch.cat([ids, step[:, None].to(device)], dim=1)
     return tokens, logp
+
+
+def _gumbel(seed: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Standard Gumbel noise of `shape` from a generator seeded `seed`: -log(-log(u))."""
+    u = torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+    return -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
 
 
 def score(reward: Reward, prompt: bytes, completions: list[bytes]) -> tuple[torch.Tensor, dict]:

@@ -1,0 +1,57 @@
+"""The GRPO learner's step in this process (no Ray): its batched log-probabilities and its KL
+term to the initial policy."""
+
+from __future__ import annotations
+
+import torch
+
+from raymesh import rl
+from raymesh.rl.buffer import Rollout
+from raymesh.rl.learner import Learner
+from raymesh.rl.sampling import Completions, sample_group
+
+POLICY = "tests.rl.rewards:build"  # a one-block TinyGPT
+
+
+def _rollouts(learner: Learner, prompts: list[bytes], max_tokens: int = 6) -> list[Rollout]:
+    out = []
+    for key, prompt in enumerate(prompts):
+        seeds = [rl.sample_seed(0, 0, key, i) for i in range(4)]
+        tokens, logp = sample_group(
+            learner.model, torch.tensor(list(prompt)), seeds, max_tokens=max_tokens, temperature=1.0
+        )
+        rewards = torch.tensor([float(i) for i in range(4)], dtype=torch.float64)
+        out.append(Rollout(key=key, version=0, data=Completions(prompt, tokens, logp, rewards)))
+    return out
+
+
+def test_the_batched_log_probabilities_are_each_rows_own_forward_whatever_the_prompt_lengths():
+    learner = Learner(POLICY, rl.GRPO(group_size=4), seed=0, init=None)
+    prompts = [b"def ", b"x", b"import os"]
+    rollouts = _rollouts(learner, prompts)
+    rows = [torch.tensor(list(r.data.prompt)) for r in rollouts for _ in range(4)]
+    tokens = torch.cat([r.data.tokens for r in rollouts])
+    with torch.no_grad():
+        batched = learner._logp(learner.model, rows, tokens)
+        for i, (prompt, completion) in enumerate(zip(rows, tokens)):
+            alone = learner._logp(learner.model, [prompt], completion[None])
+            torch.testing.assert_close(batched[i : i + 1], alone, rtol=1e-5, atol=1e-5)
+    # and the sampler recorded the same values: a fresh policy's ratio is 1
+    torch.testing.assert_close(
+        batched, torch.cat([r.data.logp for r in rollouts]), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_a_kl_weight_keeps_the_initial_policy_and_reports_the_divergence_from_it():
+    plain = Learner(POLICY, rl.GRPO(group_size=4), seed=0, init=None)
+    assert plain.reference is None
+    assert "kl" not in plain.learn(_rollouts(plain, [b"def "]))
+
+    learner = Learner(POLICY, rl.GRPO(group_size=4, kl=0.5), seed=0, init=None)
+    first = learner.learn(_rollouts(learner, [b"def ", b"for "]))
+    assert first["kl"] == 0.0  # the first step is taken at the reference itself
+    second = learner.learn(_rollouts(learner, [b"def ", b"for "]))
+    assert second["kl"] > 0.0  # one update later the policy has moved away from it
+    reference = dict(learner.reference.named_parameters())
+    assert all(not p.requires_grad for p in reference.values())
+    assert any(not torch.equal(p, reference[n]) for n, p in learner.model.named_parameters())
