@@ -10,7 +10,7 @@ users meet these through the subsystems (`serve.Tls`, `ServeConfig`'s checks, jo
 
 from raymesh._common.auth import BearerAuth, BearerToken
 from raymesh._common.fields import bad, check_int, check_seconds, is_int
-from raymesh._common.folders import append_lines, new_folder
+from raymesh._common.folders import append_lines, new_folder, replace_text
 from raymesh._common.functions import resolve
 from raymesh._common.futures import Pending
 from raymesh._common.http_error import HTTPError, error_json
@@ -38,6 +38,7 @@ __all__ = [
     "is_int",
     "new_folder",
     "read_toml",
+    "replace_text",
     "resolve",
     "split_job",
     "url_of",

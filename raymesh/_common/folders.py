@@ -1,4 +1,4 @@
-"""Writing a new folder whole or not at all, and lines appended whole."""
+"""Writing a new folder whole or not at all, a file replaced whole, and lines appended whole."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["append_lines", "new_folder"]
+__all__ = ["append_lines", "new_folder", "replace_text"]
 
 
 @contextlib.contextmanager
@@ -34,3 +34,18 @@ def append_lines(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(text)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Replace the file `path` with `text` in one `os.replace` of a synced temporary sibling:
+    a reader, or a crash, sees the old file or the new one, never a part."""
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,4 +1,4 @@
-"""`raymesh rl JOB.toml [--steps N]`: GRPO post-training from an RL job file
+"""`raymesh rl JOB.toml [--steps N] [--resume]`: GRPO post-training from an RL job file
 (raymesh.rl.jobfile), with a line per step: mean reward, staleness, loss, clip fraction."""
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("rl", help="post-train a policy with GRPO from a TOML file")
     p.add_argument("job", help="TOML RL job file (policy, init, reward, prompts, [grpo])")
     p.add_argument("--steps", type=int, help="override steps")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the job's newest valid checkpoint (e.g. after the controller died)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from raymesh import rl
 
-    job = rl.load_rl_job(args.job, steps=args.steps)
+    job = rl.load_rl_job(args.job, steps=args.steps, resume=args.resume or None)
 
     def line(stats: dict[str, float]) -> None:
         sys.stderr.write(
@@ -37,6 +42,8 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     result = rl.run(**job.run_kwargs(), progress=line)
+    if result.resumed_from:
+        print(f"resumed from version {result.resumed_from}")
     if result.replaced:
         print(f"replaced {result.replaced} generator(s); remade keys {result.remade}")
     if result.checkpoint is not None:

@@ -7,6 +7,7 @@
     prompts = ["def ", "import ", "class "]        # or prompts_file = "prompts.txt" (a line each)
     steps = 20
     checkpoint = "runs/tinygpt-grpo"               # the post-trained policy, served as any run
+    checkpoint_every = 10                          # and every 10 steps (`raymesh rl --resume`)
     [grpo]
     group_size = 8
     max_tokens = 32
@@ -35,6 +36,8 @@ class RLJob:
     prompts_file: str | None = None
     init: str | None = None
     checkpoint: str | None = None
+    checkpoint_every: int = 0  # also save every this many steps (0: only at the end)
+    resume: bool = False  # continue from the newest checkpoint (`raymesh rl --resume`)
     run_dir: str | None = None  # metrics.jsonl: a JSON line per step
     prompts_per_step: int = 4
     generators: int = 2
@@ -51,6 +54,9 @@ class RLJob:
         for key in ("steps", "prompts_per_step", "generators"):
             check_int(key, getattr(self, key), minimum=1)
         check_int("max_staleness", self.max_staleness, minimum=0)
+        check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        if not isinstance(self.resume, bool):
+            raise bad("resume", self.resume, "use true or false")
         check_int("seed", self.seed)
         check_seconds("timeout_s", self.timeout_s)
         if self.prompts and self.prompts_file is not None:
@@ -78,6 +84,8 @@ class RLJob:
             "seed": self.seed,
             "init": self.init,
             "checkpoint": self.checkpoint,
+            "checkpoint_every": self.checkpoint_every,
+            "resume": self.resume,
             "run_dir": self.run_dir,
             "timeout_s": self.timeout_s,
         }

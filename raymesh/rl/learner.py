@@ -23,6 +23,7 @@ import collections
 import copy
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +46,15 @@ class Learner(Actor):
     """The policy of `policy` (a raymesh.train build function or its name: its Task's model
     and optimizer), from the checkpoint `init` when given, seeded with `seed`."""
 
-    def __init__(self, policy: Any, algorithm: GRPO, *, seed: int, init: str | None) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        algorithm: GRPO,
+        *,
+        seed: int,
+        init: str | None,
+        resume: str | None = None,
+    ) -> None:
         # What a checkpoint of the policy records as its job: the init's (so `raymesh serve`
         # and `export` rebuild the model as it was trained), naming this build function.
         config = job_config(resolve_checkpoint(init)) if init is not None else TrainConfig()
@@ -61,6 +70,16 @@ class Learner(Actor):
         self.reference = None
         if algorithm.kl > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.position: dict[str, Any] = {}
+        if resume is not None:  # a step folder the controller found committed and verified
+            manifest = Checkpointer(Path(resume).parent).load(resume, self.model, self.optimizer)
+            self.version = manifest.step
+            self.position = manifest.extra.get("rl", {})
+
+    @endpoint
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        """(the version this learner starts from, the loop's position saved with it)."""
+        return self.version, self.position
 
     @endpoint
     def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
@@ -69,11 +88,12 @@ class Learner(Actor):
         return self.version, Shared(self.model.state_dict())
 
     @endpoint
-    def save(self, folder: str) -> str:
+    def save(self, folder: str, position: dict[str, Any]) -> str:
         """Checkpoint the policy and its optimizer in `folder` as raymesh.train does (step =
-        the version), which `raymesh serve --checkpoint`, `export` and `init=` read; returns
-        the step folder."""
-        Checkpointer(folder, keep=1).save(
+        the version), which `raymesh serve --checkpoint`, `export` and `init=` read, with the
+        loop's `position` (which samples it has taken), which a resumed run continues from;
+        returns the step folder. The newest two are kept."""
+        Checkpointer(folder, keep=2).save(
             self.version,
             self.model,
             self.optimizer,
@@ -82,6 +102,7 @@ class Learner(Actor):
             config=self.config,
             data_position=self.version,
             rank=0,
+            extra={"rl": position},
         )
         return str(resolve_checkpoint(folder))
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from raymesh._common import append_lines, bad, check_int, check_seconds, resolve
+from raymesh._common import append_lines, bad, check_int, check_seconds, replace_text, resolve
 from raymesh.actor import Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
@@ -48,6 +48,7 @@ from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
 from raymesh.rl.learner import Learner, PPOLearner
 from raymesh.rl.sampling import Reward
+from raymesh.train.checkpoint import Checkpointer
 
 __all__ = ["RLResult", "run"]
 
@@ -68,6 +69,7 @@ class RLResult:
     remade: list[int] = field(default_factory=list)
     replaced: int = 0
     checkpoint: str | None = None  # the step folder the final policy was saved in
+    resumed_from: int = 0  # the version the run continued from (0: a fresh start)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights
@@ -95,6 +97,8 @@ def run(
     seed: int = 0,
     init: str | None = None,
     checkpoint: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
     run_dir: str | None = None,
     timeout_s: float = 300.0,
     progress: Callable[[Stats], None] | None = None,
@@ -108,7 +112,12 @@ def run(
     scored by `reward` ((prompt, completion) -> float, or its "module:function" name), with
     `prompts_per_step` prompts a step and `generators` generator procs sampling at most
     `max_staleness` policy versions behind. `checkpoint`: a folder to save the final policy
-    in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`).
+    in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`), and
+    every `checkpoint_every` steps as well (0: only at the end), each with the loop's position
+    in the samples. `resume`: continue from the newest checkpoint there that verifies (policy,
+    optimizer, version, position; e.g. after the controller died), or start fresh when there is
+    none; `steps` counts from the start, so a finished run resumed does nothing more. With
+    `max_staleness=0` a resumed run ends with the weights of the run that was not interrupted.
 
     PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
     the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
@@ -124,7 +133,11 @@ def run(
     algorithm = algorithm if algorithm is not None else GRPO()
     check_int("steps", steps, minimum=1)
     check_int("max_staleness", max_staleness, minimum=0)
+    check_int("checkpoint_every", checkpoint_every, minimum=0)
     check_seconds("timeout_s", timeout_s)
+    if checkpoint is None and (resume or checkpoint_every):
+        name, value = ("resume", resume) if resume else ("checkpoint_every", checkpoint_every)
+        raise bad(name, value, "give checkpoint= the folder the run saves in and resumes from")
     if isinstance(algorithm, PPO):
         roles = _env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
     elif isinstance(algorithm, GRPO):
@@ -139,9 +152,16 @@ def run(
         per_host={"procs": 1}, name="rl-learner", escalate=False
     )
     gens: list[_Gen] = []
+    start_from = _newest(checkpoint) if resume else None
     try:
         cls, args, kwargs = roles.learner
+        if start_from is not None:
+            kwargs = {**kwargs, "resume": str(start_from)}
         learner = learner_procs.spawn("learner", cls, *args, **kwargs)
+        start, position = 0, {}
+        if start_from is not None:
+            start, position = learner.resumed.call_one().get(timeout=timeout_s)
+            logger.info("raymesh.rl: resuming from %s (version %d)", start_from, start)
         incarnations = itertools.count()
 
         def new_worker(index: int) -> _Gen:
@@ -153,12 +173,19 @@ def run(
 
         gens = [new_worker(i) for i in range(roles.workers)]
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
+        loop.restore(position)
         sinks = [progress] if progress is not None else []
         if run_dir is not None:
-            sinks.insert(0, _MetricsFile(Path(run_dir) / "metrics.jsonl"))
-        result = loop.run(learner, gens, steps, sinks, stop)
+            sinks.insert(0, _MetricsFile(Path(run_dir) / "metrics.jsonl", after=start))
+
+        def save() -> str:
+            return str(learner.save.call_one(checkpoint, loop.position()).get(timeout=timeout_s))
+
+        every = checkpoint_every if checkpoint is not None else 0
+        result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
+        result.resumed_from = start
         if checkpoint is not None:
-            result.checkpoint = learner.save.call_one(checkpoint).get(timeout=timeout_s)
+            result.checkpoint = save()
         return result
     finally:
         for mesh in [*(g.procs for g in gens), learner_procs]:
@@ -169,6 +196,14 @@ def run(
 
 
 _Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
+
+
+def _newest(folder: str | None) -> Path | None:
+    """The newest committed checkpoint in `folder` that verifies, or None (said in the log)."""
+    found = Checkpointer(folder).latest() if folder is not None else None
+    if found is None:
+        logger.info("raymesh.rl: nothing to resume in %s; starting fresh", folder)
+    return found
 
 
 @dataclass
@@ -261,10 +296,21 @@ def _env_roles(
 
 class _MetricsFile:
     """Appends each step's statistics to `path`, a JSON line per step, each written whole (a
-    reader that keeps complete lines never sees a torn one); NaN as null (JSON has no NaN)."""
+    reader that keeps complete lines never sees a torn one); NaN as null (JSON has no NaN).
+    A run resumed at version `after` first drops the lines of the steps after it (and a line
+    torn by the crash): it makes those steps again, so each step keeps one line."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, after: int = 0) -> None:
         self.path = path
+        if after and path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if int(json.loads(line)["step"]) <= after:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):  # torn by the crash
+                    continue
+            replace_text(path, "".join(kept))
 
     def __call__(self, stats: Stats) -> None:
         row: dict[str, Any] = {"step": int(stats["version"])}
@@ -295,21 +341,47 @@ class _Loop:
         self.replaced = 0
         self.published: tuple[int, Shared[dict[str, torch.Tensor]]] | None = None
         self.arrived = threading.Event()  # a sampling call's reply (or failure) came in
+        # Which keys the learner has taken: all below taken_below, and those in taken_above.
+        self.taken_below = 0
+        self.taken_above: set[int] = set()
+
+    def position(self) -> dict[str, Any]:
+        """Which keys have been taken (JSON data, saved with a checkpoint)."""
+        return {"taken_below": self.taken_below, "taken": sorted(self.taken_above)}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from a saved `position`: the keys not taken below the highest taken one
+        are made again first, then new ones."""
+        self.taken_below = int(position.get("taken_below", 0))
+        self.taken_above = {int(k) for k in position.get("taken", [])}
+        self.next_key = max([self.taken_below, *(k + 1 for k in self.taken_above)])
+        missing = range(self.taken_below, self.next_key)
+        self.todo.extend(k for k in missing if k not in self.taken_above)
+
+    def _took(self, rollouts: list[Rollout]) -> None:
+        self.taken_above.update(r.key for r in rollouts)
+        while self.taken_below in self.taken_above:
+            self.taken_above.remove(self.taken_below)
+            self.taken_below += 1
 
     def run(
         self,
         learner: Any,
         gens: list[_Gen],
+        start_step: int,
         steps: int,
         sinks: list[Callable[[Stats], None]],
         stop: Callable[[Stats], bool] | None,
+        save_every: int,
+        save: Callable[[], str],
     ) -> RLResult:
         self.gens = gens
         self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
         history = []
-        for step in range(steps):
+        for step in range(start_step, steps):
             start = time.perf_counter()
             batch = self._collect(step)
+            self._took(batch)
             learning = time.perf_counter()
             stats = learner.learn.call_one(batch).get(timeout=self.timeout_s)
             syncing = time.perf_counter()
@@ -327,6 +399,8 @@ class _Loop:
                 sink(stats)
             if stop is not None and stop(stats):
                 break
+            if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                save()  # the last step's save is the caller's
         assert self.published is not None
         version, shared = self.published
         weights = {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}

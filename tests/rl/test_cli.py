@@ -4,6 +4,14 @@ raymesh.train checkpoint that serving rebuilds; a bad job file is one line namin
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +63,61 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     torch.manual_seed(0)
     fresh = rebuild(None, build="tests.rl.rewards:build", seed=0).model.state_dict()
     assert any(not torch.equal(fresh[k], v) for k, v in task.model.state_dict().items())
+
+
+def test_a_controller_sigkilled_at_a_random_step_resumes_to_the_uninterrupted_runs_weights(
+    tmp_path, capsys
+):
+    """The controller (`raymesh rl`, a process of its own on this session's Ray) is SIGKILLed
+    after a random number of steps, mid-step or mid-save; `raymesh rl --resume` continues
+    from its newest checkpoint and ends, synchronous, bitwise where the run that was not
+    interrupted ends, with one metrics line per step."""
+    from raymesh._src import backend
+
+    def job(name: str) -> Path:
+        path = tmp_path / f"{name}.toml"
+        text = JOB.format(out=tmp_path / name).replace("steps = 3", "steps = 5")
+        # a reward the policy learns from at once: the samples taken decide the weights
+        text = text.replace("raymesh.examples.rewards:python_lines", "tests.rl.rewards:es")
+        text = text.replace("max_staleness = 1", "max_staleness = 0\ncheckpoint_every = 1")
+        path.write_text(text)
+        return path
+
+    assert main(["rl", str(job("whole"))]) == 0
+    metrics = tmp_path / "killed" / "run" / "metrics.jsonl"
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "raymesh.cli.main", "rl", str(job("killed"))],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        lines = random.randint(1, 3)
+        deadline = time.monotonic() + 120
+        saved = tmp_path / "killed"
+        while not (
+            metrics.exists()
+            and len(metrics.read_text().splitlines()) >= lines
+            and any(saved.glob("step-*"))
+        ):
+            assert controller.poll() is None, controller.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the controller made no steps"
+            time.sleep(0.05)
+        controller.send_signal(signal.SIGKILL)
+    finally:
+        controller.kill()
+        controller.wait(timeout=60)
+    capsys.readouterr()
+    assert main(["rl", str(job("killed")), "--resume"]) == 0
+    out = capsys.readouterr().out
+    resumed = int(re.search(r"resumed from version (\d+)", out)[1])  # type: ignore[index]
+    assert 1 <= resumed < 5, out
+    assert [json.loads(line)["step"] for line in metrics.open()] == [1, 2, 3, 4, 5]
+    whole = rebuild(tmp_path / "whole").model.state_dict()
+    weights = rebuild(tmp_path / "killed").model.state_dict()
+    assert all(torch.equal(whole[k], v) for k, v in weights.items())
 
 
 @pytest.mark.parametrize(

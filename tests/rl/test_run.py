@@ -90,3 +90,9 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         rl.run(algorithm=cartpole, env_runners=0, steps=1)
     with pytest.raises(ValueError, match=r"^minibatches=0"):
         rl.PPO(env="CartPole-v1", minibatches=0)
+    with pytest.raises(ValueError, match=r"^resume=True: give checkpoint= the folder"):
+        _run(rewards.es, resume=True)
+    with pytest.raises(ValueError, match=r"^checkpoint_every=2: give checkpoint= the folder"):
+        _run(rewards.es, checkpoint_every=2)
+    with pytest.raises(ValueError, match=r"^checkpoint_every=-1"):
+        _run(rewards.es, checkpoint_every=-1)

@@ -78,8 +78,10 @@ class Checkpointer:
         config: dict[str, Any],
         data_position: int,
         rank: int,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        """Checkpoint model and optimizer as `dir/step-<step:08d>`. COLLECTIVE: every rank calls
+        """Checkpoint model and optimizer as `dir/step-<step:08d>`, with `extra` (the caller's
+        JSON data, in the manifest, read back as `Manifest.extra`). COLLECTIVE: every rank calls
         it with the same arguments (but its own `rank`).
 
         Blocking mode: returns after the checkpoint is committed on every rank. Async mode: first
@@ -101,6 +103,10 @@ class Checkpointer:
                 f"config is not JSON data ({e}); pass plain dicts/lists/numbers/strings, "
                 "e.g. TrainConfig.to_dict()"
             ) from None
+        try:
+            extra = json.loads(json.dumps(extra or {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra is not JSON data ({e}); pass plain dicts/lists") from None
         if _distributed() and (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
             raise ValueError(
                 f"rank={rank}, world_size={world_size} disagree with the process group "
@@ -118,6 +124,7 @@ class Checkpointer:
             config=config,
             data_position=data_position,
             rank=rank,
+            extra=extra,
         )
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
@@ -185,6 +192,7 @@ class Checkpointer:
             config=commit.config,
             data_position=commit.data_position,
             files=files,
+            extra=commit.extra,
             created=time.time(),
         )
         with open(commit.tmp / MANIFEST, "w") as f:
@@ -335,6 +343,7 @@ class _Commit:
     config: dict[str, Any]
     data_position: int
     rank: int
+    extra: dict[str, Any]
 
 
 def _distributed() -> bool:

@@ -43,6 +43,9 @@ class Manifest:
     files: dict[str, str]  # relative path -> sha256 hex of every other file in the folder
     created: float  # time.time() at commit
     format: int = FORMAT  # manifest format; a newer one is refused rather than misread
+    # The saver's own state, JSON data (raymesh.rl: the RL loop's position in its samples);
+    # a manifest written before it existed reads as {}
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -57,7 +60,7 @@ class Manifest:
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - {"format"} - set(data))
+        missing = sorted(names - {"format", "extra"} - set(data))
         unknown = sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"missing field(s) {missing}, unknown field(s) {unknown}")
@@ -72,7 +75,9 @@ class Manifest:
             "data_position": int,
             "files": dict,
             "created": (int, float),
+            "extra": dict,
         }
+        data.setdefault("extra", {})
         for name, kind in checks.items():
             if not isinstance(data[name], kind) or isinstance(data[name], bool):
                 raise ValueError(f"{name}={data[name]!r}: wrong type")
