@@ -10,12 +10,13 @@ its generator is remade elsewhere, the same.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from raymesh._common import resolve
-from raymesh.actor import endpoint
+from raymesh.actor import ActorMesh, endpoint
 from raymesh.rl.algorithms import GRPO
 from raymesh.rl.buffer import Rollout
 from raymesh.rl.policy_copy import PolicyCopy
@@ -24,24 +25,29 @@ from raymesh.train.export import rebuild
 
 __all__ = ["Generator"]
 
+logger = logging.getLogger("raymesh")
+
 
 class Generator(PolicyCopy):
     """One generator proc. `policy` is a raymesh.train build function (or its
     "module:function" name) of a byte-level model (`vocab` 256, tokens are bytes, as
     raymesh.examples.tinygpt's): its Task's model is the policy, built as a one-rank job would
     build it (torch seeded with `seed`; from the checkpoint `init` when given, as the learner),
-    in eval mode. `reward`: (prompt, completion) -> float, or its "module:function" name."""
+    in eval mode. `reward`: (prompt, completion) -> float, or its "module:function" name, or
+    a mesh of reward actors (see `raymesh.rl.sampling.score`)."""
 
     def __init__(
         self,
         policy: Any,
-        reward: Reward | str,
+        reward: Reward | str | ActorMesh[Any],
         algorithm: GRPO,
         *,
         seed: int,
         init: str | None = None,
+        reward_timeout_s: float = 60.0,
     ) -> None:
-        self.reward: Reward = resolve(reward, "reward")
+        self.reward = reward if isinstance(reward, ActorMesh) else resolve(reward, "reward")
+        self.reward_timeout_s = reward_timeout_s
         self.algorithm = algorithm
         self.seed = seed
         task = rebuild(init, build=policy, seed=seed)  # the learner's model, built the same way
@@ -73,7 +79,9 @@ class Generator(PolicyCopy):
                 context=self.context,
             )
             texts = [bytes(row.tolist()) for row in tokens]
-            rewards, dropped = score(self.reward, prompt, texts)
+            rewards, dropped = score(self.reward, prompt, texts, timeout_s=self.reward_timeout_s)
+            for index, reason in dropped.items():
+                logger.warning("raymesh.rl: key %d completion %d dropped: %s", key, index, reason)
             data = Completions(prompt, tokens, logp, rewards, dropped)
             out.append(Rollout(key=key, version=self.version, data=data))
         return out

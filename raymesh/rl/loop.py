@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from raymesh._common import append_lines, bad, check_int, check_seconds, replace_text, resolve
-from raymesh.actor import Future, ProcMesh, Shared, this_host
+from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.environments import EnvRunner, spaces
@@ -87,7 +87,7 @@ def run(
     *,
     policy: str | Callable[..., Any] | None = None,
     prompts: Sequence[str | bytes] | None = None,
-    reward: Reward | str | None = None,
+    reward: Reward | str | ActorMesh[Any] | None = None,
     algorithm: GRPO | PPO | None = None,
     steps: int,
     prompts_per_step: int = 4,
@@ -101,6 +101,7 @@ def run(
     resume: bool = False,
     run_dir: str | None = None,
     timeout_s: float = 300.0,
+    reward_timeout_s: float = 60.0,
     progress: Callable[[Stats], None] | None = None,
     stop: Callable[[Stats], bool] | None = None,
 ) -> RLResult:
@@ -109,7 +110,10 @@ def run(
 
     GRPO (the default): post-train `policy` (a raymesh.train build function of a byte-level
     model, or its "module:function" name; from the checkpoint `init` when given) on `prompts`
-    scored by `reward` ((prompt, completion) -> float, or its "module:function" name), with
+    scored by `reward` ((prompt, completion) -> float, or its "module:function" name, run where
+    the samples are; or a mesh of reward actors, e.g. a reward model, whose endpoint
+    `score(prompt, completion) -> float` is called for each completion, on the least busy
+    actor, a completion dropped when its actor raises, dies or takes over `reward_timeout_s`), with
     `prompts_per_step` prompts a step and `generators` generator procs sampling at most
     `max_staleness` policy versions behind. `checkpoint`: a folder to save the final policy
     in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`), and
@@ -135,6 +139,7 @@ def run(
     check_int("max_staleness", max_staleness, minimum=0)
     check_int("checkpoint_every", checkpoint_every, minimum=0)
     check_seconds("timeout_s", timeout_s)
+    check_seconds("reward_timeout_s", reward_timeout_s)
     if checkpoint is None and (resume or checkpoint_every):
         name, value = ("resume", resume) if resume else ("checkpoint_every", checkpoint_every)
         raise bad(name, value, "give checkpoint= the folder the run saves in and resumes from")
@@ -142,7 +147,15 @@ def run(
         roles = _env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
     elif isinstance(algorithm, GRPO):
         roles = _text_roles(
-            policy, prompts, reward, algorithm, prompts_per_step, generators, seed, init
+            policy,
+            prompts,
+            reward,
+            algorithm,
+            prompts_per_step,
+            generators,
+            seed,
+            init,
+            reward_timeout_s,
         )
     else:
         raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")
@@ -229,6 +242,7 @@ def _text_roles(
     generators: int,
     seed: int,
     init: str | None,
+    reward_timeout_s: float,
 ) -> _Roles:
     items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
     if not items or not all(isinstance(p, bytes) for p in items):
@@ -242,7 +256,13 @@ def _text_roles(
     resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
     if reward is None:
         raise bad("reward", reward, "give a function (prompt, completion) -> float")
-    resolve(reward, "reward")
+    if isinstance(reward, ActorMesh):
+        try:
+            reward.score  # noqa: B018 (the check: AttributeError naming the endpoints it has)
+        except AttributeError as e:
+            raise bad("reward", reward, f"give actors with a score endpoint ({e})") from None
+    else:
+        resolve(reward, "reward")
 
     def request(keys: list[int]) -> list[tuple[int, bytes]]:
         # key k answers prompt k mod len(prompts)
@@ -251,7 +271,11 @@ def _text_roles(
     return _Roles(
         name="gen",
         learner=(Learner, (policy, algorithm), {"seed": seed, "init": init}),
-        worker=lambda i, n: (Generator, (policy, reward, algorithm), {"seed": seed, "init": init}),
+        worker=lambda i, n: (
+            Generator,
+            (policy, reward, algorithm),
+            {"seed": seed, "init": init, "reward_timeout_s": reward_timeout_s},
+        ),
         workers=generators,
         per_step=per_step,
         request=request,

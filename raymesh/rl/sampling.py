@@ -5,20 +5,26 @@ Reproducible: completion `index` of the rollout `key`, made by policy `version` 
 index)`. So it is the same bytes whichever generator makes it, and a generator that replaces
 a dead one remakes exactly what the dead one would have made.
 
-Rewards are the user's: a reward that raises, or returns a non-number or NaN, drops only that
-completion, with its reason (`Completions.dropped`), never averaged in.
+Rewards are the user's, a function or a mesh of reward actors (a reward model): a reward that
+raises, hangs past its timeout, or returns a non-number or NaN drops only that completion, with
+its reason (`Completions.dropped`), never averaged in.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from raymesh.actor import ActorMesh, Future
 
 __all__ = ["Completions", "Reward", "sample_group", "sample_seed", "score"]
 
@@ -93,16 +99,32 @@ def _gumbel(seed: int, shape: tuple[int, int]) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
 
 
-def score(reward: Reward, prompt: bytes, completions: list[bytes]) -> tuple[torch.Tensor, dict]:
-    """(rewards [G], {index: reason}) of `reward(prompt, completion)` for each completion; one
-    that raises, or returns something that is not a finite real number, is NaN with its reason."""
+def score(
+    reward: Reward | ActorMesh[Any],
+    prompt: bytes,
+    completions: list[bytes],
+    *,
+    timeout_s: float = 60.0,
+) -> tuple[torch.Tensor, dict]:
+    """(rewards [G], {index: reason}) of each completion under `reward`: a function
+    (prompt, completion) -> float, or a mesh of reward actors with an endpoint
+    `score(prompt, completion) -> float`, each completion sent to one of them (`choose`: the
+    least busy), all at once, then gathered within `timeout_s`. A completion whose reward
+    raises (or whose actor raises, dies or does not answer in time), or is not a finite real
+    number, is NaN with its reason: it alone is dropped."""
+    if isinstance(reward, ActorMesh):
+        futures = [reward.score.choose(prompt, c) for c in completions]
+        deadline = time.monotonic() + timeout_s
+        answers = [functools.partial(_answer, f, deadline, timeout_s) for f in futures]
+    else:
+        answers = [functools.partial(reward, prompt, c) for c in completions]
     values, dropped = [], {}
-    for i, completion in enumerate(completions):
+    for i, answer in enumerate(answers):
         try:
-            value = reward(prompt, completion)
-        except Exception as e:  # the user's function: its failure drops this sample only
+            value = answer()
+        except Exception as e:  # the user's reward: its failure drops this sample only
             values.append(math.nan)
-            dropped[i] = f"the reward raised {type(e).__name__}: {e}"
+            dropped[i] = str(e) if isinstance(e, _NoAnswer) else _raised(e)
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             values.append(math.nan)
@@ -113,3 +135,18 @@ def score(reward: Reward, prompt: bytes, completions: list[bytes]) -> tuple[torc
         else:
             values.append(float(value))
     return torch.tensor(values, dtype=torch.float64), dropped
+
+
+class _NoAnswer(Exception):
+    """A reward actor that did not answer in time."""
+
+
+def _answer(future: Future[Any], deadline: float, timeout_s: float) -> Any:
+    try:
+        return future.get(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise _NoAnswer(f"the reward actor did not answer within {timeout_s:g}s") from None
+
+
+def _raised(e: Exception) -> str:
+    return f"the reward raised {type(e).__name__}: {e}"

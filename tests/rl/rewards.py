@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from raymesh.actor import Actor, concurrent_endpoint
+
 
 def es(prompt: bytes, completion: bytes) -> float:
     """Easy to learn: the share of the letter e."""
@@ -20,6 +22,30 @@ def es_or_die(prompt: bytes, completion: bytes, *, flag: str) -> float:
         return es(prompt, completion)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable")
+
+
+class RewardModel(Actor):
+    """A reward actor (as a reward model would be): `es` as an endpoint. With `faults` (a
+    folder), the first call anywhere raises and the second hangs for a minute (once each: a
+    file in `faults` says it happened). Concurrent, so a hung call holds up no other."""
+
+    def __init__(self, faults: str | None = None) -> None:
+        self.faults = faults
+
+    @concurrent_endpoint
+    async def score(self, prompt: bytes, completion: bytes) -> float:
+        import asyncio
+        import os
+
+        for fault in ("raised", "hung") if self.faults is not None else ():
+            try:
+                os.close(os.open(os.path.join(self.faults, fault), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
+            if fault == "raised":
+                raise ValueError("this reward model cannot score that")
+            await asyncio.sleep(60)
+        return es(prompt, completion)
 
 
 def build(ctx):  # type: ignore[no-untyped-def]

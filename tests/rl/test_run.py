@@ -1,5 +1,7 @@
 """`rl.run` end to end on real procs: GRPO learns, and a run with the same seed whose generator
-was SIGKILLed mid-rollout (replaced, its keys made again once) ends with bitwise-equal weights;
+was SIGKILLed mid-rollout (replaced, its keys made again once), or whose reward is a mesh of
+reward actors, ends with bitwise-equal weights, and a reward actor that raises or hangs drops
+only its sample;
 PPO learns CartPole through a SIGKILLed environment runner."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from raymesh import rl
+from raymesh.actor import this_host
 from raymesh.rl.environments import ActorCritic
 from tests.rl import policies, rewards
 
@@ -19,7 +22,7 @@ PROMPTS = ["def ", "x = ", "import ", "class "]
 ALGORITHM = rl.GRPO(group_size=8, max_tokens=8)
 
 
-def _run(reward, steps: int = 6, **kw):  # type: ignore[no-untyped-def]
+def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-untyped-def]
     return rl.run(
         policy="tests.rl.rewards:build",
         prompts=PROMPTS,
@@ -27,27 +30,41 @@ def _run(reward, steps: int = 6, **kw):  # type: ignore[no-untyped-def]
         algorithm=ALGORITHM,
         steps=steps,
         prompts_per_step=4,
-        generators=2,
+        generators=generators,
         seed=3,
         timeout_s=120,
         **kw,
     )
 
 
-def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill(tmp_path):
-    clean = _run(rewards.es)
-    rewards_by_step = [row["reward_mean"] for row in clean.history]
-    assert clean.version == 6 and len(clean.history) == 6
-    assert all(row["staleness_mean"] == 0 and row["samples"] == 32 for row in clean.history)
-    assert sum(rewards_by_step[-3:]) > sum(rewards_by_step[:3]), rewards_by_step  # it learns
-    # Another run with the seed, whose generator dies mid-rollout: the same weights, so a run
-    # is a function of its seed (with max_staleness=0) and the fault changed nothing.
-    killed = _run(functools.partial(rewards.es_or_die, flag=str(tmp_path / "killed")))
-    assert (tmp_path / "killed").exists() and killed.replaced == 1
-    assert killed.remade and len(killed.remade) <= 2  # the dead generator's keys, made again
-    assert [r["samples"] for r in killed.history] == [32] * 6  # none lost, none twice
-    differ = [k for k, v in clean.weights.items() if not torch.equal(killed.weights[k], v)]
-    assert differ == [], differ
+def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or_with_reward_actors(
+    tmp_path,
+):
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    try:
+        # The reward as a mesh of reward actors (as a reward model would be).
+        scored = _run(procs.spawn("reward-model", rewards.RewardModel))
+        by_step = [row["reward_mean"] for row in scored.history]
+        assert scored.version == 4 and len(scored.history) == 4
+        assert all(row["staleness_mean"] == 0 and row["samples"] == 32 for row in scored.history)
+        assert sum(by_step[-2:]) > sum(by_step[:2]), by_step  # it learns
+        # Another run with the seed, scored by the function where the samples are, whose
+        # generator dies mid-rollout: the same weights. So a run is a function of its seed
+        # (with max_staleness=0), the fault changed nothing, and the reward actors scored what
+        # the function does, whichever of them answered.
+        killed = _run(functools.partial(rewards.es_or_die, flag=str(tmp_path / "killed")))
+        assert (tmp_path / "killed").exists() and killed.replaced == 1
+        assert killed.remade and len(killed.remade) <= 2  # the dead generator's keys, made again
+        assert [r["samples"] for r in killed.history] == [32] * 4  # none lost, none twice
+        differ = [k for k, v in scored.weights.items() if not torch.equal(killed.weights[k], v)]
+        assert differ == [], differ
+        # A reward actor that raises, and one that hangs, drop only their own samples.
+        faulty = procs.spawn("faulty-model", rewards.RewardModel, str(tmp_path))
+        dropped = _run(faulty, steps=1, generators=1, reward_timeout_s=2.0)
+        assert (tmp_path / "raised").exists() and (tmp_path / "hung").exists()
+        assert [r["samples"] for r in dropped.history] == [30]
+    finally:
+        procs.stop().get(timeout=60)
 
 
 def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
