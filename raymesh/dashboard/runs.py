@@ -165,6 +165,8 @@ class Run:
                 (r["eval_loss"] for r in reversed(self.rows) if "eval_loss" in r), None
             ),
             "samples_per_s": row.get("samples_per_s"),
+            "kind": job.get("kind", "train"),  # "rl": a raymesh.rl run
+            "reward": row.get("reward_mean", row.get("episode_return_mean")),  # an RL run's
             "failures": sum(e["event"] == "failure" for e in self.events),
             "world_size": row.get("world_size"),
             "spares": row.get("spares"),

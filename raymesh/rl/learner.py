@@ -153,6 +153,7 @@ class Learner(Actor):
             "reward_mean": sum(rewards) / max(1, len(rewards)),
             "staleness_mean": sum(lag) / max(1, len(lag)),
             "samples": float(len(rewards)),
+            "tokens": float(tokens.numel()),  # generated, dropped samples' included
             "version": float(self.version),
         }
 

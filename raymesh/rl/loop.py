@@ -1,6 +1,6 @@
 """`rl.run`: a mesh of workers making rollouts and one learner, on one controller: GRPO's
-generators answering prompts, or PPO's environment runners (`_text_roles`, `_env_roles` say
-what each spawns; the loop is the same).
+generators answering prompts, or PPO's environment runners (`raymesh.rl.roles` says what
+each spawns; the loop is the same).
 
 The loop, each step s (policy version s):
 1. Keep every generator busy with keys (a key is one prompt's group: key k answers prompt
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import math
 import threading
@@ -40,13 +39,12 @@ from typing import Any
 
 import torch
 
-from raymesh._common import append_lines, bad, check_int, check_seconds, replace_text, resolve
+from raymesh._common import bad, check_int, check_seconds
 from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
-from raymesh.rl.environments import EnvRunner, spaces
-from raymesh.rl.generator import Generator
-from raymesh.rl.learner import Learner, PPOLearner
+from raymesh.rl.roles import env_roles, text_roles
+from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
 from raymesh.train.checkpoint import Checkpointer
 
@@ -144,9 +142,9 @@ def run(
         name, value = ("resume", resume) if resume else ("checkpoint_every", checkpoint_every)
         raise bad(name, value, "give checkpoint= the folder the run saves in and resumes from")
     if isinstance(algorithm, PPO):
-        roles = _env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
+        roles = env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
     elif isinstance(algorithm, GRPO):
-        roles = _text_roles(
+        roles = text_roles(
             policy,
             prompts,
             reward,
@@ -188,17 +186,27 @@ def run(
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
         loop.restore(position)
         sinks = [progress] if progress is not None else []
+        folder = None
         if run_dir is not None:
-            sinks.insert(0, _MetricsFile(Path(run_dir) / "metrics.jsonl", after=start))
+            name = type(algorithm).__name__
+            folder = RunFolder(Path(run_dir), steps=steps, algorithm=name, start=start)
+            sinks.insert(0, folder)
 
         def save() -> str:
             return str(learner.save.call_one(checkpoint, loop.position()).get(timeout=timeout_s))
 
         every = checkpoint_every if checkpoint is not None else 0
-        result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
-        result.resumed_from = start
-        if checkpoint is not None:
-            result.checkpoint = save()
+        try:
+            result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
+            result.resumed_from = start
+            if checkpoint is not None:
+                result.checkpoint = save()
+        except BaseException as e:
+            if folder is not None:
+                folder.end("Failed", f"{type(e).__name__}: {e}")
+            raise
+        if folder is not None:
+            folder.end("Finished", f"{len(result.history)} steps")
         return result
     finally:
         for mesh in [*(g.procs for g in gens), learner_procs]:
@@ -208,138 +216,12 @@ def run(
                 logger.warning("raymesh.rl: stopping %s failed: %s", mesh, e)
 
 
-_Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
-
-
 def _newest(folder: str | None) -> Path | None:
     """The newest committed checkpoint in `folder` that verifies, or None (said in the log)."""
     found = Checkpointer(folder).latest() if folder is not None else None
     if found is None:
         logger.info("raymesh.rl: nothing to resume in %s; starting fresh", folder)
     return found
-
-
-@dataclass
-class _Roles:
-    """What an algorithm's run spawns: the learner's (class, args, kwargs), a worker's for
-    its index and incarnation, how many workers, the rollouts a step takes, and the argument
-    of a worker's `sample` call for a list of keys."""
-
-    name: str
-    learner: _Spawn
-    worker: Callable[[int, int], _Spawn]
-    workers: int
-    per_step: int
-    request: Callable[[list[int]], Any]
-
-
-def _text_roles(
-    policy: Any,
-    prompts: Sequence[str | bytes] | None,
-    reward: Any,
-    algorithm: GRPO,
-    per_step: int,
-    generators: int,
-    seed: int,
-    init: str | None,
-    reward_timeout_s: float,
-) -> _Roles:
-    items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
-    if not items or not all(isinstance(p, bytes) for p in items):
-        raise bad("prompts", f"{len(items)} prompt(s)", "give a non-empty list of strings")
-    check_int("prompts_per_step", per_step, minimum=1)
-    check_int("generators", generators, minimum=1)
-    if policy is None:
-        raise bad(
-            "policy", policy, 'give a train build function, e.g. "raymesh.examples.tinygpt:build"'
-        )
-    resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
-    if reward is None:
-        raise bad("reward", reward, "give a function (prompt, completion) -> float")
-    if isinstance(reward, ActorMesh):
-        try:
-            reward.score  # noqa: B018 (the check: AttributeError naming the endpoints it has)
-        except AttributeError as e:
-            raise bad("reward", reward, f"give actors with a score endpoint ({e})") from None
-    else:
-        resolve(reward, "reward")
-
-    def request(keys: list[int]) -> list[tuple[int, bytes]]:
-        # key k answers prompt k mod len(prompts)
-        return [(k, items[k % len(items)]) for k in keys]
-
-    return _Roles(
-        name="gen",
-        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init}),
-        worker=lambda i, n: (
-            Generator,
-            (policy, reward, algorithm),
-            {"seed": seed, "init": init, "reward_timeout_s": reward_timeout_s},
-        ),
-        workers=generators,
-        per_step=per_step,
-        request=request,
-    )
-
-
-def _env_roles(
-    policy: Any,
-    prompts: Any,
-    reward: Any,
-    algorithm: PPO,
-    runners: int,
-    seed: int,
-    init: str | None,
-    checkpoint: str | None,
-) -> _Roles:
-    for name, value in (
-        ("prompts", prompts),
-        ("reward", reward),
-        ("init", init),
-        ("checkpoint", checkpoint),
-    ):
-        if value is not None:
-            raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
-    check_int("env_runners", runners, minimum=1)
-    spaces(algorithm.env)  # an unknown environment fails here, not in every proc
-    if policy is not None:
-        resolve(policy, "policy")
-    return _Roles(
-        name="runner",
-        learner=(PPOLearner, (policy, algorithm), {"seed": seed}),
-        worker=lambda i, n: (
-            EnvRunner,
-            (policy, algorithm),
-            {"seed": seed, "index": i, "incarnation": n},
-        ),
-        workers=runners,
-        per_step=runners,
-        request=lambda keys: keys,
-    )
-
-
-class _MetricsFile:
-    """Appends each step's statistics to `path`, a JSON line per step, each written whole (a
-    reader that keeps complete lines never sees a torn one); NaN as null (JSON has no NaN).
-    A run resumed at version `after` first drops the lines of the steps after it (and a line
-    torn by the crash): it makes those steps again, so each step keeps one line."""
-
-    def __init__(self, path: Path, *, after: int = 0) -> None:
-        self.path = path
-        if after and path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if int(json.loads(line)["step"]) <= after:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):  # torn by the crash
-                    continue
-            replace_text(path, "".join(kept))
-
-    def __call__(self, stats: Stats) -> None:
-        row: dict[str, Any] = {"step": int(stats["version"])}
-        row.update({k: (v if math.isfinite(v) else None) for k, v in stats.items()})
-        append_lines(self.path, json.dumps(row) + "\n")
 
 
 class _Loop:
@@ -411,13 +293,18 @@ class _Loop:
             syncing = time.perf_counter()
             self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
             end = time.perf_counter()
+            took = max(end - start, 1e-9)
             stats = {
                 **stats,
                 "step_s": end - start,
                 "learn_s": syncing - learning,
                 "sync_s": end - syncing,
-                "rollouts_per_s": len(batch) / max(end - start, 1e-9),
+                "rollouts_per_s": len(batch) / took,
+                # GRPO's samples are completions, PPO's environment steps
+                "samples_per_s": stats.get("samples", stats.get("env_steps", 0.0)) / took,
             }
+            if "tokens" in stats:
+                stats["tokens_per_s"] = stats["tokens"] / took
             history.append(stats)
             for sink in sinks:
                 sink(stats)

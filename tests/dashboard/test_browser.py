@@ -217,3 +217,34 @@ def _events(run: Path) -> list[dict[str, Any]]:
     import json
 
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, browser):
+    from raymesh import dashboard
+    from raymesh.rl.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "grpo", steps=3, algorithm="GRPO", start=0)
+    for version in (1, 2, 3):  # what rl.run's loop hands its run folder each step
+        folder(
+            {
+                "version": float(version),
+                "loss": 0.5 / version,
+                "reward_mean": 0.25 * version,
+                "staleness_mean": 1.0,
+                "samples": 32.0,
+                "samples_per_s": 200.0,
+                "tokens_per_s": 6400.0,
+                "step_s": 0.16,
+            }
+        )
+    folder.end("Finished", "3 steps")
+    with dashboard.start(tmp_path, port=0) as board:
+        browser.get(board.run_url("grpo"))
+        _wait("its data", lambda: browser.execute_script("return window.dashboard.ready"))
+        card = _wait("the reward card", lambda: browser.find_element("id", "reward-card"))
+        _wait("the reward chart", lambda: card.is_displayed() and "reward" in card.text)
+        throughput = browser.find_element("id", "throughput-chart").text
+        assert "tokens/s" in throughput, throughput
+        assert "finished" in browser.find_element("tag name", "body").text.lower()
+        assert _errors(browser) == []
+        _screenshot(browser, tmp_path, "rl-job.png")

@@ -18,6 +18,7 @@ import torch
 
 from raymesh import rl
 from raymesh.cli.main import main
+from raymesh.dashboard.runs import Runs
 from raymesh.train.export import rebuild
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
@@ -57,6 +58,15 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     for r in rows:
         assert r["step_s"] >= r["learn_s"] + r["sync_s"] > 0 and r["rollouts_per_s"] > 0, r
         assert r["samples"] == 8 and "reward_mean" in r, r
+        # 8 completions of 6 tokens a step
+        assert r["tokens_per_s"] == pytest.approx(48 / r["step_s"]), r
+        assert r["samples_per_s"] == pytest.approx(8 / r["step_s"]), r
+    # The dashboard reads the run folder as a job's: finished, at step 3, with its reward.
+    run = Runs(tmp_path / "out").get("run")
+    assert run is not None
+    summary = run.summary()
+    assert summary["status"] == "finished" and summary["kind"] == "rl", summary
+    assert summary["step"] == summary["steps"] == 3 and summary["reward"] == rows[-1]["reward_mean"]
     task = rebuild(tmp_path / "out")  # what `raymesh serve --checkpoint` and export do
     assert task.model.vocab == 256
     # Started from the build's weights, three GRPO steps later they moved.

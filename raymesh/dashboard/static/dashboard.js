@@ -335,8 +335,8 @@ const rankSeries = (i, fmt) => ({label: `rank ${i}`, stroke: rankColor(i), width
 // would cost the whole history each second on a long run).
 class Columns {
   constructor() {
-    Object.assign(this, {step: [], loss: [], evalLoss: [], sps: [], world: [], spares: [], wait: [], dataSps: [], derivedMs: [], rankLoss: [], rankMs: []});
-    this.hasWait = this.hasDataSps = this.hasEval = false;
+    Object.assign(this, {step: [], loss: [], evalLoss: [], sps: [], world: [], spares: [], wait: [], dataSps: [], derivedMs: [], rankLoss: [], rankMs: [], reward: [], staleness: [], tokensPs: []});
+    this.hasWait = this.hasDataSps = this.hasEval = this.hasReward = this.hasTokens = false;
     this.lastEnd = null;
   }
 
@@ -355,6 +355,13 @@ class Columns {
     this.hasWait ||= wait != null;
     this.dataSps.push(num(row.data_samples_per_s));
     this.hasDataSps ||= num(row.data_samples_per_s) != null;
+    // An RL run's rows (raymesh.rl): GRPO's mean reward, or PPO's mean episode return.
+    const reward = num(row.reward_mean) ?? num(row.episode_return_mean);
+    this.reward.push(reward);
+    this.hasReward ||= reward != null;
+    this.staleness.push(num(row.staleness_mean));
+    this.tokensPs.push(num(row.tokens_per_s));
+    this.hasTokens ||= num(row.tokens_per_s) != null;
     // Old runs have no per-rank step times: their step time comes from the gap between steps' ends.
     const end = num(row.end);
     const ms = end != null && this.lastEnd != null && row.step > prevStep ? ((end - this.lastEnd) * 1000) / (row.step - prevStep) : null;
@@ -559,6 +566,7 @@ class JobView {
       steptime: new LiveChart($("#steptime-chart")),
       throughput: new LiveChart($("#throughput-chart"), 180),
       world: new LiveChart($("#world-chart"), 180),
+      reward: new LiveChart($("#reward-chart")),
     };
     this.session = null;
     // The last state's segment grows with the clock while the run goes on.
@@ -611,12 +619,23 @@ class JobView {
     const tSeries = [{label: "step"}, {label: "samples/s", stroke: "#1f77b4", width: 2, value: (u, v) => fmtRate(v)}];
     const tData = [c.step, c.sps];
     if (c.hasDataSps) { tSeries.push({label: "data samples/s", stroke: "#17becf", dash: [6, 4], value: (u, v) => fmtRate(v)}); tData.push(c.dataSps); }
+    if (c.hasTokens) { tSeries.push({label: "tokens/s", scale: "tok", stroke: "#9467bd", value: (u, v) => fmtRate(v)}); tData.push(c.tokensPs); }
     if (c.hasWait) { tSeries.push({label: "data wait", scale: "%", stroke: "#ff7f0e", fill: "rgba(255,127,14,0.12)", value: (u, v) => (v == null ? NA : v.toFixed(1) + " %")}); tData.push(c.wait); }
     this.charts.throughput.update({
-      key: `tp-${c.hasDataSps}-${c.hasWait}`, data: tData,
+      key: `tp-${c.hasDataSps}-${c.hasWait}-${c.hasTokens}`, data: tData,
       opts: {...base, series: tSeries, scales: {"%": {range: [0, 100]}},
-        axes: [stepAxis, yAxis("samples/s"), ...(c.hasWait ? [{scale: "%", side: 1, grid: {show: false}, size: 50, values: (u, v) => v.map((x) => x + "%")}] : [])]},
+        axes: [stepAxis, yAxis("samples/s"), ...(c.hasWait ? [{scale: "%", side: 1, grid: {show: false}, size: 50, values: (u, v) => v.map((x) => x + "%")}] : []),
+          ...(c.hasTokens ? [{scale: "tok", side: 1, grid: {show: false}, size: 60}] : [])]},
     });
+    $("#reward-card").hidden = !c.hasReward;
+    if (c.hasReward) {
+      this.charts.reward.update({
+        key: "reward", data: [c.step, c.reward, c.staleness],
+        opts: {...base, axes: [stepAxis, yAxis("reward"), {scale: "stale", side: 1, grid: {show: false}, size: 50}],
+          series: [{label: "step"}, {label: "reward", stroke: "#2ca02c", width: 2, value: (u, v) => (v == null ? NA : v.toFixed(3))},
+            {label: "staleness", scale: "stale", stroke: "#7f7f7f", dash: [4, 3], value: (u, v) => (v == null ? NA : v.toFixed(2))}]},
+      });
+    }
     const stepped = uPlot.paths.stepped({align: 1});
     this.charts.world.update({
       key: "world", data: [c.step, c.world, c.spares],

@@ -1,0 +1,120 @@
+"""What each algorithm's run spawns (`Roles`): GRPO's generators answering prompts
+(`text_roles`), PPO's environment runners (`env_roles`), and the learner of each. Each checks
+its arguments before any proc starts: ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raymesh._common import bad, check_int, resolve
+from raymesh.actor import ActorMesh
+from raymesh.rl.algorithms import GRPO, PPO
+from raymesh.rl.environments import EnvRunner, spaces
+from raymesh.rl.generator import Generator
+from raymesh.rl.learner import Learner, PPOLearner
+
+__all__ = ["Roles", "env_roles", "text_roles"]
+
+_Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class Roles:
+    """What an algorithm's run spawns: the learner's (class, args, kwargs), a worker's for
+    its index and incarnation, how many workers, the rollouts a step takes, and the argument
+    of a worker's `sample` call for a list of keys."""
+
+    name: str
+    learner: _Spawn
+    worker: Callable[[int, int], _Spawn]
+    workers: int
+    per_step: int
+    request: Callable[[list[int]], Any]
+
+
+def text_roles(
+    policy: Any,
+    prompts: Sequence[str | bytes] | None,
+    reward: Any,
+    algorithm: GRPO,
+    per_step: int,
+    generators: int,
+    seed: int,
+    init: str | None,
+    reward_timeout_s: float,
+) -> Roles:
+    items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
+    if not items or not all(isinstance(p, bytes) for p in items):
+        raise bad("prompts", f"{len(items)} prompt(s)", "give a non-empty list of strings")
+    check_int("prompts_per_step", per_step, minimum=1)
+    check_int("generators", generators, minimum=1)
+    if policy is None:
+        raise bad(
+            "policy", policy, 'give a train build function, e.g. "raymesh.examples.tinygpt:build"'
+        )
+    resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
+    if reward is None:
+        raise bad("reward", reward, "give a function (prompt, completion) -> float")
+    if isinstance(reward, ActorMesh):
+        try:
+            reward.score  # noqa: B018 (the check: AttributeError naming the endpoints it has)
+        except AttributeError as e:
+            raise bad("reward", reward, f"give actors with a score endpoint ({e})") from None
+    else:
+        resolve(reward, "reward")
+
+    def request(keys: list[int]) -> list[tuple[int, bytes]]:
+        # key k answers prompt k mod len(prompts)
+        return [(k, items[k % len(items)]) for k in keys]
+
+    return Roles(
+        name="gen",
+        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init}),
+        worker=lambda i, n: (
+            Generator,
+            (policy, reward, algorithm),
+            {"seed": seed, "init": init, "reward_timeout_s": reward_timeout_s},
+        ),
+        workers=generators,
+        per_step=per_step,
+        request=request,
+    )
+
+
+def env_roles(
+    policy: Any,
+    prompts: Any,
+    reward: Any,
+    algorithm: PPO,
+    runners: int,
+    seed: int,
+    init: str | None,
+    checkpoint: str | None,
+) -> Roles:
+    for name, value in (
+        ("prompts", prompts),
+        ("reward", reward),
+        ("init", init),
+        ("checkpoint", checkpoint),
+    ):
+        if value is not None:
+            raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
+    check_int("env_runners", runners, minimum=1)
+    spaces(algorithm.env)  # an unknown environment fails here, not in every proc
+    if policy is not None:
+        resolve(policy, "policy")
+    return Roles(
+        name="runner",
+        learner=(PPOLearner, (policy, algorithm), {"seed": seed}),
+        worker=lambda i, n: (
+            EnvRunner,
+            (policy, algorithm),
+            {"seed": seed, "index": i, "incarnation": n},
+        ),
+        workers=runners,
+        per_step=runners,
+        request=lambda keys: keys,
+    )
