@@ -19,6 +19,7 @@ from raymesh._common import resolve
 from raymesh.actor import ActorMesh, endpoint
 from raymesh.rl.algorithms import GRPO
 from raymesh.rl.buffer import Rollout
+from raymesh.rl.codec import codec_of, context_of
 from raymesh.rl.policy_copy import PolicyCopy
 from raymesh.rl.sampling import Completions, Reward, sample_group, sample_seed, score
 from raymesh.train.export import rebuild
@@ -30,10 +31,11 @@ logger = logging.getLogger("raymesh")
 
 class Generator(PolicyCopy):
     """One generator proc. `policy` is a raymesh.train build function (or its
-    "module:function" name) of a byte-level model (`vocab` 256, tokens are bytes, as
-    raymesh.examples.tinygpt's): its Task's model is the policy, built as a one-rank job would
-    build it (torch seeded with `seed`; from the checkpoint `init` when given, as the learner),
-    in eval mode. `reward`: (prompt, completion) -> float, or its "module:function" name, or
+    "module:function" name) of a byte-level model (vocab 256, as raymesh.examples.tinygpt's)
+    or of a transformers causal LM with its tokenizer (raymesh.train.hf:build, with `params`
+    as its ctx.params): its Task's model is the policy, built as a one-rank job would build it
+    (torch seeded with `seed`; from the checkpoint `init` when given, as the learner), in eval
+    mode. `reward`: (prompt, completion) -> float, or its "module:function" name, or
     a mesh of reward actors (see `raymesh.rl.sampling.score`)."""
 
     def __init__(
@@ -44,21 +46,18 @@ class Generator(PolicyCopy):
         *,
         seed: int,
         init: str | None = None,
+        params: dict[str, Any] | None = None,
         reward_timeout_s: float = 60.0,
     ) -> None:
         self.reward = reward if isinstance(reward, ActorMesh) else resolve(reward, "reward")
         self.reward_timeout_s = reward_timeout_s
         self.algorithm = algorithm
         self.seed = seed
-        task = rebuild(init, build=policy, seed=seed)  # the learner's model, built the same way
-        vocab = getattr(task.model, "vocab", None)
-        if vocab != 256:
-            raise ValueError(
-                f"policy={policy!r}: its model has vocab={vocab!r}; generators sample byte-level "
-                "policies (vocab = 256, as raymesh.examples.tinygpt's) for now"
-            )
+        # the learner's model, built the same way
+        task = rebuild(init, build=policy, seed=seed, params=params)
+        self.codec = codec_of(task.model, policy)
         self.model = task.model.eval()
-        self.context = getattr(self.model, "block_size", None)
+        self.context = context_of(self.model)
 
     @endpoint
     def sample(self, items: list[tuple[int, bytes]]) -> list[Rollout]:
@@ -70,18 +69,40 @@ class Generator(PolicyCopy):
                 sample_seed(self.seed, self.version, key, i)
                 for i in range(self.algorithm.group_size)
             ]
+            prompt_ids = self.codec.encode(prompt)
             tokens, logp = sample_group(
                 self.model,
-                torch.tensor(list(prompt or b"\n")),
+                prompt_ids,
                 seeds,
                 max_tokens=self.algorithm.max_tokens,
                 temperature=self.algorithm.temperature,
                 context=self.context,
             )
-            texts = [bytes(row.tolist()) for row in tokens]
+            lengths = _lengths(tokens, self.codec.eos)
+            # the text ends before the end-of-text token; the token itself is learned
+            texts = [
+                self.codec.decode(
+                    row[: n - int(self.codec.eos is not None and row[n - 1] == self.codec.eos)]
+                )
+                for row, n in zip(tokens, lengths.tolist())
+            ]
             rewards, dropped = score(self.reward, prompt, texts, timeout_s=self.reward_timeout_s)
             for index, reason in dropped.items():
                 logger.warning("raymesh.rl: key %d completion %d dropped: %s", key, index, reason)
-            data = Completions(prompt, tokens, logp, rewards, dropped)
+            data = Completions(prompt, tokens, logp, rewards, dropped, prompt_ids, lengths)
             out.append(Rollout(key=key, version=self.version, data=data))
         return out
+
+
+def _lengths(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """Each row's length: up to and with its first `eos`, else all its tokens."""
+    t = tokens.shape[1]
+    if eos is None:
+        return torch.full((tokens.shape[0],), t, dtype=torch.long)
+    hit = tokens == eos
+    first = torch.where(
+        hit.any(dim=1),
+        hit.float().argmax(dim=1),
+        torch.full_like(hit[:, 0], t - 1, dtype=torch.long),
+    )
+    return first + 1

@@ -35,6 +35,7 @@ class RLJob:
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None
     init: str | None = None
+    params: dict[str, Any] | None = None  # [params]: the build function's ctx.params
     checkpoint: str | None = None
     checkpoint_every: int = 0  # also save every this many steps (0: only at the end)
     resume: bool = False  # continue from the newest checkpoint (`raymesh rl --resume`)
@@ -83,6 +84,7 @@ class RLJob:
             "max_staleness": self.max_staleness,
             "seed": self.seed,
             "init": self.init,
+            "params": self.params,
             "checkpoint": self.checkpoint,
             "checkpoint_every": self.checkpoint_every,
             "resume": self.resume,

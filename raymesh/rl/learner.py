@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from raymesh.actor import Actor, Shared, endpoint
 from raymesh.rl.algorithms import GRPO, PPO, Stats, group_advantages, grpo_loss, ppo_loss
 from raymesh.rl.buffer import Rollout
+from raymesh.rl.codec import context_of
 from raymesh.rl.environments import Segment, build_policy, log_prob_and_entropy
 from raymesh.rl.sampling import Completions
 from raymesh.train import TrainConfig
@@ -53,18 +54,24 @@ class Learner(Actor):
         *,
         seed: int,
         init: str | None,
+        params: dict[str, Any] | None = None,
         resume: str | None = None,
     ) -> None:
         # What a checkpoint of the policy records as its job: the init's (so `raymesh serve`
         # and `export` rebuild the model as it was trained), naming this build function.
-        config = job_config(resolve_checkpoint(init)) if init is not None else TrainConfig()
+        if init is not None:
+            config = job_config(resolve_checkpoint(init))
+        else:
+            config = TrainConfig(params=params or {})
         build = policy if isinstance(policy, str) else config.build
         self.config = dataclasses.replace(config, build=build).to_dict()
-        task = rebuild(init, build=policy, seed=seed)
+        task = rebuild(init, build=policy, seed=seed, params=params)
         self.model = task.model.train()
         self.optimizer = task.optimizer
         self.algorithm = algorithm
-        self.context = getattr(self.model, "block_size", None)
+        self.context = context_of(self.model)
+        # Only what trains changes: a LoRA policy publishes its adapters alone.
+        self.trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         self.version = 0
         # GRPO's KL is to the initial policy: a frozen copy, kept only when the KL is weighed
         self.reference = None
@@ -85,7 +92,10 @@ class Learner(Actor):
     def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
         """(the current version, its weights, stored once in this host's object store): the
         loop hands the reference to every generator, and each reads the one copy."""
-        return self.version, Shared(self.model.state_dict())
+        state = self.model.state_dict()
+        if len(self.trained) < len(state):
+            state = {k: v for k, v in state.items() if k in self.trained}
+        return self.version, Shared(state)
 
     @endpoint
     def save(self, folder: str, position: dict[str, Any]) -> str:
@@ -119,12 +129,18 @@ class Learner(Actor):
             adv = torch.zeros(len(data.rewards), dtype=torch.float64)
             if int(valid.sum()) >= 2:
                 adv[valid] = group_advantages(data.rewards[valid], int(valid.sum()))
-            prompt = torch.tensor(list(data.prompt or b"\n"))
+            prompt = data.prompt_ids
+            if prompt is None:
+                prompt = torch.tensor(list(data.prompt or b"\n"))
             prompts.extend([prompt] * len(data.rewards))
             completions.append(data.tokens)
             old.append(data.logp)
             advantages.append(adv)
-            mask.append(valid)
+            t = data.tokens.shape[1]
+            counted = torch.ones_like(data.tokens, dtype=torch.bool)
+            if data.lengths is not None:  # the tokens after an end-of-text token
+                counted = torch.arange(t)[None, :] < data.lengths[:, None]
+            mask.append(valid[:, None] & counted)
             rewards.extend(data.rewards[valid].tolist())
             lag.append(self.version - r.version)
         tokens = torch.cat(completions)
@@ -133,7 +149,7 @@ class Learner(Actor):
         if self.reference is not None:
             with torch.no_grad():
                 ref = self._logp(self.reference, prompts, tokens)
-        masks = torch.cat(mask).to(new.dtype)[:, None].expand_as(new)
+        masks = torch.cat(mask).to(new.dtype)
         loss, stats = grpo_loss(
             new,
             torch.cat(old),

@@ -94,6 +94,7 @@ def run(
     max_staleness: int = 0,
     seed: int = 0,
     init: str | None = None,
+    params: dict[str, Any] | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
@@ -106,8 +107,10 @@ def run(
     """Train `policy` with `algorithm`, for at most `steps` policy updates; the run ends early
     after the first step whose statistics `stop` accepts. `progress` gets each step's.
 
-    GRPO (the default): post-train `policy` (a raymesh.train build function of a byte-level
-    model, or its "module:function" name; from the checkpoint `init` when given) on `prompts`
+    GRPO (the default): post-train `policy` (a raymesh.train build function, or its
+    "module:function" name, of a byte-level model or of a transformers causal LM with its
+    tokenizer, LoRA or not, e.g. "raymesh.train.hf:build"; with `params` as its ctx.params;
+    from the checkpoint `init` when given) on `prompts`
     scored by `reward` ((prompt, completion) -> float, or its "module:function" name, run where
     the samples are; or a mesh of reward actors, e.g. a reward model, whose endpoint
     `score(prompt, completion) -> float` is called for each completion, on the least busy
@@ -142,18 +145,29 @@ def run(
         name, value = ("resume", resume) if resume else ("checkpoint_every", checkpoint_every)
         raise bad(name, value, "give checkpoint= the folder the run saves in and resumes from")
     if isinstance(algorithm, PPO):
-        roles = env_roles(policy, prompts, reward, algorithm, env_runners, seed, init, checkpoint)
+        roles = env_roles(
+            policy=policy,
+            prompts=prompts,
+            reward=reward,
+            algorithm=algorithm,
+            runners=env_runners,
+            seed=seed,
+            init=init,
+            params=params,
+            checkpoint=checkpoint,
+        )
     elif isinstance(algorithm, GRPO):
         roles = text_roles(
-            policy,
-            prompts,
-            reward,
-            algorithm,
-            prompts_per_step,
-            generators,
-            seed,
-            init,
-            reward_timeout_s,
+            policy=policy,
+            prompts=prompts,
+            reward=reward,
+            algorithm=algorithm,
+            per_step=prompts_per_step,
+            generators=generators,
+            seed=seed,
+            init=init,
+            params=params,
+            reward_timeout_s=reward_timeout_s,
         )
     else:
         raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")

@@ -36,6 +36,7 @@ class Roles:
 
 
 def text_roles(
+    *,
     policy: Any,
     prompts: Sequence[str | bytes] | None,
     reward: Any,
@@ -44,6 +45,7 @@ def text_roles(
     generators: int,
     seed: int,
     init: str | None,
+    params: dict[str, Any] | None,
     reward_timeout_s: float,
 ) -> Roles:
     items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
@@ -56,6 +58,10 @@ def text_roles(
             "policy", policy, 'give a train build function, e.g. "raymesh.examples.tinygpt:build"'
         )
     resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
+    if params is not None and not isinstance(params, dict):
+        raise bad("params", params, "give a dict: the build function's ctx.params")
+    if params is not None and init is not None:
+        raise bad("params", params, "init's checkpoint brings its job's params: leave it out")
     if reward is None:
         raise bad("reward", reward, "give a function (prompt, completion) -> float")
     if isinstance(reward, ActorMesh):
@@ -72,11 +78,11 @@ def text_roles(
 
     return Roles(
         name="gen",
-        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init}),
+        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init, "params": params}),
         worker=lambda i, n: (
             Generator,
             (policy, reward, algorithm),
-            {"seed": seed, "init": init, "reward_timeout_s": reward_timeout_s},
+            {"seed": seed, "init": init, "params": params, "reward_timeout_s": reward_timeout_s},
         ),
         workers=generators,
         per_step=per_step,
@@ -85,6 +91,7 @@ def text_roles(
 
 
 def env_roles(
+    *,
     policy: Any,
     prompts: Any,
     reward: Any,
@@ -92,12 +99,14 @@ def env_roles(
     runners: int,
     seed: int,
     init: str | None,
+    params: dict[str, Any] | None,
     checkpoint: str | None,
 ) -> Roles:
     for name, value in (
         ("prompts", prompts),
         ("reward", reward),
         ("init", init),
+        ("params", params),
         ("checkpoint", checkpoint),
     ):
         if value is not None:

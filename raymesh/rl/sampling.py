@@ -42,13 +42,17 @@ def sample_seed(seed: int, version: int, key: int, index: int) -> int:
 class Completions:
     """One prompt's group of completions: `tokens` [G, T] (the completion only, no prompt),
     their log-probabilities under the policy that made them `logp` [G, T] (at the sampling
-    temperature), `rewards` [G] (NaN where dropped) and {index: reason} for the dropped."""
+    temperature), `rewards` [G] (NaN where dropped), {index: reason} for the dropped, the
+    prompt's token ids (None: its bytes) and each completion's length [G] up to and with its
+    end-of-text token (None: all T tokens count)."""
 
     prompt: bytes
     tokens: torch.Tensor
     logp: torch.Tensor
     rewards: torch.Tensor
     dropped: dict[int, str] = field(default_factory=dict)
+    prompt_ids: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

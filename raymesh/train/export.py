@@ -36,6 +36,7 @@ def rebuild(
     build: Build | None = None,
     device: torch.device | str = "cpu",
     seed: int | None = None,
+    params: dict[str, Any] | None = None,
 ) -> Task:
     """The Task that `build` makes as the one rank of a one-rank job, with the model weights of
     `checkpoint` loaded into `Task.model`, on `device` (a model built on the meta device is
@@ -48,6 +49,8 @@ def rebuild(
     device: the Context's device (where a build function that places its model puts it).
     seed: torch is seeded with it before `build` runs, as training seeds it, so the model is
         initialised as the job's was. None: the job's seed (0 without a checkpoint).
+    params: the build function's `ctx.params` without a checkpoint (with one, its job's are
+        used: giving both is a ValueError).
 
     With a checkpoint, the Context's `config` is the job's TrainConfig, read from the manifest,
     so the build function sees the `ctx.params` it trained with. Raises ValueError when there
@@ -56,6 +59,10 @@ def rebuild(
     """
     step = None if checkpoint is None else resolve_checkpoint(checkpoint)
     config = None if step is None else job_config(step)
+    if params is not None:
+        if config is not None:
+            raise bad("params", params, "the checkpoint's job params are used: leave it out")
+        config = TrainConfig(params=params)
     build = build if build is not None else (config.build if config is not None else None)
     if build is None:
         where = f"checkpoint {str(step)!r} names none" if step is not None else "no checkpoint"

@@ -10,6 +10,11 @@ def es(prompt: bytes, completion: bytes) -> float:
     return completion.count(b"e") / max(1, len(completion))
 
 
+def ascii_share(prompt: bytes, completion: bytes) -> float:
+    """The share of ASCII bytes: about half of a random policy's, so every group has a spread."""
+    return sum(b < 128 for b in completion) / max(1, len(completion))
+
+
 def es_or_die(prompt: bytes, completion: bytes, *, flag: str) -> float:
     """`es`, but the first call anywhere SIGKILLs its own process, mid-rollout (once: `flag`
     is a file that says it happened)."""

@@ -113,3 +113,33 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         _run(rewards.es, checkpoint_every=2)
     with pytest.raises(ValueError, match=r"^checkpoint_every=-1"):
         _run(rewards.es, checkpoint_every=-1)
+
+
+def test_grpo_post_trains_a_hugging_face_lora_policy_and_publishes_only_its_adapters(tmp_path):
+    from raymesh.train import hf
+    from raymesh.train.export import rebuild
+
+    folder = hf.save_tiny_llama(tmp_path / "llama")
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    params = {"model": str(folder), "lora_r": 4, "lr": 1e-2, "text": str(text)}
+    result = rl.run(
+        policy="raymesh.train.hf:build",
+        params=params,
+        prompts=PROMPTS,
+        reward=rewards.ascii_share,
+        algorithm=rl.GRPO(group_size=4, max_tokens=6),
+        steps=2,
+        prompts_per_step=2,
+        generators=1,
+        checkpoint=str(tmp_path / "grpo"),
+        timeout_s=120,
+    )
+    assert [row["samples"] for row in result.history] == [8, 8]
+    # Only what trains travels to the generators: the adapters, not the frozen base.
+    assert result.weights and all("lora_" in k for k in result.weights), list(result.weights)
+    # The checkpoint is a raymesh.train run of the PEFT model, as serve and export rebuild it.
+    model = rebuild(tmp_path / "grpo").model
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in result.weights.items())
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in state.items() if "lora_B" in k)

@@ -55,3 +55,27 @@ def test_a_kl_weight_keeps_the_initial_policy_and_reports_the_divergence_from_it
     reference = dict(learner.reference.named_parameters())
     assert all(not p.requires_grad for p in reference.values())
     assert any(not torch.equal(p, reference[n]) for n, p in learner.model.named_parameters())
+
+
+def test_a_completion_ends_with_its_first_end_of_text_token_and_a_byte_policy_never_ends():
+    from raymesh.rl.generator import _lengths
+
+    tokens = torch.tensor([[5, 9, 2, 9], [9, 1, 1, 1], [1, 2, 3, 4]])
+    assert _lengths(tokens, eos=9).tolist() == [2, 1, 4]
+    assert _lengths(tokens, eos=None).tolist() == [4, 4, 4]
+
+
+def test_the_tokens_after_the_end_of_text_token_take_no_part_in_the_loss():
+    learner = Learner(POLICY, rl.GRPO(group_size=4), seed=0, init=None)
+    rollouts = _rollouts(learner, [b"def "])
+    data = rollouts[0].data
+    # Ended after its first token, completion 0's other tokens are anything: the same step.
+    ended = torch.tensor([1, 6, 6, 6])
+    varied = data.tokens.clone()
+    varied[0, 1:] = (varied[0, 1:] + 7) % 256
+    twins = [Learner(POLICY, rl.GRPO(group_size=4), seed=0, init=None) for _ in range(2)]
+    for twin, tokens in zip(twins, (data.tokens, varied)):
+        completions = Completions(data.prompt, tokens, data.logp, data.rewards, lengths=ended)
+        twin.learn([Rollout(key=0, version=0, data=completions)])
+    a, b = (dict(t.model.named_parameters()) for t in twins)
+    assert all(torch.equal(a[k], b[k]) for k in a)
