@@ -7,8 +7,9 @@ of a large argument, a slice's ranks.
 `mesh.incr` is an `EndpointRef`:
 - `call(*args)` -> `Future[ValueMesh]`: every actor of the mesh (or slice), replies gathered.
 - `call_one(*args)` -> `Future[value]`: the mesh must hold exactly one actor.
-- `choose(*args)` -> `Future[value]`: one actor, the one with the fewest of this caller's
-  `choose` calls still running (an idle one when there is one).
+- `choose(*args)` -> `Future[value]`: one live actor, the one with the fewest of this caller's
+  `choose` calls still running (an idle one when there is one); never one whose proc is known
+  to be dead while a live one is left.
 - `stream(*args)` -> iterator of `Future[value]`, one per actor, in order of arrival.
 - `broadcast(*args)` -> None: fire-and-forget; an exception goes to the mesh owner's supervision.
 - `send(endpoint, args, kwargs, port)` (Monarch's): fire-and-forget, each reply sent on `port`.
@@ -296,18 +297,41 @@ class EndpointRef(Generic[T]):
         return self._future(shape, pending, single=True)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Send to one actor, preferring one with none of this caller's choose() calls running."""
+        """Send to one live actor, preferring one with none of this caller's choose() calls
+        running.
+
+        An actor whose proc is known to be dead is never chosen while a live one is left (as in
+        Monarch, a partly failed mesh stays usable through its live ranks; supervision reports
+        the dead ones). When every actor's proc is dead, the future fails at once with a
+        SupervisionError that says none is left and how the first one ended.
+        """
         shape = self._mesh._shape
         key = self._mesh._state.key
+        pstate = self._mesh._state.proc_state
+        with pstate.lock:
+            dead = {r: pstate.dead[r] for r in shape.ranks if r in pstate.dead}
+        if len(dead) == len(shape.ranks):
+            first = next(iter(dead.values()))
+            failure = MeshFailure(
+                self._mesh.name,
+                tuple(dead),
+                first.kind,
+                f"no live actor left to choose from: all {len(dead)} procs are dead (rank "
+                f"{first.ranks[0]}: {first.cause})",
+                exit_code=first.exit_code,
+                signal=first.signal,
+                actor=first.actor,
+            )
+            return Future.failed(SupervisionError(failure))
         with _sender.lock:
-            inflight = {r: _sender.chosen.get((key, r), []) for r in shape.ranks}
+            inflight = {r: _sender.chosen.get((key, r), []) for r in shape.ranks if r not in dead}
             done = _finished([p for ps in inflight.values() for p in ps])
             load = {}
             for rank, ps in inflight.items():
                 _sender.chosen[(key, rank)] = [p for p in ps if id(p) not in done]
                 load[rank] = len(_sender.chosen[(key, rank)])
             least = min(load.values())
-            candidates = [i for i, r in enumerate(shape.ranks) if load[r] == least]
+            candidates = [i for i, r in enumerate(shape.ranks) if load.get(r) == least]
             index = candidates[next(_sender.round_robin) % len(candidates)]
         one = _index_shape(shape, index)
         try:

@@ -317,3 +317,21 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
     proc.kill()  # the controller crashes: no cleanup runs in it
     proc.wait(timeout=30)
     wait_for(lambda: not any(alive(p) for p in pids), 30)
+
+
+def test_choose_skips_a_dead_actor_and_says_so_when_none_is_left(hook_calls):
+    procs = this_host().spawn_procs(per_host={"procs": 4}, name="choosers")
+    counters = procs.spawn("c", Counter)
+    os.kill(procs.pids[2], signal.SIGKILL)
+    wait_for(lambda: procs.failure, 10.0)  # the death is known (the watcher recorded it)
+    # As a user sends them: many at once, then one at a time. None may go to the dead rank.
+    at_once = [counters.rank.choose() for _ in range(40)]
+    assert sorted({f.get(timeout=30) for f in at_once}) == [0, 1, 3]
+    one_by_one = [counters.rank.choose().get(timeout=30) for _ in range(12)]
+    assert sorted(set(one_by_one)) == [0, 1, 3], one_by_one
+    for rank in (0, 1, 3):
+        os.kill(procs.pids[rank], signal.SIGKILL)
+    wait_for(lambda: len(hook_calls) >= 4, 10.0)
+    with pytest.raises(SupervisionError, match=r"no live actor left.*all 4 procs are dead"):
+        counters.rank.choose().get(timeout=5)
+    procs.stop()
