@@ -5,6 +5,7 @@
     python bench/chaos.py --seed 7          # another campaign (default seed 0)
     python bench/chaos.py --only ddp --replay 1234   # one run again, from its printed seed
     python bench/chaos.py --save            # also write bench/results/chaos.json
+    python bench/chaos.py --rate            # a SIGKILL every 30 s for 10 minutes (chaos_rate.py)
 
 Every run draws its faults from its own seed, printed with it (stderr, and in the JSON), so a
 run whose promise broke replays alone with `--only SUITE --replay SEED`. The suites and the
@@ -957,7 +958,23 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SUITES), help=f"suites, of {','.join(SUITES)}")
     ap.add_argument("--replay", type=int, help="run only this run seed (with --only SUITE)")
     ap.add_argument("--save", action="store_true", help="write bench/results/chaos.json")
+    ap.add_argument(
+        "--rate",
+        action="store_true",
+        help="instead: the README's job under a SIGKILL every --every s (bench/chaos_rate.py)",
+    )
+    ap.add_argument("--minutes", type=float, default=10.0, help="--rate: each run's length")
+    ap.add_argument("--every", type=float, default=30.0, help="--rate: seconds between kills")
     args = ap.parse_args()
+    if args.rate:
+        from chaos_rate import rate_run
+
+        out = rate_run(minutes=args.minutes, every_s=args.every, seed=args.seed)
+        text = json.dumps(out, indent=2)
+        print(text)
+        if args.save:
+            (ROOT / "bench" / "results" / "chaos_rate.json").write_text(text + "\n")
+        sys.exit(0 if out["held"] else 1)
     only = [s for s in args.only.split(",") if s]
     unknown = [s for s in only if s not in SUITES]
     if unknown:
