@@ -85,6 +85,46 @@ def test_loading_names_a_folder_that_holds_no_model_or_no_tokenizer(tmp_path):
         hf.load_tokenizer(tmp_path)
 
 
+class Plant:
+    """Unpickled, it opens `path` for writing, which creates the file: a stand-in for any code a
+    planted pickle could run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("kind", ["model", "adapter"])
+def test_weights_saved_as_a_pickle_are_refused_unread_naming_the_folder_and_the_fix(
+    tiny, tmp_path, kind
+):
+    """Safetensors only: a `pytorch_model.bin` (or `adapter_model.bin`) folder is refused before
+    the pickle is opened, whether it holds real weights (which torch.load would read) or a
+    pickle that runs code."""
+    model = hf.load_causal_lm(tiny, lora=hf.Lora(r=4) if kind == "adapter" else None)
+    state = peft.get_peft_model_state_dict(model) if kind == "adapter" else model.state_dict()
+    weights = {k: v.clone() for k, v in state.items()}  # what torch.load would read
+    marker = tmp_path / "planted-code-ran"
+    for payload in (weights, Plant(marker)):
+        folder = tmp_path / f"{kind}-{type(payload).__name__}"
+        model.save_pretrained(folder)
+        stem = "adapter_model" if kind == "adapter" else "model"
+        (folder / f"{stem}.safetensors").unlink()
+        pickle = folder / ("adapter_model.bin" if kind == "adapter" else "pytorch_model.bin")
+        torch.save(payload, pickle)
+        with pytest.raises(ValueError) as e:
+            hf.load_causal_lm(folder)
+        message = str(e.value)
+        assert message.startswith(f"model={str(folder)!r}: its weights are [{pickle.name!r}]")
+        assert "safetensors only" in message and "save_pretrained(folder)" in message
+        if kind == "model":  # built on meta too: refused before PretrainedWeights reads it
+            with pytest.raises(ValueError, match="safetensors only"):
+                hf.load_causal_lm(folder, meta=True)
+    assert not marker.exists()
+
+
 def test_a_loaded_model_is_fp32_without_a_cache_and_lora_trains_only_the_adapter(tiny):
     full = hf.load_causal_lm(tiny)
     assert full.config.use_cache is False

@@ -2,6 +2,10 @@
 tokenizer), a causal LM loaded from a local folder in fp32, with a new LoRA adapter or a saved
 one (`load_causal_lm`), its tokenizer (`load_tokenizer`), and the folder a loaded model came
 from (`folder_of`). Nothing is downloaded: every load is `local_files_only`.
+
+Weights are read from safetensors only (`use_safetensors=True`): a folder whose weights are a
+pickle (`pytorch_model.bin`, `adapter_model.bin`) is refused before anything in it is read, as
+unpickling one can run code whatever torch.load's guard (CVE-2025-32434 bypassed it).
 """
 
 from __future__ import annotations
@@ -176,6 +180,7 @@ def load_causal_lm(
             "not a model folder (no config.json); save one with model.save_pretrained(folder) "
             "or raymesh.train.hf.save_tiny_llama(folder)",
         )
+    _check_safetensors(path, "model.safetensors")
     if meta:
         from accelerate import init_empty_weights  # parameters on meta, buffers real
 
@@ -186,7 +191,7 @@ def load_causal_lm(
             )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, **{_DTYPE_KW: torch.float32}
+            str(path), local_files_only=True, use_safetensors=True, **{_DTYPE_KW: torch.float32}
         )
     model.config.use_cache = False
     if lora is None:
@@ -225,7 +230,27 @@ def _load_adapter(path: Path) -> torch.nn.Module:
             f"this adapter's base_model_name_or_path={base!r} is not a local folder; give the "
             "full model (raymesh export --merge), or fix adapter_config.json",
         )
+    # PEFT has no use_safetensors: it falls back to adapter_model.bin, so it is refused here.
+    _check_safetensors(path, "adapter_model.safetensors")
     return peft.PeftModel.from_pretrained(load_causal_lm(base), str(path))
+
+
+def _check_safetensors(path: Path, name: str) -> None:
+    """Refuse a folder whose weights are not safetensors (ValueError naming it and the fix):
+    `name` for an adapter, any `*.safetensors` (one file or shards) for a model."""
+    found = (
+        (path / name).is_file() if name.startswith("adapter") else any(path.glob("*.safetensors"))
+    )
+    if found:
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    held = f"its weights are {pickles}, a pickle" if pickles else f"it holds no {name}"
+    raise bad(
+        "model",
+        str(path),
+        f"{held}; raymesh reads safetensors only (unpickling can run code). Convert it where "
+        "you trust the file: load it and save_pretrained(folder) writes safetensors",
+    )
 
 
 def folder_of(model: torch.nn.Module) -> Path:
