@@ -5,6 +5,10 @@ A request is allowed when it carries `Authorization: Bearer <token>`: the scheme
 non-ASCII header simply wrong. A refusal is a 401 in the shared error shape
 (`raymesh._common.http_error`) with `WWW-Authenticate: Bearer`, its message naming the token
 wanted and how to send it; the token itself is never in a message or a log.
+
+A token is at least `MIN_TOKEN_CHARS` characters of printable ASCII (it travels in a header):
+a short one can be guessed by a client that simply keeps trying. `check_token` is that rule,
+for a config to refuse a bad token before anything starts (ValueError naming the field).
 """
 
 from __future__ import annotations
@@ -13,18 +17,41 @@ import hmac
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
+from raymesh._common.fields import bad
 from raymesh._common.http_error import HTTPError
 
-__all__ = ["BearerAuth", "BearerToken"]
+__all__ = ["MIN_TOKEN_CHARS", "BearerAuth", "BearerToken", "check_token"]
+
+MIN_TOKEN_CHARS = 16
+
+
+def check_token(field: str, token: object) -> str:
+    """`token`, if it can be a bearer token; ValueError naming `field` (never the token's
+    value) and the fix otherwise."""
+    if not isinstance(token, str) or not token:
+        raise bad(field, "<hidden>", "give a non-empty string, or None for no token")
+    if not (token.isascii() and token.isprintable()) or token != token.strip():
+        raise bad(
+            field,
+            "<hidden>",
+            "give printable ASCII without spaces at either end (it travels in an HTTP header)",
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        raise bad(
+            field,
+            "<hidden>",
+            f"the token has {len(token)} characters: give at least {MIN_TOKEN_CHARS} (a short "
+            'one can be guessed), e.g. python -c "import secrets; print(secrets.token_urlsafe())"',
+        )
+    return token
 
 
 class BearerToken:
-    """One token's check. `what` names it in the 401's message ("the server's token")."""
+    """One token's check. `what` names it in the 401's message ("the server's token"); a bad
+    token is a ValueError naming `field` (see `check_token`)."""
 
-    def __init__(self, token: str, what: str = "the server's token") -> None:
-        if not isinstance(token, str) or not token:
-            raise ValueError("a bearer token must be a non-empty string")
-        self._token = token.encode()
+    def __init__(self, token: str, what: str = "the server's token", field: str = "token") -> None:
+        self._token = check_token(field, token).encode()
         self.what = what
 
     def allows(self, authorization: bytes | str) -> bool:
@@ -61,7 +88,7 @@ class BearerAuth:
     `token` (None: no check); any other request passes untouched.
 
     refused: called with the request's scope and the 401 before it is sent (a server's log
-    line, its metrics)."""
+    line: `RefusalLog`, its metrics). field: names the token in a ValueError."""
 
     def __init__(
         self,
@@ -71,9 +98,10 @@ class BearerAuth:
         paths: Sequence[str] = ("/",),
         what: str = "the server's token",
         refused: Callable[[MutableMapping[str, Any], HTTPError], None] | None = None,
+        field: str = "token",
     ) -> None:
         self.app = app
-        self.token = BearerToken(token, what) if token is not None else None
+        self.token = BearerToken(token, what, field) if token is not None else None
         self.paths = tuple(paths)
         self.refused = refused
 

@@ -7,24 +7,42 @@ known or raises what stopped it (OSError when the port is taken), and `stop()` e
 server and its loop. uvicorn is imported here, when a server starts, so that importing raymesh
 needs none of the HTTP extras.
 
-Every server gets the same limits against slow or greedy clients: at most `max_connections`
-open at once (uvicorn answers 503 beyond), idle keep-alive connections closed after
-`keep_alive_s`, and a request's headers bounded by h11's incomplete-event size. With `tls`
-(a certificate and key file, as `Tls`) it serves HTTPS.
+Every server gets the same limits against slow or greedy clients, whatever its app does:
+- at most `max_connections` open at once (uvicorn answers 503 beyond);
+- a request head (request line and headers) must be complete within `head_timeout_s` of the
+  connection opening, or of its first byte on a kept-alive connection, and is at most 64 KiB
+  (431 beyond); a body within `body_timeout_s` of its head. Otherwise the server answers 408
+  (when no response has begun) and closes the connection, however the client paces its bytes:
+  a client that connects and says nothing, or trickles a byte at a time, holds a slot for a
+  bounded time only, so such clients cannot fill the cap and turn every later request away;
+- an idle keep-alive connection is closed after `keep_alive_s`.
+Bound to loopback without a token (`authenticated=False`), it answers only requests whose
+`Host` is localhost, 127.0.0.1 or [::1] (any port: an SSH tunnel's port differs), 421
+otherwise: a web page whose name was rebound to 127.0.0.1 (DNS rebinding) reaches nothing.
+With `tls` (a certificate and key file, as `Tls`) it serves HTTPS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
+import logging
 import socket
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from raymesh._common.http_error import HTTPError, RefusalLog, error_json
 from raymesh._common.tls import Tls
 
-__all__ = ["ServerThread", "free_port", "url_of"]
+__all__ = ["ServerThread", "exposure", "free_port", "is_loopback", "url_of"]
+
+logger = logging.getLogger("raymesh")
+
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers past this are refused (431)
+# The names a loopback server without a token answers to (DNS rebinding: see the docstring).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
 
 def free_port(host: str = "") -> int:
@@ -33,6 +51,35 @@ def free_port(host: str = "") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only ("localhost", 127.x.x.x, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure(host: str, *, token: bool, tls: bool) -> str | None:
+    """Why a server bound to `host` is exposed, in words (None: it is not). The one wording
+    of the warning every raymesh server gives when it is reachable from other machines with no
+    token, or with one that crosses the network in the clear."""
+    if is_loopback(host):
+        return None
+    if not token:
+        return (
+            f"{host} is reachable from other machines and no token is set: anyone who "
+            "reaches it is served"
+        )
+    if not tls:
+        return (
+            f"{host} is reachable from other machines over plain HTTP: the token crosses the "
+            "network in the clear"
+        )
+    return None
 
 
 def url_of(host: str, port: int, *, tls: bool = False) -> str:
@@ -52,6 +99,8 @@ class ServerThread:
     tls: serve HTTPS with this certificate and key.
     max_connections: connections open at once; uvicorn answers 503 to more.
     keep_alive_s: an idle keep-alive connection is closed after this long.
+    head_timeout_s, body_timeout_s: the deadlines of a request's head and of its body (408).
+    authenticated: the app checks a token itself; False on a loopback bind: the Host check.
     """
 
     def __init__(
@@ -69,17 +118,23 @@ class ServerThread:
         tls: Tls | None = None,
         max_connections: int = 1024,
         keep_alive_s: float = 5.0,
+        head_timeout_s: float = 10.0,
+        body_timeout_s: float = 60.0,
+        authenticated: bool = False,
     ) -> None:
         self.host = host
         self.tls = tls
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._uvloop = uvloop
+        if not authenticated and is_loopback(host):
+            app = LoopbackHosts(app, RefusalLog(logger, name))
         self._args = (app, host, port, graceful_s, before, after)
         self._limits: dict[str, Any] = {
             "limit_concurrency": max_connections,
             "timeout_keep_alive": keep_alive_s,
-            "h11_max_incomplete_event_size": 64 * 1024,
+            "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
+            "http": _with_deadlines(head_timeout_s, body_timeout_s),
         }
         if tls is not None:
             self._limits.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
@@ -158,3 +213,151 @@ class ServerThread:
         finally:
             if after is not None:
                 await after()
+
+
+class LoopbackHosts:
+    """ASGI middleware: a request whose `Host` names anything but this machine's loopback is
+    refused (421), and logged through `log`. A request with no Host (HTTP/1.0) passes: a
+    browser always sends one."""
+
+    def __init__(self, app: Any, log: Callable[[Any, HTTPError], None]) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+            name = host.decode("latin-1").strip().lower()
+            name = name[: name.index("]") + 1] if name.startswith("[") and "]" in name else name
+            name = name.rpartition(":")[0] if name.count(":") == 1 else name
+            if host and name not in LOOPBACK_NAMES:
+                error = HTTPError(
+                    421,
+                    "MisdirectedRequest",
+                    "this server is bound to loopback without a token and answers only "
+                    "Host: localhost, 127.0.0.1 or [::1] (a page rebinding its name to "
+                    "127.0.0.1 reaches nothing); give the server a token to reach it by "
+                    "another name",
+                    field="Host",
+                    headers={"Connection": "close"},
+                )
+                self.log(scope, error)
+                if scope["type"] == "http":
+                    await error.send(send)
+                return
+        await self.app(scope, receive, send)
+
+
+_PROTOCOLS: dict[tuple[float, float], type[asyncio.Protocol]] = {}
+
+
+def _with_deadlines(head_s: float, body_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11, as uvicorn's "auto")
+    with the head and body deadlines of the module docstring. uvicorn has none of its own:
+    its keep-alive timer runs only between requests."""
+    key = (head_s, body_s)
+    if key not in _PROTOCOLS:
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+        _PROTOCOLS[key] = type(
+            "Deadlined" + base.__name__,
+            (_Deadlines, base),
+            {"head_timeout_s": head_s, "body_timeout_s": body_s},
+        )
+    return _PROTOCOLS[key]
+
+
+_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+
+
+class _Deadlines:
+    """Mixed into uvicorn's protocol class: one timer per connection, armed for the head when
+    the connection opens (or a kept-alive one receives its next byte), re-armed for the body
+    once the head is in, disarmed once the app has the whole request or has answered. Only
+    uvicorn's per-connection attributes are read (`cycle`, `transport`, `loop`): its h11 and
+    httptools protocols both have them."""
+
+    head_timeout_s: float
+    body_timeout_s: float
+    cycle: Any
+    transport: Any
+    loop: asyncio.AbstractEventLoop
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str | None = None
+    _head_bytes = 0  # of the head being received
+    _head_tail = b""  # its last 3 bytes: a CRLFCRLF may straddle two reads
+
+    def _waiting_for(self) -> str | None:
+        """'head', 'body', or None: the app has the request (or answered it)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return "head"
+        return "body" if cycle.more_body and not cycle.response_started else None
+
+    def _arm(self, phase: str | None) -> None:
+        if phase == self._phase:
+            return
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = phase
+        if phase is not None:
+            seconds = self.head_timeout_s if phase == "head" else self.body_timeout_s
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm("head")
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for() == "head":
+            self._arm("head")  # a kept-alive connection's next request starts its clock
+            # The head must end within MAX_HEAD_BYTES (h11 bounds it too; httptools does not).
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if len(data) > room and b"\r\n\r\n" not in self._head_tail + data[:room]:
+                self._refuse(_431, 431, f"the request head is over {MAX_HEAD_BYTES} bytes")
+                return
+            self._head_bytes += len(data)
+            self._head_tail = data[-3:]
+        super().data_received(data)  # type: ignore[misc]
+        if self.transport.is_closing():
+            return
+        phase = self._waiting_for()
+        if phase != "head":
+            self._head_bytes, self._head_tail = 0, b""
+        self._arm(phase)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        # Idle until the next byte (uvicorn's keep-alive timer); a pipelined request's
+        # body, if any, is already in.
+        self._arm(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _expired(self) -> None:
+        phase, self._deadline, self._phase = self._waiting_for(), None, None
+        if phase is None or self.transport.is_closing():
+            return
+        field = "head_timeout_s" if phase == "head" else "body_timeout_s"
+        seconds = self.head_timeout_s if phase == "head" else self.body_timeout_s
+        self._refuse(_408, 408, f"the request's {phase} did not arrive within {field}={seconds:g}")
+
+    def _refuse(self, template: bytes, status: int, message: str) -> None:
+        # Written straight to the socket: no response has begun (the phases say so), and
+        # the connection ends with it, so the protocol's own state no longer matters. The
+        # app, if it waits for the body, sees a disconnect.
+        data = error_json(HTTPError(status, None, message))
+        self.transport.write(template % (len(data), data))
+        self.transport.close()

@@ -39,7 +39,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from raymesh._common import BearerAuth, HTTPError
+from raymesh._common import BearerAuth, HTTPError, check_token
 from raymesh.dashboard.runs import Runs
 
 __all__ = ["make_app"]
@@ -52,7 +52,12 @@ _WHAT = "this dashboard's token (the page asks for it)"
 
 
 def make_app(root: str | Path, *, token: str | None = None) -> Starlette:
-    """The dashboard over the run folders under `root` (or `root`, itself a run folder)."""
+    """The dashboard over the run folders under `root` (or `root`, itself a run folder).
+    ValueError naming `token` when it cannot be one (shorter than 16 characters, not
+    printable ASCII): checked here, as Starlette builds its middleware only at the first
+    request."""
+    if token is not None:
+        check_token("token", token)
     runs = Runs(root)
 
     def page(name: str) -> Any:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import socket
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +20,7 @@ from raymesh._common import (
     HTTPError,
     Pending,
     Range,
+    ServerThread,
     bad,
     check_int,
     check_seconds,
@@ -26,6 +29,8 @@ from raymesh._common import (
     resolve,
     split_job,
 )
+from raymesh._common.http_error import RefusalLog
+from tests.waiting import wait_for
 
 
 def test_a_field_error_names_the_field_the_value_and_the_fix():
@@ -104,9 +109,9 @@ def test_a_function_is_resolved_from_its_name_or_the_name_is_the_error():
 
 
 def test_a_bearer_token_takes_any_case_of_the_scheme_and_nothing_else():
-    token = BearerToken("s3cret")
-    assert token.allows(b"Bearer s3cret") and token.allows("bearer s3cret ")
-    assert not token.allows(b"Bearer wrong") and not token.allows(b"s3cret")
+    token = BearerToken("s3cret-of-16-chars")
+    assert token.allows(b"Bearer s3cret-of-16-chars") and token.allows("bearer s3cret-of-16-chars ")
+    assert not token.allows(b"Bearer wrong") and not token.allows(b"s3cret-of-16-chars")
     assert not token.allows(b"") and not token.allows("Bearer s3cr\u00e9t")
     assert not token.allows(b"Bearer \xff")
     refusal = token.refusal()
@@ -117,6 +122,19 @@ def test_a_bearer_token_takes_any_case_of_the_scheme_and_nothing_else():
             "message": "give the server's token: Authorization: Bearer <token>",
         }
     }
+
+
+def test_a_token_shorter_than_16_characters_is_refused_without_echoing_it():
+    for short in ("x", "fifteen-chars!!"):
+        with pytest.raises(
+            ValueError, match=r"admin_token='<hidden>': the token has \d+ char"
+        ) as e:
+            BearerAuth(None, short, field="admin_token")
+        assert short not in str(e.value) and "at least 16" in str(e.value)
+    for wrong in ("", " sixteen-chars-and-more", "sixteen-chars-\u00e9-more"):
+        with pytest.raises(ValueError, match=r"token='<hidden>': give"):
+            BearerToken(wrong)
+    assert BearerToken("sixteen-chars-ok").allows("Bearer sixteen-chars-ok")
 
 
 def _call(app, path: str, authorization: bytes | None = None) -> tuple[int, dict, dict]:
@@ -142,10 +160,13 @@ def test_the_middleware_guards_its_paths_only_and_refuses_in_the_error_shape():
 
     refused: list[str] = []
     guarded = BearerAuth(
-        app, "s3cret", paths=("/api/",), refused=lambda scope, e: refused.append(scope["path"])
+        app,
+        "s3cret-of-16-chars",
+        paths=("/api/",),
+        refused=lambda scope, e: refused.append(scope["path"]),
     )
     assert _call(guarded, "/healthz")[0] == 200
-    assert _call(guarded, "/api/x", b"Bearer s3cret")[0] == 200
+    assert _call(guarded, "/api/x", b"Bearer s3cret-of-16-chars")[0] == 200
     status, headers, body = _call(guarded, "/api/x", b"Bearer nope")
     assert status == 401 and headers[b"www-authenticate"] == b"Bearer"
     assert body["error"]["type"] == "Unauthorized" and refused == ["/api/x"]
@@ -180,3 +201,143 @@ def test_a_free_port_can_be_bound():
     port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+async def _echo(scope, receive, send):
+    """An app that reads the whole body, then answers 200 with its size."""
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"%d" % size
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _ask(port: int, head: bytes, timeout: float = 10.0) -> bytes:
+    """One raw request on a fresh connection; the answer (all of it, with Connection: close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head)
+        answer = s.recv(65536)
+        if b"connection: close" in answer.lower():
+            answer += b"".join(iter(lambda: s.recv(65536), b""))
+        return answer
+
+
+def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slots():
+    server = ServerThread(
+        _echo,
+        host="127.0.0.1",
+        port=0,
+        name="test-slots",
+        max_connections=4,
+        keep_alive_s=60,  # an idle kept-alive connection is not what closes these
+        head_timeout_s=0.5,
+        body_timeout_s=0.5,
+    )
+    get = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    slow = {
+        "silent": b"",
+        "head": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",
+        "body": b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n",
+    }
+    answers: dict[str, bytes] = {}
+    stop = threading.Event()
+
+    def trickle(name: str, s: socket.socket) -> None:
+        # A byte every 50 ms for as long as the server takes it: never a whole head or body.
+        s.sendall(slow[name])
+        try:
+            while not stop.is_set() and not select_readable(s, 0.05):
+                if name != "silent":
+                    s.sendall(b"a")
+            answers[name] = s.recv(65536)
+        except OSError as e:
+            answers[name] = repr(e).encode()
+
+    sockets = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in slow]
+    threads = [threading.Thread(target=trickle, args=a) for a in zip(slow, sockets)]
+    try:
+        for t in threads:
+            t.start()
+        # The three hold every slot but the asker's own: uvicorn turns requests away...
+        wait_for(lambda: _ask(server.port, get).startswith(b"HTTP/1.1 503"), 10, what="a full cap")
+        # ...until their deadlines pass: each is answered 408 and closed, and the slots free.
+        wait_for(lambda: len(answers) == 3, 10, what="every slow client cut off")
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
+        assert b"head_timeout_s=0.5" in answers["head"] + answers["silent"]
+        assert b"body_timeout_s=0.5" in answers["body"]
+        assert _ask(server.port, get).startswith(b"HTTP/1.1 200")
+        huge = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+        assert _ask(server.port, huge).startswith(b"HTTP/1.1 431")  # a head too large
+        post = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 300000\r\n"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(post + b"Connection: close\r\n\r\n" + b"a" * 300_000)
+            answer = b"".join(iter(lambda: s.recv(65536), b""))
+        assert answer.startswith(b"HTTP/1.1 200") and b"300000" in answer  # a body in time
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def select_readable(s: socket.socket, timeout: float) -> bool:
+    import select
+
+    return bool(select.select([s], [], [], timeout)[0])
+
+
+def test_a_loopback_server_without_a_token_answers_only_loopback_host_names():
+    def host(name: bytes) -> bytes:
+        return b"GET / HTTP/1.1\r\nConnection: close\r\nHost: " + name + b"\r\n\r\n"
+
+    server = ServerThread(_echo, host="127.0.0.1", port=0, name="test-hosts")
+    try:
+        port = b"%d" % server.port
+        for name in (b"127.0.0.1:" + port, b"localhost:" + port, b"[::1]:" + port, b"LOCALHOST"):
+            assert _ask(server.port, host(name)).startswith(b"HTTP/1.1 200"), name
+        for name in (b"evil.example:" + port, b"evil.example", b"127.0.0.1.evil.example", b"[::2]"):
+            answer = _ask(server.port, host(name))
+            assert answer.startswith(b"HTTP/1.1 421"), (name, answer)
+            assert b'"field":"Host"' in answer and b"rebinding" in answer
+    finally:
+        server.stop()
+    # With a token the app checks who asks; off loopback the bind is the user's choice.
+    server = ServerThread(_echo, host="127.0.0.1", port=0, name="test-t", authenticated=True)
+    try:
+        assert _ask(server.port, host(b"evil.example")).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
+def test_refusals_are_logged_a_few_per_window_with_the_raw_path_escaped(caplog):
+    now = [0.0]
+    log = RefusalLog(
+        logging.getLogger("test.refusals"), "srv", lines=2, window_s=10, clock=lambda: now[0]
+    )
+    scope = {
+        "method": "GET",
+        "path": "/a\nFORGED line",  # what ASGI decodes from the raw path: never logged
+        "raw_path": b"/a%0aFORGED\r\nline",
+        "client": ("10.0.0.1", 5),
+    }
+    error = HTTPError(401, None, "give the token\nFORGED: too")
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for _ in range(5):
+            log(scope, error)
+        now[0] = 11.0
+        log(scope, error)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines  # 2, then the count of the 3 left out, then 1
+    assert lines[0] == (
+        "srv: refused GET /a%0aFORGED\\x0d\\x0aline from 10.0.0.1: 401 "
+        "give the token\\x0aFORGED: too"
+    )
+    assert "\n" not in "".join(lines) and "\r" not in "".join(lines)
+    assert lines[2] == "srv: 3 more refused requests were not logged (at most 2 lines per 10s)"

@@ -320,15 +320,15 @@ def test_the_stream_sends_what_is_appended_and_ends_with_the_run(tmp_path, clien
 
 def test_a_token_is_required_in_a_header_on_every_api_route_and_never_in_a_url(tmp_path):
     _finished_run(tmp_path / "a")
-    with TestClient(make_app(tmp_path, token="s3cret")) as c:
+    with TestClient(make_app(tmp_path, token="s3cret-dashboard-token")) as c:
         for path in ("/api/runs", "/api/run/a", "/api/stream/a", "/metrics"):
             r = c.get(path)
             assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
             assert r.headers["WWW-Authenticate"] == "Bearer", path
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
             # A token in the query string would end in histories and logs: not accepted.
-            assert c.get(path + "?token=s3cret").status_code == 401, path
-        bearer = {"Authorization": "Bearer s3cret"}
+            assert c.get(path + "?token=s3cret-dashboard-token").status_code == 401, path
+        bearer = {"Authorization": "Bearer s3cret-dashboard-token"}
         assert c.get("/api/runs", headers=bearer).json()["runs"][0]["id"] == "a"
         assert c.get("/api/run/a", headers=bearer).status_code == 200
         assert c.get("/metrics", headers=bearer).status_code == 200
@@ -342,15 +342,17 @@ def test_a_token_is_required_in_a_header_on_every_api_route_and_never_in_a_url(t
 def test_a_dashboards_urls_never_hold_its_token_and_a_bad_token_is_refused(tmp_path):
     from raymesh import dashboard
 
-    with dashboard.start(tmp_path, port=0, token="s3 cr/t") as board:
+    with dashboard.start(tmp_path, port=0, token="s3 cr/t-long-enough") as board:
         for url in (board.url, board.page("/mesh/a"), board.run_url("a")):
             assert "s3" not in url and "token" not in url, url
-        assert board.login_url().endswith("/#token=s3%20cr%2Ft")  # only for a browser
+        assert board.login_url().endswith("/#token=s3%20cr%2Ft-long-enough")  # only for a browser
         assert "s3" not in repr(board)
     for bad in ("", " x", "x\n", "tøken"):
         with pytest.raises(ValueError, match="printable ASCII") as e:
             dashboard.start(tmp_path, port=0, token=bad)
         assert bad not in str(e.value) or not bad  # a secret is never echoed
+    with pytest.raises(ValueError, match=r"token='<hidden>': the token has 15 .* at least 16"):
+        dashboard.start(tmp_path, port=0, token="fifteen-chars!!")  # a guessable token
 
 
 def test_prometheus_gets_each_runs_figures(tmp_path, client):
@@ -404,14 +406,14 @@ def test_the_dashboard_command_serves_until_stopped_and_never_prints_its_token(
     import urllib.request
 
     _finished_run(tmp_path / "a")
-    monkeypatch.setenv("RAYMESH_DASHBOARD_TOKEN", "from-env-secret")
+    monkeypatch.setenv("RAYMESH_DASHBOARD_TOKEN", "from-env-secret-token")
     out, stop, server = _serve_cli([str(tmp_path), "--port", "0"], capsys)
     try:
         url = out.split()[2]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/"), url
-        assert "from-env-secret" not in out and "$RAYMESH_DASHBOARD_TOKEN" in out, out
+        assert "from-env-secret-token" not in out and "$RAYMESH_DASHBOARD_TOKEN" in out, out
         request = urllib.request.Request(
-            f"{url}api/runs", headers={"Authorization": "Bearer from-env-secret"}
+            f"{url}api/runs", headers={"Authorization": "Bearer from-env-secret-token"}
         )
         with urllib.request.urlopen(request, timeout=10) as r:
             assert json.load(r)["runs"][0]["id"] == "a"
