@@ -6,8 +6,10 @@ index)`. So it is the same bytes whichever generator makes it, and a generator t
 a dead one remakes exactly what the dead one would have made.
 
 Rewards are the user's, a function or a mesh of reward actors (a reward model): a reward that
-raises, hangs past its timeout, or returns a non-number or NaN drops only that completion, with
-its reason (`Completions.dropped`), never averaged in.
+raises, hangs past its timeout, or returns a non-number, NaN, or a number no float holds (an int
+past float's range, such a Fraction) drops only that completion, with its reason
+(`Completions.dropped`), never averaged in. A step in which no completion could be scored
+ends the run (`raymesh.rl.RewardError`, raised by the loop).
 """
 
 from __future__ import annotations
@@ -125,24 +127,49 @@ def score(
     values, dropped = [], {}
     for i, answer in enumerate(answers):
         try:
-            value = answer()
+            values.append(_number(answer()))
         except Exception as e:  # the user's reward: its failure drops this sample only
             values.append(math.nan)
-            dropped[i] = str(e) if isinstance(e, _NoAnswer) else _raised(e)
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            values.append(math.nan)
-            dropped[i] = f"the reward returned {type(value).__name__} {value!r}, not a number"
-        elif not math.isfinite(float(value)):
-            values.append(math.nan)
-            dropped[i] = f"the reward returned {value!r}, not a finite number"
-        else:
-            values.append(float(value))
+            dropped[i] = str(e) if isinstance(e, (_NoAnswer, _NotANumber)) else _raised(e)
     return torch.tensor(values, dtype=torch.float64), dropped
 
 
 class _NoAnswer(Exception):
     """A reward actor that did not answer in time."""
+
+
+class _NotANumber(Exception):
+    """A reward's answer that is not a finite real number (the message says what it was)."""
+
+
+def _number(value: Any) -> float:
+    """`value` as a finite float, or _NotANumber saying why not. Converting is the user's
+    code too (a Real's __float__, an int past float's range, a Fraction of such ints), so it
+    runs here, inside the caller's try: a conversion that raises drops one completion, not the
+    generator's whole call."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _NotANumber(
+            f"the reward returned {type(value).__name__} {_short(value)}, not a number"
+        )
+    try:
+        number = float(value)
+    except Exception as e:  # OverflowError for 10**400, or whatever a Real's __float__ raises
+        raise _NotANumber(
+            f"the reward returned {type(value).__name__} {_short(value)}, which is no float "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    if not math.isfinite(number):
+        raise _NotANumber(f"the reward returned {_short(value)}, not a finite number")
+    return number
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: a reason is logged per completion."""
+    try:
+        text = repr(value)
+    except Exception as e:  # a user's __repr__ may raise too
+        text = f"<unprintable: {type(e).__name__}>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _answer(future: Future[Any], deadline: float, timeout_s: float) -> Any:

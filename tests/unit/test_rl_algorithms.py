@@ -3,7 +3,9 @@ no Ray, no model)."""
 
 from __future__ import annotations
 
+import fractions
 import math
+import numbers
 import threading
 import time
 
@@ -172,22 +174,52 @@ def test_a_full_buffer_holds_the_generators_back_and_every_wait_times_out():
     assert len(buffer) == 2  # nothing taken by a take that timed out
 
 
+class _Unfloatable(numbers.Real):  # a Real whose conversion is the user's code, and raises
+    def __float__(self) -> float:
+        raise ArithmeticError("no float for this one")
+
+    def __repr__(self) -> str:
+        return "Unfloatable()"
+
+
+for _name in _Unfloatable.__abstractmethods__:  # the rest of the Real interface: unused
+    setattr(_Unfloatable, _name, lambda *args: NotImplemented)
+_Unfloatable.__abstractmethods__ = frozenset()
+
+
 def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
-    scores = {b"a": 1.5, b"b": float("nan"), b"c": "high", b"d": True, b"e": 2}
+    scores = {
+        b"a": 1.5,
+        b"b": float("nan"),
+        b"c": "high",
+        b"d": True,
+        b"e": 2,
+        # Reals that float() cannot convert: the conversion raises inside the reward's own
+        # try, so only these completions drop (it used to fail the generator's whole call).
+        b"g": 10**400,
+        b"h": fractions.Fraction(10**400, 3),
+        b"i": _Unfloatable(),
+        b"j": fractions.Fraction(1, 4),
+    }
 
     def unruly(prompt: bytes, completion: bytes) -> object:
         if completion not in scores:
             raise RuntimeError("no score for this one")
         return scores[completion]
 
-    rewards, dropped = rl.score(unruly, b"p", [b"a", b"b", b"c", b"d", b"e", b"f"])
-    assert rewards[0] == 1.5 and rewards[4] == 2.0
-    assert all(math.isnan(rewards[i]) for i in (1, 2, 3, 5))
+    answers = [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i", b"j"]
+    rewards, dropped = rl.score(unruly, b"p", answers)
+    assert rewards[0] == 1.5 and rewards[4] == 2.0 and rewards[9] == 0.25
+    assert all(math.isnan(rewards[i]) for i in (1, 2, 3, 5, 6, 7, 8))
     assert "nan, not a finite number" in dropped[1]
     assert "returned str 'high', not a number" in dropped[2]
     assert "returned bool True, not a number" in dropped[3]
     assert "raised RuntimeError: no score for this one" in dropped[5]
-    assert set(dropped) == {1, 2, 3, 5}
+    assert "returned int 1000" in dropped[6] and "OverflowError" in dropped[6]
+    assert len(dropped[6]) < 200, dropped[6]  # the 401 digits are cut: a reason is logged
+    assert "returned Fraction" in dropped[7] and "OverflowError" in dropped[7]
+    assert "Unfloatable()" in dropped[8] and "ArithmeticError: no float" in dropped[8]
+    assert set(dropped) == {1, 2, 3, 5, 6, 7, 8}
 
 
 def test_a_completion_is_a_function_of_its_seed_and_each_seed_draws_its_own():
