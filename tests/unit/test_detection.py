@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from raymesh.actor import ActorError, MeshFailure, SupervisionError
@@ -70,44 +72,49 @@ def test_a_rank_that_reported_a_peer_failure_and_then_died_is_lost_by_its_monito
     assert lost == [LostRank(1, "died", "killed by SIGKILL")]
 
 
+class Pending:
+    """A reply that never comes, honouring the timeout it is given as a real one does: `get`
+    blocks for `timeout` seconds and raises TimeoutError. Asked to wait with no timeout it
+    would block forever: it fails the test instead, so a detection that waits forever (or on
+    a timeout of its own, past the one it was given: the test's timeout) cannot pass."""
+
+    def done(self) -> bool:
+        return False
+
+    def get(self, timeout: float | None = None) -> None:
+        assert timeout is not None, "get() without a timeout: a hung rank would block it forever"
+        threading.Event().wait(timeout)  # never set: the reply never comes
+        raise TimeoutError
+
+
+class Answered:
+    def __init__(self, value: ChunkResult) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def get(self, timeout: float | None = None) -> ChunkResult:
+        return self.value
+
+
+# A timeout or grace far above this module's test timeout (30 s): a settle that waited it out
+# (ignoring the shorter one it was given) fails the test.
+NEVER_S = 600.0
+
+
 def test_settle_gives_the_others_only_the_grace_once_one_failed():
-    class Pending:
-        def done(self) -> bool:
-            return False
-
-        def get(self, timeout: float | None = None) -> None:
-            raise TimeoutError
-
-    class Failed:
-        def done(self) -> bool:
-            return True
-
-        def get(self, timeout: float | None = None) -> ChunkResult:
-            return peer(1)
-
-    out = settle([Failed(), Pending()], timeout=60.0, grace=0.2)
+    out = settle([Answered(peer(1)), Pending()], timeout=NEVER_S, grace=0.2)
     assert failed(out[0]) and isinstance(out[1], TimeoutError)
     assert describe(out) == ("rank 1 did not answer in time; rank 0 saw its peer go")
 
 
+def test_settle_waits_no_longer_than_its_timeout_when_no_rank_failed():
+    out = settle([Answered(ok(2)), Pending()], timeout=0.3, grace=NEVER_S)
+    assert out[0] == ok(2) and isinstance(out[1], TimeoutError)
+
+
 def test_a_chunk_behind_the_failed_one_is_waited_for_only_on_the_ranks_that_answered_that_one():
-    class Pending:
-        def done(self) -> bool:
-            return False
-
-        def get(self, timeout: float | None = None) -> None:
-            raise TimeoutError
-
-    class Answered:
-        def __init__(self, value: ChunkResult) -> None:
-            self.value = value
-
-        def done(self) -> bool:
-            return True
-
-        def get(self, timeout: float | None = None) -> ChunkResult:
-            return self.value
-
     timeout = TimeoutError("no reply")
     behind = [Answered(peer(8)), Pending(), Answered(peer(8)), Pending()]
     out = settle_behind(behind, [ok(8), timeout, died(), ok(8)], timeout=0.3)
