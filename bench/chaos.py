@@ -46,6 +46,8 @@ promise each run is checked against:
   when a node joins: every step in the history once, the weights equal to the fault-free run's
   to float precision (the reductions ran at other world sizes in between). The script is
   tests/train/test_elastic.py's, there at one fixed step.
+- rl (bench/chaos_rl.py): GRPO runs with generators, reward actors or the controller
+  SIGKILLed at random, at max_staleness 0 and 1; the promises are in that module.
 The training jobs are the example MLP (raymesh.examples.mlp:build), 16 steps of 48 samples,
 reported every 2 steps, in procs kept warm across the runs of a suite (`train.WarmRanks`, as a
 user's sweep would), on the local Ray that raymesh starts. Progress goes to stderr; one JSON
@@ -73,6 +75,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the data suite's transforms live in tests.data.helpers
+
+from chaos_rl import rl_runs  # noqa: E402  (bench/ is the script's folder, on sys.path)
 
 MLP = "raymesh.examples.mlp:build"
 STEPS, BATCH, EVERY = 16, 48, 2
@@ -907,6 +911,7 @@ SUITES: dict[str, Callable[[int, int, int | None], Iterator[Run]]] = {
     "serve": serve_runs,
     "federated": federated_runs,
     "elastic": elastic_runs,
+    "rl": lambda seed, n, replay: rl_runs(seed, n, replay, Run),
 }
 # Runs per suite: the full campaign has 40 + 8 + 8 + 4 + 2 = 62 faulted training runs, and
 # tune's 4 studies (16 trials more).
@@ -919,6 +924,7 @@ FULL = {
     "serve": 4,
     "federated": 4,
     "elastic": 2,
+    "rl": 8,
 }
 QUICK = {
     "ddp": 4,
@@ -929,6 +935,7 @@ QUICK = {
     "serve": 1,
     "federated": 1,
     "elastic": 0,
+    "rl": 4,
 }
 
 

@@ -6,8 +6,9 @@ dashboard` shows an RL run as it shows a training job, live:
   "state" (Running, then how it ended, with the reason) and "end".
 
 Each line is written whole (a reader that keeps complete lines never sees a torn one). A run
-resumed at version v first drops the metrics lines of the steps after v (and a line torn by
-the crash): it makes those steps again, so each step keeps one line.
+starting at version v (0 for a fresh start, or one resumed before any checkpoint) first drops
+the metrics lines of the steps after v (and a line torn by the crash): it makes those steps
+again, so each step keeps one line.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class RunFolder:
         self.dir = dir
         self.step = start
         metrics = dir / METRICS
-        if start and metrics.exists():
+        # Also at version 0: a controller that died after its first step's line and before
+        # that step's checkpoint resumes from nothing and makes the step again.
+        if metrics.exists():
             kept = []
             for line in metrics.read_text().splitlines():
                 try:
