@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from raymesh._common import bad, new_folder, resolve
-from raymesh.train.checkpoint import MANIFEST, Manifest, load_weights, resolve_checkpoint
+from raymesh.train.checkpoint import (
+    CheckpointError,
+    load_weights,
+    read_manifest,
+    resolve_checkpoint,
+)
 from raymesh.train.config import TrainConfig
 from raymesh.train.materialize import materialize
 from raymesh.train.task import Context, Task
@@ -154,9 +159,8 @@ def export_hf(
 def job_config(step: Path) -> TrainConfig:
     """The TrainConfig a checkpoint's job ran with, from its manifest."""
     try:
-        manifest = Manifest.from_json((step / MANIFEST).read_text())
-        return TrainConfig.from_dict(manifest.config)
-    except (OSError, ValueError) as e:
+        return TrainConfig.from_dict(read_manifest(step).config)
+    except (OSError, ValueError, CheckpointError) as e:
         raise ValueError(
             f"checkpoint={str(step)!r}: its manifest's job config cannot be read ({e}); pass "
             "the build function (--build module:function) of a job this raymesh can read"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -423,3 +424,111 @@ def test_a_pickle_planted_in_metadata_never_runs_and_the_checkpoint_is_refused(
     assert "io.open" in caplog.text
     assert not marker.exists()
     _assert_same(before, model.state_dict())
+
+
+def _saved(tmp_path: Path) -> tuple[Checkpointer, Path, torch.nn.Module, torch.optim.Optimizer]:
+    """A one-process checkpoint of `_fresh()`'s model at step 1: (checkpointer, step folder,
+    model, optimizer)."""
+    model, opt = _fresh()
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, model, opt, world_size=1, strategy="none", config={}, data_position=0, rank=0)
+    return ck, tmp_path / "ck" / "step-00000001", model, opt
+
+
+@pytest.mark.parametrize("where", ["../", "absolute"])
+def test_metadata_that_sends_a_read_outside_the_step_folder_is_refused(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `.metadata` whose storage entry names a file outside the folder (here a real DCP file
+    with other weights, which DCP would read as the checkpoint's) is refused before any read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from raymesh.train.checkpoint.unpickling import MetadataReader
+
+    ck, step, model, opt = _saved(tmp_path)
+    mlp = _mlp()  # other weights
+    opt2 = torch.optim.Adam(mlp.parameters())
+    Checkpointer(tmp_path / "other").save(
+        1, mlp, opt2, world_size=1, strategy="none", config={}, data_position=0, rank=0
+    )
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(next((tmp_path / "other" / "step-00000001").glob("*.distcp")), outside)
+    metadata = FileSystemReader(step).read_metadata()
+    rel = "../../outside.distcp" if where == "../" else str(outside)
+    for info in metadata.storage_data.values():
+        info.relative_path = rel
+    plant_metadata(step, metadata)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"sends a read to .*outside\.distcp.*not a file"):
+        export_state_dict(step)
+    with pytest.raises(CheckpointError, match=r"cannot load .*not a file inside the checkpoint"):
+        ck.load(step, model, opt)
+    with pytest.raises(CheckpointError, match=r"not a file inside the checkpoint"):
+        MetadataReader(step).read_metadata()  # what every rank's dcp.load reads with
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        assert ck.latest() is None
+    _assert_same(before, model.state_dict())
+
+
+def _within(seconds: float, fn: Any) -> Any:
+    """fn()'s result or exception, failing the test if it takes longer than `seconds` (a read
+    of a FIFO or /dev/zero that never ends, left behind on a daemon thread)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still reading after {seconds} s: a read that never ends")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+@pytest.mark.parametrize(
+    "planted",
+    ["manifest a FIFO", "data file -> /dev/zero", "data file -> outside", "step -> outside"],
+)
+def test_a_link_to_a_device_a_fifo_or_outside_is_refused_unread_and_promptly(
+    tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every file a read opens is a regular file inside its step folder, and a run's step folder
+    lies inside the run: anything else is refused from its stat, never opened, so latest(),
+    export and load return at once (a FIFO or /dev/zero would block or never end)."""
+    if planted == "data file -> /dev/zero" and not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    ck, step, model, opt = _saved(tmp_path)
+    data = next(step.glob("*.distcp"))
+    elsewhere = tmp_path / "elsewhere"
+    if planted == "manifest a FIFO":
+        (step / "manifest.json").rename(tmp_path / "manifest.json")
+        os.mkfifo(step / "manifest.json")  # opening it for reading waits for a writer
+        why = r"'manifest.json' is not a regular file"
+    elif planted == "data file -> /dev/zero":
+        data.unlink()
+        data.symlink_to("/dev/zero")
+        why = rf"{data.name!r} is not a regular file"
+    elif planted == "data file -> outside":
+        shutil.move(data, elsewhere)
+        data.symlink_to(elsewhere)
+        why = rf"{data.name!r} links to .*elsewhere.*outside the checkpoint"
+    else:  # the run's step folder is a link to a checkpoint outside the run
+        shutil.move(step, elsewhere)
+        step.symlink_to(elsewhere, target_is_directory=True)
+        why = r"links to .*elsewhere.*outside .*ck"
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        assert _within(10, ck.latest) is None
+    assert re.search(why, caplog.text), caplog.text
+    if planted != "step -> outside":  # a step folder given itself is the caller's choice
+        with pytest.raises(CheckpointError, match=why):
+            _within(10, lambda: export_state_dict(step))
+        with pytest.raises(CheckpointError, match=why):
+            _within(10, lambda: ck.load(step, model, opt))

@@ -47,7 +47,7 @@ group (one process), they run locally.
 
 from raymesh.train.checkpoint.checkpointer import Checkpointer, export_state_dict
 from raymesh.train.checkpoint.errors import CheckpointError
-from raymesh.train.checkpoint.layout import MANIFEST, Manifest
+from raymesh.train.checkpoint.layout import MANIFEST, Manifest, named_paths, read_manifest
 from raymesh.train.checkpoint.weights import load_weights, resolve_checkpoint
 
 __all__ = [
@@ -57,6 +57,8 @@ __all__ = [
     "Manifest",
     "export_state_dict",
     "load_weights",
+    "named_paths",
+    "read_manifest",
     "resolve_checkpoint",
 ]
 
@@ -68,6 +70,8 @@ for _public in (
     Manifest,
     export_state_dict,
     load_weights,
+    named_paths,
+    read_manifest,
     resolve_checkpoint,
 ):
     _public.__module__ = __name__

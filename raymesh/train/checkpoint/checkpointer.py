@@ -33,6 +33,7 @@ from raymesh.train.checkpoint.layout import (
     TMP_PREFIX,
     Manifest,
     committed_steps,
+    read_manifest,
     sha256,
     verify,
 )
@@ -230,7 +231,7 @@ class Checkpointer:
             return None
         for _, path in sorted(committed_steps(self.dir), reverse=True):
             try:
-                verify(path)
+                verify(path, self.dir)
             except CheckpointError as e:
                 log.warning("checkpoint: skipping %s: %s; trying the previous one", path, e)
                 continue
@@ -258,7 +259,7 @@ class Checkpointer:
         error = self._broadcast(error)
         if error is not None:
             raise CheckpointError(f"cannot load {str(path)!r}: {error}")
-        manifest = Manifest.from_json((path / MANIFEST).read_text())
+        manifest = read_manifest(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
         with _quiet_single_process():

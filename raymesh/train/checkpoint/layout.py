@@ -4,6 +4,13 @@ what its manifest says (the layout itself is drawn in raymesh.train.checkpoint's
 A `step-XXXXXXXX` folder is committed; a `.tmp-*` one is a save in progress (or left by a
 crash) and never read. `manifest.json`, written last, lists every other file with its sha256;
 `verify` recomputes them, and reads `.metadata` as a load would, before anything is loaded.
+
+What `verify` reads is bounded, whoever wrote the folder: every file it opens is a regular file
+whose real path lies inside the step folder (a link to `/dev/zero`, a FIFO, or a file outside is
+refused from its `stat`, unread: reading one would never end, or read what the folder does not
+hold), the manifest is at most `MAX_MANIFEST_BYTES`, and every file `.metadata` sends DCP to is
+one the manifest lists (no `../` or absolute path out of the folder). With `root`, the step
+folder itself must lie under `root` once links are resolved.
 """
 
 from __future__ import annotations
@@ -11,17 +18,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raymesh.train.checkpoint.errors import CheckpointError
-from raymesh.train.checkpoint.unpickling import read_metadata
+from raymesh.train.checkpoint.unpickling import data_files, read_metadata
 
-__all__ = ["FORMAT", "MANIFEST", "MODEL", "OPTIM", "STEP_DIR", "TMP_PREFIX", "Manifest"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MODEL",
+    "OPTIM",
+    "STEP_DIR",
+    "TMP_PREFIX",
+    "Manifest",
+    "named_paths",
+    "read_manifest",
+]
 
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # a job's config and a file list: far below; a bound, not a size
 FORMAT = 1  # manifest format this module writes and reads
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
@@ -46,6 +67,9 @@ class Manifest:
     # The saver's own state, JSON data (raymesh.rl: the RL loop's position in its samples);
     # a manifest written before it existed reads as {}
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What rebuilds a Hugging Face model without its build function (`hf_record`'s: the
+    # model's class and config, a PEFT adapter's config, the base folder); {} for other models
+    hf: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -60,7 +84,7 @@ class Manifest:
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - {"format", "extra"} - set(data))
+        missing = sorted(names - {"format", "extra", "hf"} - set(data))
         unknown = sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"missing field(s) {missing}, unknown field(s) {unknown}")
@@ -76,8 +100,10 @@ class Manifest:
             "files": dict,
             "created": (int, float),
             "extra": dict,
+            "hf": dict,
         }
         data.setdefault("extra", {})
+        data.setdefault("hf", {})
         for name, kind in checks.items():
             if not isinstance(data[name], kind) or isinstance(data[name], bool):
                 raise ValueError(f"{name}={data[name]!r}: wrong type")
@@ -96,20 +122,23 @@ def committed_steps(dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def verify(path: Path) -> Manifest:
+def verify(path: Path, root: Path | None = None) -> Manifest:
     """The manifest of the checkpoint at `path` if every file it lists is there with its
-    checksum and its `.metadata` holds DCP metadata only; CheckpointError naming the first
-    problem otherwise."""
+    checksum and its `.metadata` holds DCP metadata only, naming files the manifest lists;
+    CheckpointError naming the first problem otherwise. Nothing but regular files inside the
+    folder is opened (see the module), so it returns or raises promptly whatever is there.
+
+    root: the step folder must lie under it once links are resolved (a run's `step-*` link
+    that points out of the run is refused)."""
+    if not path.is_dir():  # stat only: a link to /dev/zero is no folder
+        raise CheckpointError(f"{str(path)!r} is not a folder")
+    real = path.resolve()
+    if root is not None and not real.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{str(path)!r} links to {str(real)!r}, outside {str(root)!r}")
+    if not (path / MANIFEST).exists() and not (path / MANIFEST).is_symlink():
+        raise CheckpointError("no manifest.json (a partial or interrupted save)")
     try:
-        text = (path / MANIFEST).read_text()
-    except FileNotFoundError:
-        if not path.is_dir():
-            raise CheckpointError(f"{str(path)!r} is not a folder") from None
-        raise CheckpointError("no manifest.json (a partial or interrupted save)") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read manifest.json: {e}") from None
-    try:
-        manifest = Manifest.from_json(text)
+        manifest = read_manifest(path)
     except ValueError as e:
         raise CheckpointError(f"manifest.json is invalid: {e}") from None
     match = STEP_DIR.match(path.name)
@@ -122,6 +151,7 @@ def verify(path: Path) -> Manifest:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"manifest.json lists a path outside the folder: {rel!r}")
         try:
+            _check_regular(file, real, rel)
             actual = sha256(file)
         except FileNotFoundError:
             raise CheckpointError(f"file {rel!r} is missing") from None
@@ -133,8 +163,67 @@ def verify(path: Path) -> Manifest:
     # Its checksum matching proves nothing about who wrote it: read it as DCP will, refusing
     # anything but metadata, so that a checkpoint that would be refused is never `latest()`.
     with open(path / ".metadata", "rb") as stream:
-        read_metadata(stream, ".metadata")
+        metadata = read_metadata(stream, ".metadata")
+    for rel in sorted(data_files(metadata) - set(manifest.files)):
+        raise CheckpointError(
+            f".metadata sends DCP to {rel!r}, which manifest.json does not list: refused"
+        )
     return manifest
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The parsed manifest of the step folder `path`, read only if it is a regular file inside
+    the folder of at most MAX_MANIFEST_BYTES: CheckpointError otherwise, ValueError (naming
+    what is wrong) when it is no manifest."""
+    file = path / MANIFEST
+    try:
+        _check_regular(file, path.resolve(), MANIFEST)
+        with open(file, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointError("no manifest.json (a partial or interrupted save)") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read manifest.json: {e}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"manifest.json is over {MAX_MANIFEST_BYTES} bytes: not a manifest")
+    return Manifest.from_json(data.decode("utf-8", errors="replace"))
+
+
+def named_paths(manifest: Manifest) -> list[str]:
+    """The strings of the job's `params` (nested ones too) and of its Hugging Face record (the
+    base folder) that name an existing file or folder, as written: what rebuilding the model
+    may read besides the checkpoint (the reloader keeps them under its root)."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            if value and os.path.lexists(value) and value not in found:
+                found.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(manifest.config.get("params"))
+    walk(manifest.hf.get("base"))
+    return found
+
+
+def _check_regular(file: Path, real_folder: Path, rel: str) -> None:
+    """CheckpointError unless `file` is a regular file (links followed, by stat: nothing is
+    opened) whose real path is inside `real_folder`. FileNotFoundError when it is absent."""
+    mode = os.stat(file).st_mode
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(
+            f"{rel!r} is not a regular file (a device, FIFO or folder, or a link to one): "
+            "refused unread"
+        )
+    if not file.resolve().is_relative_to(real_folder):
+        raise CheckpointError(
+            f"{rel!r} links to {str(file.resolve())!r}, outside the checkpoint: refused unread"
+        )
 
 
 def sha256(path: Path) -> str:

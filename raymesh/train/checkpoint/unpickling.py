@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from pathlib import PurePosixPath
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from raymesh.train.checkpoint.errors import CheckpointError
 
-__all__ = ["MetadataReader", "WeightsOnlyLoadPlanner", "read_metadata"]
+__all__ = ["MetadataReader", "WeightsOnlyLoadPlanner", "data_files", "read_metadata"]
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -93,7 +94,29 @@ def read_metadata(file: Any, where: str) -> Metadata:
         raise CheckpointError(f"{where} is not DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata")
+    data_files(metadata, where)
     return metadata
+
+
+def data_files(metadata: Metadata, where: str = ".metadata") -> set[str]:
+    """The files, relative to the checkpoint's folder, that `metadata` sends DCP's reads to.
+    CheckpointError for one that is not a plain relative path inside the folder (absolute,
+    `..`, a drive, empty): DCP would read it, outside the checkpoint, as a tensor's bytes."""
+    found: set[str] = set()
+    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a dict")
+    for info in storage.values():
+        rel: Any = getattr(info, "relative_path", None)
+        plain = isinstance(rel, str) and rel and "\\" not in rel and ":" not in rel
+        path = PurePosixPath(rel if plain else "/")
+        if not plain or path.is_absolute() or ".." in path.parts:
+            raise CheckpointError(
+                f"{where} sends a read to {rel!r}, which is not a file inside the checkpoint's "
+                "folder: refused (DCP writes plain file names there)"
+            )
+        found.add(rel)
+    return found
 
 
 class MetadataReader(FileSystemReader):
