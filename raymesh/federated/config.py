@@ -24,7 +24,11 @@ class EdgeConfig:
     wait_for: int = 0  # the first round waits for this many edge clients to join...
     join_timeout_s: float = 300.0  # ...for at most this long
     poll_s: float = 20.0  # a long poll's wait before 204
-    max_body_bytes: int = 256 << 20  # an answer's body limit (413 beyond)
+    # An answer's body limit (413 beyond). None: what an honest answer for the run's model can
+    # be (its weights' count x 11 bytes, a uint64 in base64, plus 64 KiB and 256 bytes per
+    # secure-aggregation neighbour: raymesh.federated.bodies), so one device cannot make the
+    # controller read and parse more than an update.
+    max_body_bytes: int | None = None
     max_clients: int = 1000  # devices that may enrol (403 beyond)
     tls: Tls | None = None  # serve HTTPS with this certificate and key
 
@@ -45,8 +49,15 @@ class EdgeConfig:
         for name in ("join_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"edge.{name}={getattr(self, name)!r}: give seconds > 0")
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
-            raise ValueError(f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024")
+        if self.max_body_bytes is not None and (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or self.max_body_bytes < 1024
+        ):
+            raise ValueError(
+                f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024, or None for "
+                "what an honest answer for the run's model can be"
+            )
         if not isinstance(self.max_clients, int) or self.max_clients < 1:
             raise ValueError(f"edge.max_clients={self.max_clients!r}: give a count >= 1")
         if self.wait_for > self.max_clients:

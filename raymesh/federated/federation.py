@@ -42,6 +42,7 @@ from raymesh.federated.host_pool import HostPool
 from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
 from raymesh.federated.protocol import Fit, Fitted, Message
 from raymesh.federated.result import Outcome, Result, RoundRecord, state_dict
+from raymesh.federated.secagg import default_degree
 from raymesh.federated.secure_round import SecureRound
 from raymesh.federated.server import EdgeServer
 from raymesh.federated.strategy import Strategy, Update
@@ -103,7 +104,12 @@ class Federation:
                 n = config.hosts or self._default_hosts()
                 self.pool.start(min(n, config.clients))
             if config.edge is not None:
-                self.edge = EdgeServer(config.edge, first_cid=config.clients)
+                self.edge = EdgeServer(
+                    config.edge,
+                    first_cid=config.clients,
+                    size=self.layout.size,
+                    peers=self._most_peers(),
+                )
                 if config.edge.token is None:  # never its value: logs are read by many
                     logger.info(
                         "raymesh.federated: no edge token was given, so one was generated; "
@@ -118,6 +124,16 @@ class Federation:
         except BaseException:
             self.stop()
             raise
+
+    def _most_peers(self) -> int:
+        """The most secure-aggregation neighbours a client can have (each sends a share and
+        reveals a seed for each), 0 without secure aggregation."""
+        if not self.config.secure_aggregation:
+            return 0
+        edge = self.config.edge
+        n = self.config.clients + (edge.max_clients if edge is not None else 0)
+        # The graph gives each client `degree` neighbours (2 at least), or all the others.
+        return max(2, min(n - 1, self.config.degree or default_degree(n)))
 
     @property
     def hosts(self) -> list[HostProc]:

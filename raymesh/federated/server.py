@@ -16,18 +16,27 @@ event the round driver sets, so a message goes out as soon as it is queued.
 Refusals, each logged with its reason (cut to 200 characters): 401 no token, a wrong one, or a
 non-ASCII token or key; 403 a wrong key, or the server full; 404 an unknown client; 409 no
 message waits for this answer (too late, or already answered: a replay), or a device already
-enrolled; 413 a body over `max_body_bytes`, counted while it streams in, before any decoding;
-400 a body that is not JSON, holds NaN or Infinity, or nests deeper than protocol.MAX_DEPTH;
-422 an answer that does not decode or fails its checks (raymesh.federated.checks). A client
-whose answer is refused (413, 400, 422) is dropped from that round, and the round goes on.
-Every refusal is answered in raymesh's error shape, `{"error": {"type", "message"}}`, the
-token check by the shared `BearerAuth` (raymesh._common.auth).
+enrolled; 429 another answer from this client is still being received or checked (refused at
+once, its body unread: one answer in flight per client); 413 a body over the byte limit
+(counted while it streams in, before any decoding) or with more JSON values than an answer
+holds (raymesh.federated.bodies: both follow the model's size, unless
+`EdgeConfig.max_body_bytes` sets the bytes); 400 a body that is not JSON, holds NaN or
+Infinity, or nests deeper than protocol.MAX_DEPTH; 422 an answer that does not decode or fails
+its checks (raymesh.federated.checks). A client whose answer is refused (413, 400, 422) is
+dropped from that round, and the round goes on. Every refusal is answered in raymesh's error
+shape, `{"error": {"type", "message"}}`, the token check by the shared `BearerAuth`
+(raymesh._common.auth).
+
+The server's event loop only moves bytes: an answer is parsed, decoded and checked in one of
+`PARSERS` worker threads, and each message is encoded to JSON once, when it is queued (a
+round's weights once for all its edge clients), whatever the number of polls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import json
 import logging
@@ -38,22 +47,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from raymesh._common import BearerAuth, HTTPError, Pending, ServerThread
+from raymesh.federated.bodies import Limits, load
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.config import EdgeConfig
-from raymesh.federated.protocol import MAX_DEPTH, Done, Message, decode, encode
+from raymesh.federated.protocol import Done, Fit, Message, decode, encode
 
 __all__ = ["BadUpdate", "EdgeConfig", "EdgeServer"]
 
 logger = logging.getLogger("raymesh.federated")
 
 _DEVICE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
-_JOIN_BYTES = 4096  # a join's body is one short device id
+_JOIN = Limits(max_bytes=4096, max_items=64)  # a join's body is one short device id
+PARSERS = 2  # worker threads parsing answers: a few cores for the driver, the loop, the rest
 
 
 class _Edge:
@@ -61,6 +73,8 @@ class _Edge:
         self.cid, self.device = cid, device
         self.key = secrets.token_urlsafe(16)
         self.message: Message | None = None
+        self.body = b""  # `message` as JSON, encoded once when it was queued
+        self.replying = False  # an answer from it is being received or checked
         self.answer: concurrent.futures.Future[Any] | None = None
         self.check: Callable[[Any], None] | None = None
         self.told = False  # it has seen Done
@@ -85,31 +99,23 @@ def _settle(
     return True
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _depth(value: Any, limit: int) -> bool:
-    """Whether `value` (parsed JSON) nests at most `limit` deep; iterative, so a deep value
-    cannot exhaust the stack."""
-    stack = [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            return False
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
-    return True
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class EdgeServer:
     """Hands messages to edge clients and collects their answers. Thread-safe: the round
-    driver calls `send`, the server's loop answers HTTP."""
+    driver calls `send`, the server's loop answers HTTP. `size`: the model's float count and
+    `peers`: the most secure-aggregation neighbours a client has, which bound an honest
+    answer's body (`limits`, raymesh.federated.bodies)."""
 
-    def __init__(self, config: EdgeConfig, *, first_cid: int) -> None:
+    def __init__(self, config: EdgeConfig, *, first_cid: int, size: int, peers: int = 0) -> None:
         self.config = config
+        self.limits = Limits.for_model(size, peers=peers, max_bytes=config.max_body_bytes)
+        self._parsers = concurrent.futures.ThreadPoolExecutor(
+            PARSERS, thread_name_prefix="raymesh-federated-parse"
+        )
+        self._weights: tuple[np.ndarray, Any] | None = None  # the round's, encoded
         self.token = config.token or secrets.token_urlsafe(24)
         self._next_cid = first_cid
         self._edges: dict[int, _Edge] = {}
@@ -117,6 +123,7 @@ class EdgeServer:
         self._lock = threading.Lock()
         self._joined = threading.Condition(self._lock)
         self._done: str | None = None
+        self._done_body = b""
         self._server = ServerThread(
             self._app(),
             host=config.host,
@@ -158,14 +165,28 @@ class EdgeServer:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(edge.wake.set)
 
+    def _encode(self, msg: Message) -> bytes:
+        """`msg` as JSON; a Fit's weights are encoded once for all the round's edge clients
+        (each gets its own Fit, with its own clients and shares, around the same array)."""
+        if not isinstance(msg, Fit):
+            return _json(encode(msg))
+        weights = msg.weights
+        if self._weights is None or self._weights[0] is not weights:
+            self._weights = (weights, encode(weights))  # holds the array, so `is` stays sound
+        data = encode(dataclasses.replace(msg, weights=np.zeros(0, np.float32)))
+        data["weights"] = self._weights[1]
+        return _json(data)
+
     def send(self, cid: int, msg: Message, check: Callable[[Any], None]) -> Pending:
-        """Queue `msg` for edge client `cid`; `check(answer)` raises BadUpdate to refuse one."""
+        """Queue `msg` for edge client `cid`; `check(answer)` raises BadUpdate to refuse one.
+        Encodes `msg` here, on the caller's thread: every poll then serves those bytes."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        body = self._encode(msg)
         with self._lock:
             edge = self._edges[cid]
             if edge.answer is not None:
                 _settle(edge.answer, error=BadUpdate("superseded by a later message"))
-            edge.message, edge.answer, edge.check = msg, future, check
+            edge.message, edge.body, edge.answer, edge.check = msg, body, future, check
         self._wake(edge)
         # A late answer is refused (409): the driver moved on when its wait ended.
         return Pending(future, cancel_on_timeout=True)
@@ -173,7 +194,7 @@ class EdgeServer:
     def finish(self, reason: str, grace_s: float = 3.0) -> None:
         """Tell polling clients the run is over (Done), then stop serving."""
         with self._lock:
-            self._done = reason
+            self._done, self._done_body = reason, _json(encode(Done(reason)))
             edges = list(self._edges.values())
             for e in edges:
                 if e.answer is not None and not e.answer.done():
@@ -185,6 +206,7 @@ class EdgeServer:
         while time.monotonic() < deadline and not all(e.told for e in live):
             time.sleep(0.05)  # let each polling client see Done
         self._server.stop(timeout=30)
+        self._parsers.shutdown(wait=False, cancel_futures=True)
 
     # --- HTTP --------------------------------------------------------------------------
 
@@ -224,10 +246,9 @@ class EdgeServer:
         edge.seen = time.monotonic()
         return edge
 
-    async def _json(self, request: Request, limit: int) -> Any:
-        """The body as JSON: counted while it streams in and refused (413) past `limit`
-        before any decoding; 400 unless it is JSON without NaN/Infinity, nesting at most
-        protocol.MAX_DEPTH deep."""
+    async def _body(self, request: Request, limit: int) -> bytes:
+        """The body's bytes, counted while they stream in and refused (413) past `limit`
+        before any decoding."""
         length = request.headers.get("content-length", "")
         if length.isascii() and length.isdigit() and (len(length) > 15 or int(length) > limit):
             raise HTTPError(413, None, f"the body has {length[:20]} bytes; the limit is {limit}")
@@ -237,17 +258,11 @@ class EdgeServer:
             if size > limit:
                 raise HTTPError(413, None, f"the body is over the limit of {limit} bytes")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
-            raise HTTPError(400, None, f"the body is not valid JSON: {str(e)[:200]}") from None
-        if not _depth(body, MAX_DEPTH):
-            raise HTTPError(400, None, f"the body nests deeper than {MAX_DEPTH} levels")
-        return body
+        return b"".join(chunks)
 
     async def _join(self, request: Request) -> Response:
         try:
-            body = await self._json(request, _JOIN_BYTES)
+            body = load(await self._body(request, _JOIN.max_bytes), _JOIN)  # small: no thread
             device = body.get("device") if isinstance(body, dict) else None
             if not isinstance(device, str) or not _DEVICE.fullmatch(device):
                 raise HTTPError(
@@ -302,10 +317,10 @@ class EdgeServer:
                 edge.wake.clear()
                 if self._done is not None:
                     edge.told = True
-                    return JSONResponse(encode(Done(self._done)))
+                    return Response(self._done_body, media_type="application/json")
                 answer = edge.answer
                 if edge.message is not None and answer is not None and not answer.done():
-                    return JSONResponse(encode(edge.message))
+                    return Response(edge.body, media_type="application/json")
             left = deadline - time.monotonic()
             if left <= 0:
                 return Response(status_code=204)
@@ -315,34 +330,67 @@ class EdgeServer:
                 pass
             edge.seen = time.monotonic()
 
+    def _answer(self, raw: bytes, check: Callable[[Any], None]) -> Any:
+        """The answer in `raw`, parsed, decoded and checked (in a worker thread), or
+        HTTPError: 413 and 400 from the body's limits, 422 for anything else."""
+        body = load(raw, self.limits)
+        if not isinstance(body, dict) or "reply" not in body:
+            raise HTTPError(422, None, 'give {"reply": <the answer>}')
+        try:
+            reply = decode(body["reply"], max_depth=self.limits.max_depth)
+            check(reply)
+        except Exception as e:  # decode and check raise ValueError; anything else is too
+            raise HTTPError(422, None, f"{type(e).__name__}: {e}") from None
+        return reply
+
     async def _reply(self, request: Request) -> Response:
         try:
             edge = self._edge(request)
             with self._lock:
+                if edge.replying:  # its body stays unread: a client's answers cost one at a time
+                    raise HTTPError(
+                        429,
+                        "TooManyRequests",
+                        f"client {edge.cid}: an answer from this client is in flight already; "
+                        "send one at a time and wait for its status",
+                    )
                 answer, check = edge.answer, edge.check
-            if answer is None or answer.done() or check is None:
-                raise HTTPError(409, None, f"client {edge.cid}: no message waits for an answer")
+                if answer is None or answer.done() or check is None:
+                    raise HTTPError(409, None, f"client {edge.cid}: no message waits for an answer")
+                edge.replying = True
             try:
-                body = await self._json(request, self.config.max_body_bytes)
-                if not isinstance(body, dict) or "reply" not in body:
-                    raise HTTPError(422, None, 'give {"reply": <the answer>}')
-                reply = decode(body["reply"])
-                check(reply)
-            except HTTPError as e:
-                _settle(answer, error=BadUpdate(f"client {edge.cid}: {e}"))
-                raise
-            except Exception as e:  # decode and check raise ValueError; anything else is too
-                reason = f"client {edge.cid}: {type(e).__name__}: {e}"
-                _settle(answer, error=BadUpdate(reason))
-                raise HTTPError(422, None, reason) from None
-            with self._lock:
-                if edge.answer is answer:
-                    edge.message = None
-            if not _settle(answer, result=reply):  # the round moved on meanwhile
-                raise HTTPError(409, None, f"client {edge.cid}: the answer came too late")
+                await self._accept(request, edge, answer, check)
+            finally:
+                with self._lock:
+                    edge.replying = False
         except HTTPError as e:
             return self._refuse(e, request)
         return JSONResponse({"ok": True})
+
+    async def _accept(
+        self,
+        request: Request,
+        edge: _Edge,
+        answer: concurrent.futures.Future[Any],
+        check: Callable[[Any], None],
+    ) -> None:
+        """Receive, parse and check `edge`'s answer, then hand it to the round driver; a
+        refused answer drops the client from the step (BadUpdate), then raises HTTPError."""
+        try:
+            raw = await self._body(request, self.limits.max_bytes)
+            loop = asyncio.get_running_loop()
+            reply = await loop.run_in_executor(self._parsers, self._answer, raw, check)
+        except HTTPError as e:
+            reason = f"client {edge.cid}: {e}"
+            _settle(answer, error=BadUpdate(reason))
+            raise HTTPError(e.status, None, reason) from None
+        except RuntimeError as e:  # the executor shut down: the run is over
+            raise HTTPError(409, None, f"client {edge.cid}: the run is over ({e})") from None
+        with self._lock:
+            if edge.answer is answer:
+                edge.message, edge.body = None, b""
+        if not _settle(answer, result=reply):  # the round moved on meanwhile
+            raise HTTPError(409, None, f"client {edge.cid}: the answer came too late")
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True})

@@ -1,6 +1,7 @@
 """Clients for the federated tests (importable by the client procs): the benchmark's task,
 with clients that fail on purpose; FedAvg by hand; client hosts in the test's own process
-(`LocalFederation`, for the tests that need no Ray); a raw HTTP edge client; a certificate."""
+(`LocalFederation`, for the tests that need no Ray); a raw HTTP edge client, and a request sent
+a piece at a time (`Upload`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -249,3 +251,62 @@ class RawEdge:
 
     def reply(self, answer: Any) -> tuple[int, Any]:
         return self.call("POST", f"/v1/reply?client={self.cid}", {"reply": encode(answer)})
+
+    def upload(self) -> Upload:
+        """A POST /v1/reply of this client whose head is sent and whose body is not yet."""
+        return Upload(self.url, f"/v1/reply?client={self.cid}", self.token, self.key)
+
+
+class Upload:
+    """One POST over a raw socket, its body sent a chunk at a time (chunked encoding): to hold
+    a request open, or to send more than the server reads. http.client cannot read the answer
+    of a server that answered and closed while the body was still going out; this can (the
+    answer waits in the socket's receive queue)."""
+
+    def __init__(self, url: str, path: str, token: str, key: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+        self.cut = False  # the server stopped reading: it answered and closed
+        self.sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {token}"
+            f"\r\nX-Client-Key: {key}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+
+    def send(self, data: bytes) -> bool:
+        """Send `data` as one chunk; False (and nothing sent) once the server stopped reading."""
+        if not self.cut:
+            try:
+                self.sock.sendall(b"%x\r\n%s\r\n" % (len(data), data))
+            except OSError:  # it answered and closed: the answer is in the receive queue
+                self.cut = True
+        return not self.cut
+
+    def response(self, *, finish: bool = True, timeout: float = 60.0) -> tuple[int, Any]:
+        """End the body (`finish`), then read the answer: (status, JSON body)."""
+        if finish:
+            self.send(b"")  # the last chunk
+        self.sock.settimeout(timeout)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or len(data) < self._end(data):
+                got = self.sock.recv(65536)
+                if not got:
+                    break
+                data += got
+        finally:
+            self.sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        body = body[: self._end(data) - len(head) - 4]  # what follows answers the body's rest
+        return status, json.loads(body) if body else None
+
+    @staticmethod
+    def _end(data: bytes) -> int:
+        head, _, _ = data.partition(b"\r\n\r\n")
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                return len(head) + 4 + int(value)
+        return len(data) + 1  # no length: read until the server closes

@@ -1,8 +1,10 @@
 """The edge server's own promises, over real HTTP(S) and without Ray: late answers, long polls
-woken by their message, enrolment, what its logs leave out, TLS with the edge client."""
+woken by their message, enrolment, what its logs leave out, TLS with the edge client, one
+answer in flight per client, one encoding per message."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,19 +16,21 @@ from raymesh import federated as fl
 from raymesh.examples import fedmlp
 from raymesh.federated import Tls
 from raymesh.federated.checks import BadUpdate
+from raymesh.federated.client import Layout
 from raymesh.federated.edge import EdgeClient, Untrusted
-from raymesh.federated.protocol import Advertise, Participant
+from raymesh.federated.protocol import Advertise, Fit, Participant, decode, encode
 from raymesh.federated.server import EdgeConfig, EdgeServer
 from tests.certs import self_signed
 from tests.federated import helpers
 from tests.waiting import wait_for
 
 TOKEN = "edge-server-token"
+SIZE = 1000  # the model's float count, for the body limit (the messages here are small)
 
 
 @pytest.fixture
 def server():
-    s = EdgeServer(EdgeConfig(token=TOKEN, poll_s=2.0), first_cid=10)
+    s = EdgeServer(EdgeConfig(token=TOKEN, poll_s=2.0), first_cid=10, size=SIZE)
     yield s
     s.finish("the test is over", grace_s=0)
 
@@ -82,7 +86,7 @@ def test_a_long_poll_is_woken_by_its_message_and_costs_nothing_while_it_waits(se
 
 
 def test_enrolment_is_one_per_device_and_capped():
-    server = EdgeServer(EdgeConfig(token=TOKEN, poll_s=0.2, max_clients=4), first_cid=10)
+    server = EdgeServer(EdgeConfig(token=TOKEN, poll_s=0.2, max_clients=4), first_cid=10, size=SIZE)
     try:
         first = _joined(server, "phone-1")
         again = helpers.RawEdge(server.url, TOKEN)
@@ -171,3 +175,49 @@ def test_the_server_refuses_an_answer_that_trips_the_check_whatever_it_raises(se
     assert status == 422 and "KeyError" in body["error"]["message"]
     with pytest.raises(BadUpdate, match="KeyError"):
         waiting.get(timeout=5)
+
+
+def test_a_second_answer_in_flight_from_one_client_is_refused_at_once_unread(server):
+    """While one answer of a client streams in, another from the same client is refused (429,
+    in raymesh's error shape) without its body being read: this one sends none, so a server
+    that read it would wait. The first answer still counts."""
+    edge = _joined(server, "twice")
+    waiting = server.send(edge.cid, Advertise(1, (edge.cid,)), lambda reply: None)
+    answer = Participant(fedmlp.client_fn).handle(edge.next())
+    first = edge.upload()
+    first.send(b'{"reply": ')
+    wait_for(lambda: server._edges[edge.cid].replying, 10, what="the first answer in flight")
+    status, body = edge.upload().response(finish=False, timeout=10)
+    assert status == 429, (status, body)
+    assert body["error"]["type"] == "TooManyRequests" and "in flight" in body["error"]["message"]
+    assert not waiting.done()  # the refusal dropped nothing
+    first.send(json.dumps(encode(answer)).encode() + b"}")
+    assert first.response() == (200, {"ok": True})
+    assert waiting.get(timeout=5) == answer
+
+
+def test_each_message_is_encoded_once_whatever_the_polls(server, monkeypatch):
+    """Polls serve the bytes encoded when the message was queued; two edge clients' Fits of a
+    round share one encoding of its weights."""
+    from raymesh.federated import server as server_module
+
+    encoded: list[str] = []
+
+    def counting(obj):
+        encoded.append(type(obj).__name__)
+        return encode(obj)
+
+    monkeypatch.setattr(server_module, "encode", counting)
+    a, b = _joined(server, "a"), _joined(server, "b")
+    layout = Layout.of(fedmlp.build_model().state_dict())
+    weights = np.arange(layout.size, dtype=np.float32)
+    for e in (a, b):
+        fit = Fit(1, (e.cid,), weights, layout, {}, False, None, 5.0)
+        server.send(e.cid, fit, lambda reply: None)
+    assert encoded == ["ndarray", "Fit", "Fit"]
+    polls = [e.call("GET", f"/v1/next?client={e.cid}") for e in (a, b, a, a, b)]
+    assert encoded == ["ndarray", "Fit", "Fit"]
+    for (status, body), e in zip(polls, (a, b, a, a, b), strict=True):
+        fit = decode(body)
+        assert status == 200 and fit.clients == (e.cid,)
+        np.testing.assert_array_equal(fit.weights, weights)

@@ -7,7 +7,8 @@ honest edge client and two rogues speak real HTTP. After each round the driver w
 (`on_round`) until each rogue has done what it does between rounds, so that a replay lands when
 no message waits for it, whatever the timing. (An answer after the driver gave up on it is
 refused the same way: test_federated's unit test of the edge server shows it, without
-spending a step's timeout here.)
+spending a step's timeout here.) The second test is a rogue that tries to stall the server
+instead: a wide body, and answers sent at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from raymesh.federated.edge import EdgeClient
 from raymesh.federated.protocol import (
     Advertise,
     Adverts,
+    Done,
     Fit,
     Fitted,
     Participant,
@@ -37,6 +39,7 @@ from raymesh.federated.protocol import (
 )
 from raymesh.federated.secagg import KeyAdvert
 from tests.federated import helpers
+from tests.waiting import wait_for
 
 TOKEN = "rogue-suite-token"
 ROUNDS = 6
@@ -316,3 +319,71 @@ def test_rogue_edge_clients_cannot_end_a_secure_run_nor_move_its_model(caplog):
     expected = helpers.fedavg_by_hand(honest_rounds)
     np.testing.assert_allclose(helpers.final(result), expected, atol=1e-5)
     assert TOKEN not in caplog.text
+
+
+def test_a_wide_body_and_answers_sent_at_once_from_one_device_cannot_stall_a_run():
+    """An enrolled rogue answers round 1's Fit with a flat list of four million numbers
+    streamed in (8 MB, well under the old 256 MiB default) and, while that answer is in flight,
+    answers again. The second is refused at once (429), the first as soon as it passes what an
+    honest answer for fedmlp can be (413, ~130 KB, long before its end). In round 2 it sends
+    40 000 numbers, within the bytes: 413 by the item budget, before json.loads. Both rounds are
+    applied, the honest clients' FedAvg computed here."""
+    config = fl.RunConfig(
+        clients=2,
+        rounds=2,
+        hosts=1,
+        timeout_s=60.0,
+        edge=fl.EdgeConfig(token=TOKEN, wait_for=2, join_timeout_s=30, poll_s=5),
+    )
+    fed = helpers.LocalFederation(fedmlp.client_fn, fl.FedAvg(fraction=1.0, min_clients=2), config)
+    assert fed.edge is not None
+    rogue = helpers.RawEdge(fed.edge.url, TOKEN)
+    assert rogue.join("wide")[0] == 200
+    honest = EdgeClient(fed.edge.url, TOKEN, fedmlp.client_fn, device="honest")
+    honest_thread = threading.Thread(target=honest.run, daemon=True)
+    honest_thread.start()
+    seen: dict[str, tuple[int, Any]] = {}
+    errors: list[str] = []
+    edge = fed.edge
+
+    def wide() -> None:
+        try:
+            participant = Participant(fedmlp.client_fn)
+            answer = participant.handle(rogue.next())  # round 1's Fit
+            upload = rogue.upload()
+            upload.send(b'{"reply": [0')
+            # The server's own record, read only to know when the second answer is concurrent.
+            wait_for(lambda: edge._edges[rogue.cid].replying, 10, what="the answer in flight")
+            seen["again"] = rogue.reply(answer)
+            sent = 0
+            while sent < 4_000_000 and upload.send(b",0" * 65536):
+                sent += 65536
+            upload.send(b"]}")
+            seen["wide"] = upload.response()
+            participant.handle(rogue.next())  # round 2's Fit
+            many = b'{"reply": [' + b",".join([b"0"] * 40_000) + b"]}"
+            seen["many"] = rogue.call("POST", f"/v1/reply?client={rogue.cid}", raw=many)
+            seen["done"] = (200, rogue.next())  # the run goes on to its end
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    rogue_thread = threading.Thread(target=wide, daemon=True)
+    rogue_thread.start()
+    result = fed.run()
+    honest_thread.join(timeout=30)
+    rogue_thread.join(timeout=30)
+    assert not errors, errors
+    assert (rogue.cid, honest.cid) == (2, 3)
+    assert seen["again"][0] == 429, seen["again"]
+    status, body = seen["wide"]
+    limit = edge.limits.max_bytes
+    assert status == 413 and f"limit of {limit} bytes" in body["error"]["message"]
+    assert 100_000 < limit < 200_000  # 6154 floats: 11 bytes each, and 64 KiB
+    assert seen["many"][0] == 413 and "JSON values" in seen["many"][1]["error"]["message"]
+    assert isinstance(seen["done"][1], Done)
+    one, two = result.history
+    assert one.applied and two.applied, result.history
+    assert list(one.dropped) == [2] and list(two.dropped) == [2]
+    assert one.responded == two.responded == 3
+    expected = helpers.fedavg_by_hand([[0, 1, 3], [0, 1, 3]])
+    np.testing.assert_allclose(helpers.final(result), expected, atol=1e-5)
