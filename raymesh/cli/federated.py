@@ -3,8 +3,9 @@
 accuracy, loss, epsilon. With an [edge] table and no token in it, the token is
 $RAYMESH_FL_TOKEN, or else one generated and written to a file only its owner can read, whose
 path is printed (the token itself is never printed nor logged).
-`raymesh federated client --server URL --token T --client module:fn [--ca-file PEM]`: an edge
-client."""
+`raymesh federated client --server URL --client module:fn [--token-file F] [--ca-file PEM]`:
+an edge client, its token from --token-file or $RAYMESH_FL_TOKEN (--token T works, with a
+warning: a command line is public to the machine's users)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, help="override rounds")
     p.add_argument("--clients", type=int, help="override the number of simulated clients")
     p.add_argument("--server", help="client: the federated server's URL")
-    p.add_argument("--token", help="client: the server's bearer token (or RAYMESH_FL_TOKEN)")
+    p.add_argument(
+        "--token",
+        help="client: the server's bearer token; other users can read it in the process list "
+        "(ps): prefer --token-file or $RAYMESH_FL_TOKEN",
+    )
+    p.add_argument("--token-file", help="client: a file whose first line is the bearer token")
     p.add_argument("--client", help="client: module:function building this device's client")
     p.add_argument("--timeout", type=float, default=60.0, help="client: seconds per request")
     p.add_argument("--threads", type=int, help="client: torch threads")
@@ -75,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
             return errors.say(
                 "federated client", "give --server URL and --client module:fn", errors.USAGE
             )
-        args.token = args.token or os.environ.get("RAYMESH_FL_TOKEN")
-        return edge.run_from_args(args)
+        return edge.run_from_args(args)  # it reads --token-file or $RAYMESH_FL_TOKEN
 
     import logging
 
@@ -123,7 +128,7 @@ def _with_token(config: Any) -> Any:
             f.write(token + "\n")
         print(
             f"raymesh federated: edge clients' token generated into {path} (only you can read "
-            f"it): RAYMESH_FL_TOKEN=$(cat {path}) raymesh federated client --server ...",
+            f"it): raymesh federated client --token-file {path} --server ...",
             file=sys.stderr,
         )
     return dataclasses.replace(config, edge=dataclasses.replace(edge, token=token))

@@ -1,13 +1,17 @@
 """The edge client: one real device taking part in a federated run over HTTP(S).
 
-    raymesh federated client --server https://HOST:PORT --token T --client mymodule:client_fn \
-        [--ca-file server-cert.pem] [--device DEVICE-ID]
+    RAYMESH_FL_TOKEN=T raymesh federated client --server https://HOST:PORT \
+        --client mymodule:client_fn [--ca-file server-cert.pem] [--device DEVICE-ID]
 
 or, on a device with only torch, NumPy, cryptography and PyCryptodome installed (no Ray, no
 raymesh), with this file and its siblings client.py, protocol.py, privacy.py and secagg.py
 copied into one folder:
 
-    python edge.py --server http://HOST:PORT --token T --client mymodule:client_fn
+    python edge.py --server https://HOST:PORT --token-file token.txt --client mymodule:client_fn
+
+The token comes from `--token-file` (its first line) or `$RAYMESH_FL_TOKEN`. `--token T` works
+too, with a warning: every user of the machine can read a command line (`ps`). Sending the
+token over plain http:// to a host other than this one warns once: anyone on the path reads it.
 
 `client_fn(cid)` builds this device's client (any object with `model`, `data` and
 `train_fn`, e.g. raymesh.federated.Client); its data never leaves the device. The client
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
@@ -35,6 +40,7 @@ import sys
 import time
 import types
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +56,11 @@ else:  # run as a file: load the sibling modules as a package of their own, with
     Done, Participant = _protocol.Done, _protocol.Participant  # type: ignore[misc]
     decode, encode = _protocol.decode, _protocol.encode
 
-__all__ = ["EdgeClient", "load", "main"]
+__all__ = ["TOKEN_ENV", "EdgeClient", "load", "main", "token_from"]
 
 logger = logging.getLogger("raymesh.federated.edge")
+
+TOKEN_ENV = "RAYMESH_FL_TOKEN"  # the token, where neither --token nor --token-file is given
 
 
 class ServerGone(RuntimeError):
@@ -61,6 +69,17 @@ class ServerGone(RuntimeError):
 
 class Untrusted(RuntimeError):
     """The server's certificate does not verify (give --ca-file for a self-signed one)."""
+
+
+def _loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine (what goes there never crosses a network)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
 
 
 def load(spec: str) -> Callable[[int], Any]:
@@ -109,6 +128,13 @@ class EdgeClient:
             self._tls = ssl.create_default_context(cafile=ca_file)
         elif ca_file is not None:
             raise ValueError(f"--ca-file {ca_file}: the server {server} is not https://")
+        elif not _loopback(self.server):  # once, here: every request would carry it
+            logger.warning(
+                "raymesh edge client: %s is plain http: the token, this device's key and its "
+                "updates cross the network in clear, for anyone on the path to read; use "
+                "https:// (the server's --tls-cert/--tls-key, and --ca-file here)",
+                self.server,
+            )
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """One HTTP request, retried while the server cannot be reached (up to give_up_s)."""
@@ -184,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--server", required=True, help="the federated server's URL")
-    ap.add_argument("--token", default=os.environ.get("RAYMESH_FL_TOKEN"), help="bearer token")
+    ap.add_argument("--token", help=TOKEN_HELP)
     ap.add_argument("--client", required=True, help="module:function building this client")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     ap.add_argument(
@@ -193,16 +219,56 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_client_options(ap)
 
 
+TOKEN_HELP = (
+    f"the server's bearer token; other users can read it in the process list (ps): prefer "
+    f"--token-file or ${TOKEN_ENV}"
+)
+
+
 def add_client_options(ap: argparse.ArgumentParser) -> None:
-    """--ca-file and --device (shared with `raymesh federated client`)."""
+    """--token-file, --ca-file and --device (shared with `raymesh federated client`)."""
+    ap.add_argument(
+        "--token-file", help=f"a file whose first line is the bearer token (or ${TOKEN_ENV})"
+    )
     ap.add_argument("--ca-file", help="PEM certificate(s) to trust for an https:// server")
     ap.add_argument("--device", help="this device's id for enrolment (default: host-pid)")
 
 
+def token_from(args: argparse.Namespace) -> str | None:
+    """The bearer token: `--token` (with a warning: a command line is public to the
+    machine's users), else `--token-file`'s first line, else $RAYMESH_FL_TOKEN, else None.
+    ValueError for both flags at once, or a file without a token."""
+    if args.token and args.token_file:
+        raise ValueError("give --token-file or --token, not both (--token-file: ps cannot see it)")
+    if args.token:
+        logger.warning(
+            "raymesh federated client: --token is readable by every user of this machine in "
+            "the process list (ps); give --token-file or $%s instead",
+            TOKEN_ENV,
+        )
+        return str(args.token)
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.readline().strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file}: its first line holds no token")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.token:
-        print("raymesh federated client: give --token (or RAYMESH_FL_TOKEN)", file=sys.stderr)
+    try:
+        token = token_from(args)
+    except (ValueError, OSError) as e:
+        print(f"raymesh federated client: {e}", file=sys.stderr)
+        return 2
+    if not token:
+        print(
+            f"raymesh federated client: give --token-file (or ${TOKEN_ENV}) with the server's "
+            "token",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         import torch
@@ -211,7 +277,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         edge = EdgeClient(
             args.server,
-            args.token,
+            token,
             load(args.client),
             timeout_s=args.timeout,
             ca_file=args.ca_file,

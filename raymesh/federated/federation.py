@@ -117,7 +117,8 @@ class Federation:
                     )
                 logger.info(
                     "raymesh.federated: edge clients connect with `raymesh federated client "
-                    "--server %s --token <the token> --client module:client_fn%s`",
+                    "--server %s --token-file <a file holding the token> --client "
+                    "module:client_fn%s`",
                     self.edge.url,
                     " --ca-file <the server's certificate>" if config.edge.tls else "",
                 )

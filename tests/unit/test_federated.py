@@ -807,3 +807,55 @@ def test_a_job_files_edge_tls_and_the_clis_tls_flags_and_token(tmp_path, monkeyp
     path = said.split("token generated into ")[1].split()[0]
     assert Path(path).read_text().strip() == token and token not in said
     assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_the_edge_clients_token_comes_from_a_file_or_the_environment_and_plain_http_warns(
+    tmp_path, monkeypatch, caplog
+):
+    """--token-file or $RAYMESH_FL_TOKEN, as `raymesh federated client` and edge.py parse
+    them; --token still works but warns (the process list is public), and so does a token
+    sent over plain http to another host, once per client."""
+    import argparse
+
+    from raymesh.cli import federated as cli
+    from raymesh.federated import edge
+
+    caplog.set_level("WARNING", logger="raymesh.federated.edge")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    standalone = argparse.ArgumentParser()
+    edge.add_arguments(standalone)
+    file = tmp_path / "token"
+    file.write_text("from-the-file\nignored\n")
+
+    def token(*flags: str) -> str | None:
+        got = {
+            edge.token_from(parser.parse_args(["federated", "client", *flags])),
+            edge.token_from(standalone.parse_args(["--server", "u", "--client", "m:f", *flags])),
+        }
+        assert len(got) == 1, got  # the two front doors agree
+        return got.pop()
+
+    monkeypatch.setenv("RAYMESH_FL_TOKEN", "from-the-environment")
+    assert token() == "from-the-environment"
+    assert token("--token-file", str(file)) == "from-the-file"
+    assert caplog.text == ""
+    assert token("--token", "on-the-line") == "on-the-line"
+    assert "process list" in caplog.text and "--token-file" in caplog.text
+    assert "on-the-line" not in caplog.text
+    with pytest.raises(ValueError, match="not both"):
+        token("--token", "x", "--token-file", str(file))
+    file.write_text("\n")
+    with pytest.raises(ValueError, match="first line holds no token"):
+        token("--token-file", str(file))
+    monkeypatch.delenv("RAYMESH_FL_TOKEN")
+    assert token() is None
+
+    caplog.clear()
+    for here in ("http://127.0.0.1:1", "http://localhost:1", "http://[::1]:1", "https://10.0.0.7"):
+        edge.EdgeClient(here, "secret-token", lambda cid: None)
+    assert caplog.text == ""
+    edge.EdgeClient("http://10.0.0.7:8765", "secret-token", lambda cid: None)
+    (record,) = caplog.records
+    assert "10.0.0.7:8765 is plain http" in record.getMessage()
+    assert "secret-token" not in caplog.text
