@@ -695,6 +695,29 @@ def test_a_dp_round_clips_sums_adds_noise_and_divides_by_the_expected_number_sam
     assert residual.std() == pytest.approx(0.05 / 5, rel=0.1)  # no noise: ~0
 
 
+def test_a_secure_dp_sum_longer_than_clipped_updates_can_add_up_to_is_not_applied(monkeypatch):
+    """Secure aggregation hides each update, so under DP only the decoded sum can show a
+    client that did not clip: four clients whose clipping is switched off mask updates of norm
+    10 (clip 1), and their sum's norm, 40, is over four clipped updates' 4: the round is not
+    applied and the model stays as it was. The bound is n * clip plus fixed point's rounding:
+    a sum just within it passes, one just past it does not."""
+    from raymesh.federated import protocol
+    from raymesh.federated.checks import sum_problem
+
+    monkeypatch.setattr(protocol, "clip_update", lambda delta, clip: dict(delta))
+    step, rec = _dp_step(True)
+    assert rec.responded == 4 and not rec.applied, rec
+    assert "norm 40 exceeds 4 clipped updates' 4" in rec.reason, rec.reason
+    assert "a client did not clip" in rec.reason
+    np.testing.assert_array_equal(step, 0)  # the model _push starts from
+
+    within = np.append(UNIT.ravel() * 4.0, 4.0)  # four updates of norm 1, weight 1 each
+    assert sum_problem(within, [100] * 4, clip=1.0) == ""
+    past = np.append(UNIT.ravel() * 4.01, 4.0)
+    assert "exceeds" in sum_problem(past, [100] * 4, clip=1.0)
+    assert sum_problem(past, [1] * 4, clip=None) == ""  # without DP updates have no bound
+
+
 def test_dp_noise_and_sampling_come_from_os_entropy_not_the_runs_seed(monkeypatch):
     from raymesh.federated import privacy
 
