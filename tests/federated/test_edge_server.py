@@ -96,6 +96,7 @@ def test_enrolment_is_one_per_device_and_capped():
             assert again.join(bad)[0] == 422
         assert again.call("POST", "/v1/join", raw=b"not json")[0] == 400
         assert again.call("POST", "/v1/join", raw=b'{"device": Infinity}')[0] == 400
+        assert again.call("GET", "/v1/next?client=99")[0] == 404  # never enrolled
         for i in range(3):
             _joined(server, f"phone-{i + 2}")
         status, body = again.join("phone-9")
