@@ -1,5 +1,7 @@
 """`raymesh rl JOB.toml [--steps N] [--resume]`: GRPO post-training from an RL job file
-(raymesh.rl.jobfile), with a line per step: mean reward, staleness, loss, clip fraction."""
+(raymesh.rl.jobfile), with a line per step: mean reward, staleness, loss, clip fraction,
+samples used and dropped. A run whose reward scores nothing in a step ends with one line and
+exit status 1."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 from raymesh.cli import errors
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "progress_line", "run"]
 
 
 def add_parser(sub: Any) -> None:
@@ -27,21 +29,38 @@ def run(args: argparse.Namespace) -> int:
     return errors.run("rl", lambda: _run(args))
 
 
+def progress_line(stats: dict[str, float], steps: int) -> str:
+    """`raymesh rl`'s line for a step: reward, staleness, loss, clip fraction, samples used and
+    dropped (their reward failed), time; a step where most completions were dropped says so,
+    as its samples are then few and its reward mean says little."""
+    samples, dropped = int(stats["samples"]), int(stats.get("dropped", 0))
+    line = (
+        f"step {int(stats['version'])}/{steps} reward {stats['reward_mean']:.4f} "
+        f"staleness {stats['staleness_mean']:.2f} loss {stats['loss']:.4f} "
+        f"clip {stats['clip_fraction']:.3f} samples {samples} dropped {dropped} "
+        f"took {stats['step_s']:.2f}s (sync {stats['sync_s'] * 1000:.0f} ms)"
+    )
+    if dropped > samples:
+        line += (
+            f" MOST DROPPED: {dropped} of {samples + dropped} completions had no reward "
+            "(the reasons are in the log)"
+        )
+    return line
+
+
 def _run(args: argparse.Namespace) -> int:
     from raymesh import rl
 
     job = rl.load_rl_job(args.job, steps=args.steps, resume=args.resume or None)
 
     def line(stats: dict[str, float]) -> None:
-        sys.stderr.write(
-            f"step {int(stats['version'])}/{job.steps} reward {stats['reward_mean']:.4f} "
-            f"staleness {stats['staleness_mean']:.2f} loss {stats['loss']:.4f} "
-            f"clip {stats['clip_fraction']:.3f} samples {int(stats['samples'])} "
-            f"took {stats['step_s']:.2f}s (sync {stats['sync_s'] * 1000:.0f} ms)\n"
-        )
+        sys.stderr.write(progress_line(stats, job.steps) + "\n")
         sys.stderr.flush()
 
-    result = rl.run(**job.run_kwargs(), progress=line)
+    try:
+        result = rl.run(**job.run_kwargs(), progress=line)
+    except rl.RewardError as e:  # the run's own failure: one line, not a traceback
+        return errors.say("rl", e, errors.FAILED)
     if result.resumed_from:
         print(f"resumed from version {result.resumed_from}")
     if result.replaced:

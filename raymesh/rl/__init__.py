@@ -25,7 +25,7 @@ What is here:
 - the bounded, versioned `RolloutBuffer` between the generators and the learner;
 - reproducible sampling (`sample_seed`: a completion is a function of seed, policy version, key
   and index) and scoring (`score`: a reward that raises or is no finite number drops only its
-  completion, with its reason).
+  completion, with its reason; a step with no completion scored ends the run: `RewardError`).
 
 Not built yet: the learner as a raymesh.train job (any strategy, healing), weight sync in
 buckets or over Ray's tensor transport, reward actors, `--resume`, the dashboard's view of
@@ -49,7 +49,7 @@ from raymesh.rl.generator import Generator
 from raymesh.rl.jobfile import RLJob, load_rl_job
 from raymesh.rl.learner import Learner, PPOLearner
 from raymesh.rl.loop import RLResult, run
-from raymesh.rl.sampling import Completions, sample_seed, score
+from raymesh.rl.sampling import Completions, RewardError, sample_seed, score
 
 __all__ = [
     "GRPO",
@@ -62,6 +62,7 @@ __all__ = [
     "PPOLearner",
     "RLJob",
     "RLResult",
+    "RewardError",
     "Rollout",
     "RolloutBuffer",
     "Segment",

@@ -81,6 +81,7 @@ class Learner(Actor):
         if resume is not None:  # a step folder the controller found committed and verified
             manifest = Checkpointer(Path(resume).parent).load(resume, self.model, self.optimizer)
             self.version = manifest.step
+            # checked by the controller before it acts on it (raymesh.rl.position)
             self.position = manifest.extra.get("rl", {})
 
     @endpoint
@@ -119,10 +120,11 @@ class Learner(Actor):
     @endpoint
     def learn(self, rollouts: list[Rollout]) -> Stats:
         """One GRPO step on `rollouts`; the policy's version goes up by one. Returns the
-        step's statistics: loss, clip fraction, mean reward and staleness, samples used, and
-        the KL to the initial policy when `algorithm.kl` > 0."""
+        step's statistics: loss, clip fraction, mean reward and staleness, samples used and
+        dropped (no reward), and the KL to the initial policy when `algorithm.kl` > 0."""
         a = self.algorithm
         prompts, completions, old, advantages, mask, rewards, lag = [], [], [], [], [], [], []
+        dropped = 0
         for r in rollouts:
             data: Completions = r.data
             valid = ~torch.isnan(data.rewards)
@@ -142,6 +144,7 @@ class Learner(Actor):
                 counted = torch.arange(t)[None, :] < data.lengths[:, None]
             mask.append(valid[:, None] & counted)
             rewards.extend(data.rewards[valid].tolist())
+            dropped += len(data.rewards) - int(valid.sum())
             lag.append(self.version - r.version)
         tokens = torch.cat(completions)
         new = self._logp(self.model, prompts, tokens)
@@ -169,6 +172,7 @@ class Learner(Actor):
             "reward_mean": sum(rewards) / max(1, len(rewards)),
             "staleness_mean": sum(lag) / max(1, len(lag)),
             "samples": float(len(rewards)),
+            "dropped": float(dropped),  # completions whose reward failed: no part in the step
             "tokens": float(tokens.numel()),  # generated, dropped samples' included
             "version": float(self.version),
         }

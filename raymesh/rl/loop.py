@@ -43,6 +43,7 @@ from raymesh._common import bad, check_int, check_seconds
 from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.position import Position
 from raymesh.rl.roles import env_roles, text_roles
 from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
@@ -114,7 +115,8 @@ def run(
     scored by `reward` ((prompt, completion) -> float, or its "module:function" name, run where
     the samples are; or a mesh of reward actors, e.g. a reward model, whose endpoint
     `score(prompt, completion) -> float` is called for each completion, on the least busy
-    actor, a completion dropped when its actor raises, dies or takes over `reward_timeout_s`), with
+    actor, a completion dropped when its actor raises, dies or takes over `reward_timeout_s`;
+    a step with none scored ends the run: `rl.RewardError`, naming the reward and why), with
     `prompts_per_step` prompts a step and `generators` generator procs sampling at most
     `max_staleness` policy versions behind. `checkpoint`: a folder to save the final policy
     in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`), and
@@ -196,9 +198,13 @@ def run(
             cls, args, kwargs = roles.worker(index, next(incarnations))
             return _Gen(procs, procs.spawn(roles.name, cls, *args, **kwargs))
 
-        gens = [new_worker(i) for i in range(roles.workers)]
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
-        loop.restore(position)
+        loop.check = roles.check
+        try:
+            loop.restore(position)
+        except ValueError as e:  # the manifest's position, checked before a worker starts
+            raise ValueError(f"{start_from}: {e}") from None
+        gens = [new_worker(i) for i in range(roles.workers)]
         sinks = [progress] if progress is not None else []
         folder = None
         if run_dir is not None:
@@ -261,28 +267,21 @@ class _Loop:
         self.replaced = 0
         self.published: tuple[int, Shared[dict[str, torch.Tensor]]] | None = None
         self.arrived = threading.Event()  # a sampling call's reply (or failure) came in
-        # Which keys the learner has taken: all below taken_below, and those in taken_above.
-        self.taken_below = 0
-        self.taken_above: set[int] = set()
+        self.taken = Position()  # which keys the learner has taken
+        self.check: Callable[[list[Rollout], int], None] | None = None  # a step's batch
 
     def position(self) -> dict[str, Any]:
         """Which keys have been taken (JSON data, saved with a checkpoint)."""
-        return {"taken_below": self.taken_below, "taken": sorted(self.taken_above)}
+        return self.taken.to_json()
 
-    def restore(self, position: dict[str, Any]) -> None:
+    def restore(self, position: Any) -> None:
         """Continue from a saved `position`: the keys not taken below the highest taken one
-        are made again first, then new ones."""
-        self.taken_below = int(position.get("taken_below", 0))
-        self.taken_above = {int(k) for k in position.get("taken", [])}
-        self.next_key = max([self.taken_below, *(k + 1 for k in self.taken_above)])
-        missing = range(self.taken_below, self.next_key)
-        self.todo.extend(k for k in missing if k not in self.taken_above)
-
-    def _took(self, rollouts: list[Rollout]) -> None:
-        self.taken_above.update(r.key for r in rollouts)
-        while self.taken_below in self.taken_above:
-            self.taken_above.remove(self.taken_below)
-            self.taken_below += 1
+        are made again first, then new ones. ValueError naming the field for a position no
+        run of these settings wrote: its keys may reach past the lowest not taken by many
+        steps' worth, not without bound (the keys to make again are listed)."""
+        span_limit = 1024 + 16 * (self.max_staleness + 1) * self.per_step
+        self.next_key, missing = self.taken.restore(position, span_limit=span_limit)
+        self.todo.extend(missing)
 
     def run(
         self,
@@ -301,7 +300,9 @@ class _Loop:
         for step in range(start_step, steps):
             start = time.perf_counter()
             batch = self._collect(step)
-            self._took(batch)
+            if self.check is not None:
+                self.check(batch, step)  # e.g. RewardError: nothing in it could be scored
+            self.taken.took(r.key for r in batch)
             learning = time.perf_counter()
             stats = learner.learn.call_one(batch).get(timeout=self.timeout_s)
             syncing = time.perf_counter()

@@ -5,6 +5,7 @@ its arguments before any proc starts: ValueError naming the argument.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from raymesh.rl.algorithms import GRPO, PPO
 from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
 from raymesh.rl.learner import Learner, PPOLearner
+from raymesh.rl.sampling import check_scored, reward_name
 
 __all__ = ["Roles", "env_roles", "text_roles"]
 
@@ -25,7 +27,8 @@ _Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
 class Roles:
     """What an algorithm's run spawns: the learner's (class, args, kwargs), a worker's for
     its index and incarnation, how many workers, the rollouts a step takes, and the argument
-    of a worker's `sample` call for a list of keys."""
+    of a worker's `sample` call for a list of keys; `check(batch, step)`, when given, raises
+    when a step's batch must not be learned from (GRPO: no completion in it was scored)."""
 
     name: str
     learner: _Spawn
@@ -33,6 +36,7 @@ class Roles:
     workers: int
     per_step: int
     request: Callable[[list[int]], Any]
+    check: Callable[[list[Any], int], None] | None = None
 
 
 def text_roles(
@@ -87,6 +91,7 @@ def text_roles(
         workers=generators,
         per_step=per_step,
         request=request,
+        check=functools.partial(check_scored, reward=reward_name(reward)),
     )
 
 

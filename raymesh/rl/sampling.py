@@ -28,7 +28,16 @@ import torch.nn.functional as F
 
 from raymesh.actor import ActorMesh, Future
 
-__all__ = ["Completions", "Reward", "sample_group", "sample_seed", "score"]
+__all__ = [
+    "Completions",
+    "Reward",
+    "RewardError",
+    "check_scored",
+    "reward_name",
+    "sample_group",
+    "sample_seed",
+    "score",
+]
 
 Reward = Callable[[bytes, bytes], float]  # (prompt, completion) -> reward
 
@@ -177,6 +186,51 @@ def _answer(future: Future[Any], deadline: float, timeout_s: float) -> Any:
         return future.get(timeout=max(0.0, deadline - time.monotonic()))
     except TimeoutError:
         raise _NoAnswer(f"the reward actor did not answer within {timeout_s:g}s") from None
+
+
+class RewardError(RuntimeError):
+    """No completion of a step could be scored: every one's reward raised, returned no finite
+    number, or (a reward actor) died or did not answer in time. The run ends rather than
+    train on nothing. `reward` names the reward, `step` the step (from 1), `reason` the first
+    completion's reason."""
+
+    def __init__(self, reward: str, step: int, dropped: int, reason: str) -> None:
+        super().__init__(
+            f"rl.run: no completion of step {step} could be scored by the reward {reward} "
+            f"(all {dropped} dropped); the first: {reason}. A reward is called as "
+            "reward(prompt: bytes, completion: bytes) and must return a finite real number"
+        )
+        self.reward, self.step, self.reason = reward, step, reason
+
+
+def reward_name(reward: Any) -> str:
+    """How an error names `reward`: its "module:function" name, or the mesh's repr."""
+    if isinstance(reward, str):
+        return reward
+    if isinstance(reward, ActorMesh):
+        return repr(reward)
+    inner = getattr(reward, "func", reward)  # a functools.partial names its function
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"{getattr(inner, '__module__', '?')}:{name}"
+
+
+def check_scored(rollouts: list[Any], step: int, reward: str) -> None:
+    """RewardError when not one completion of the step's `rollouts` (of `Completions`) has a
+    reward; `step` counts from 0 here, from 1 in the error."""
+    first: tuple[int, int, str] | None = None
+    dropped = 0
+    for r in rollouts:
+        data: Completions = r.data
+        if bool((~torch.isnan(data.rewards)).any()):
+            return
+        dropped += len(data.rewards)
+        for index, reason in data.dropped.items():
+            if first is None or (r.key, index) < first[:2]:
+                first = (r.key, index, reason)
+    if first is None:  # NaN rewards with no reason: not what score() makes
+        first = (rollouts[0].key if rollouts else -1, 0, "the reward is NaN")
+    key, index, reason = first
+    raise RewardError(reward, step + 1, dropped, f"key {key} completion {index}: {reason}")
 
 
 def _raised(e: Exception) -> str:
