@@ -23,7 +23,8 @@ holds (raymesh.federated.bodies: both follow the model's size, unless
 `EdgeConfig.max_body_bytes` sets the bytes); 400 a body that is not JSON, holds NaN or
 Infinity, or nests deeper than protocol.MAX_DEPTH; 422 an answer that does not decode or fails
 its checks (raymesh.federated.checks). A client whose answer is refused (413, 400, 422) is
-dropped from that round, and the round goes on. Every refusal is answered in raymesh's error
+dropped from that round, and the round goes on; one that went away before its body ended
+(400) sent no answer, and may send it again. Every refusal is answered in raymesh's error
 shape, `{"error": {"type", "message"}}`, the token check by the shared `BearerAuth`
 (raymesh._common.auth).
 
@@ -49,7 +50,7 @@ from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -380,6 +381,8 @@ class EdgeServer:
             raw = await self._body(request, self.limits.max_bytes)
             loop = asyncio.get_running_loop()
             reply = await loop.run_in_executor(self._parsers, self._answer, raw, check)
+        except ClientDisconnect:  # no answer arrived: it may still come, on a new connection
+            raise HTTPError(400, None, f"client {edge.cid}: gone before its body ended") from None
         except HTTPError as e:
             reason = f"client {edge.cid}: {e}"
             _settle(answer, error=BadUpdate(reason))

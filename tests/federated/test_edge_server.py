@@ -181,10 +181,16 @@ def test_the_server_refuses_an_answer_that_trips_the_check_whatever_it_raises(se
 def test_a_second_answer_in_flight_from_one_client_is_refused_at_once_unread(server):
     """While one answer of a client streams in, another from the same client is refused (429,
     in raymesh's error shape) without its body being read: this one sends none, so a server
-    that read it would wait. The first answer still counts."""
+    that read it would wait. The first answer still counts. An answer whose client goes away
+    mid-body is no answer: the client may send it again."""
     edge = _joined(server, "twice")
     waiting = server.send(edge.cid, Advertise(1, (edge.cid,)), lambda reply: None)
     answer = Participant(fedmlp.client_fn).handle(edge.next())
+    gone = edge.upload()
+    gone.send(b'{"reply": ')
+    wait_for(lambda: server._edges[edge.cid].replying, 10, what="the answer in flight")
+    gone.sock.close()
+    wait_for(lambda: not server._edges[edge.cid].replying, 10, what="the answer given up")
     first = edge.upload()
     first.send(b'{"reply": ')
     wait_for(lambda: server._edges[edge.cid].replying, 10, what="the first answer in flight")
