@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from raymesh._common import Range, Tls, bad, check_int, check_seconds, from_table
+from raymesh._common import Range, Tls, bad, check_int, check_seconds, check_token, from_table
 from raymesh.serve.batching import BatchConfig
 from raymesh.serve.scaling import AutoscalePolicy
 from raymesh.serve.sections import FrontConfig, ReplicaConfig, RouterConfig
@@ -29,6 +29,7 @@ _RAYMESH_FRONT_ONLY = {
     "tls": "Ray Serve's proxy serves the HTTP (HTTPS is set on Serve's own http_options)",
     "max_connections": "Ray Serve's proxy holds the connections",
     "keep_alive_s": "Ray Serve's proxy holds the connections (its keep_alive_timeout_s)",
+    "head_timeout_s": "Ray Serve's proxy reads the request heads",
 }
 
 
@@ -54,6 +55,7 @@ class ServeConfig:
     tls: Tls | None = None  # HTTPS: serve.Tls(cert=..., key=...); {cert = ..., key = ...} in TOML
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 10.0  # a body not all in by then is a 408 (slow clients)
+    head_timeout_s: float = 10.0  # a request head not all in by then is a 408, and closed
     max_connections: int = 1024  # open at once; uvicorn answers 503 beyond
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     request_timeout_s: float = 30.0  # a request not answered by then is a 504
@@ -82,8 +84,8 @@ class ServeConfig:
             raise bad("host", self.host, 'give an address to bind, e.g. "127.0.0.1"')
         for name in ("token", "admin_token"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise bad(name, "<hidden>", "give a non-empty string, or None for no token")
+            if value is not None:
+                check_token(name, value)  # 16+ printable ASCII characters
         root = self.checkpoint_root
         if root is not None:
             if isinstance(root, os.PathLike):
@@ -100,7 +102,13 @@ class ServeConfig:
         if self.tls is not None and not isinstance(self.tls, Tls):
             raise bad("tls", self.tls, 'give Tls(cert=..., key=...) or {"cert": ..., "key": ...}')
         check_int("max_connections", self.max_connections, 1)
-        for name in ("request_timeout_s", "start_timeout_s", "body_timeout_s", "keep_alive_s"):
+        for name in (
+            "request_timeout_s",
+            "start_timeout_s",
+            "body_timeout_s",
+            "head_timeout_s",
+            "keep_alive_s",
+        ):
             check_seconds(name, getattr(self, name))
         cpus = self.cpus_per_replica
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
@@ -136,8 +144,12 @@ class ServeConfig:
         return Range.of(self.replicas).max
 
     def bearer(self) -> str | None:
-        """The token requests must carry: `token`, else $RAYMESH_SERVE_TOKEN, else None."""
-        return self.token if self.token is not None else (os.environ.get(TOKEN_ENV) or None)
+        """The token requests must carry: `token`, else $RAYMESH_SERVE_TOKEN, else None
+        (ValueError naming the variable when it cannot be a token: see `check_token`)."""
+        if self.token is not None:
+            return self.token
+        token = os.environ.get(TOKEN_ENV) or None
+        return None if token is None else check_token(f"${TOKEN_ENV}", token)
 
     def admin(self) -> str | None:
         """The token POST /admin/reload needs: `admin_token`, else $RAYMESH_SERVE_ADMIN_TOKEN,
@@ -148,6 +160,8 @@ class ServeConfig:
         token = self.admin_token
         if token is None:
             token = os.environ.get(ADMIN_TOKEN_ENV) or None
+            if token is not None:
+                check_token(f"${ADMIN_TOKEN_ENV}", token)
         if token is not None:
             self.check_reload(token)
         return token
@@ -213,6 +227,7 @@ class ServeConfig:
             tls=self.tls,
             max_body_bytes=self.max_body_bytes,
             body_timeout_s=self.body_timeout_s,
+            head_timeout_s=self.head_timeout_s,
             max_connections=self.max_connections,
             keep_alive_s=self.keep_alive_s,
             max_tokens=self.max_tokens,

@@ -10,6 +10,10 @@ caller; token streams, a replica each.
   request. A stream whose replica dies continues on another from the text already sent.
 - Every wait is bounded: a request that nothing answers in `request_timeout_s` is a
   TimeoutError (HTTP 504).
+- A stream that ends before its replica does (its deadline passed, or its client left and the
+  front cancelled it) tells the replica to stop (`cancel`, taken between two tokens); the
+  replica stays busy until its generation has ended, and one that does not end within
+  `request_timeout_s` more is killed and replaced, as a hung batch's is.
 
 Nothing polls: `pump` runs whenever what may leave can change (a request in, a replica free or
 added, a batch's wait over).
@@ -21,6 +25,7 @@ import asyncio
 import collections
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +98,9 @@ class Dispatcher:
         self._spawn = spawn
         self._streams: collections.deque[asyncio.Future[Slot]] = collections.deque()
         self._stopping = False
+        self.stopped_streams = 0  # streams whose replica was told to stop early
+        # How a stream's tokens come back: a Channel (tests put an in-process one here).
+        self.open_channel: Callable[[], tuple[Any, Any]] = Channel[tuple[str, Any]].open
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the server's event loop (before any request)."""
@@ -146,17 +154,17 @@ class Dispatcher:
         deadline = time.monotonic() + self.timeout_s
         while True:
             slot = await self._acquire(deadline)
-            lost = False
+            call = _StreamCall(slot)
             try:
                 async for piece in self._stream_on(
-                    slot, prompt + "".join(pieces), max_tokens - len(pieces), temperature, seed,
+                    call, prompt + "".join(pieces), max_tokens - len(pieces), temperature, seed,
                     deadline,
                 ):  # fmt: skip
                     pieces.append(piece)
                     yield piece
                 return
             except _Lost as e:
-                lost = True
+                call.owns_slot = False
                 tries += 1
                 self.pool.lose(slot, str(e))
                 if tries > self.max_retries:
@@ -164,50 +172,89 @@ class Dispatcher:
                 self.retried += 1
                 logger.warning("raymesh.serve: a stream's replica was lost; continuing elsewhere")
             finally:
-                if not lost:
+                if call.owns_slot:
                     self.release(slot)
 
     async def _stream_on(
         self,
-        slot: Slot,
+        call: _StreamCall,
         prompt: str,
         max_tokens: int,
         temperature: float,
         seed: int,
         deadline: float,
     ) -> AsyncIterator[str]:
-        port, receiver = Channel[tuple[str, Any]].open()
-        call = slot.replica.actor.generate.call_one(prompt, max_tokens, temperature, seed, port)
-        call_done = asyncio.ensure_future(wait_reply(call))
+        port, receiver = self.open_channel()
+        stream_id = uuid.uuid4().hex
+        generate = call.slot.replica.actor.generate
+        call_done = asyncio.ensure_future(
+            wait_reply(generate.call_one(prompt, max_tokens, temperature, seed, port, stream_id))
+        )
+        ended = False  # the replica said it has finished ("end" or "error")
         try:
             while True:
                 recv = asyncio.ensure_future(wait_reply(receiver.recv()))
-                while not recv.done():
-                    waiting = {recv} if call_done.done() else {recv, call_done}
-                    left = deadline - time.monotonic()
-                    done, _ = await asyncio.wait(
-                        waiting, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if not done:
+                try:
+                    while not recv.done():
+                        waiting = {recv} if call_done.done() else {recv, call_done}
+                        left = deadline - time.monotonic()
+                        done, _ = await asyncio.wait(
+                            waiting, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
+                        )
+                        if not done:
+                            raise TimeoutError("the stream did not finish within request_timeout_s")
+                        error = call_done.exception() if call_done in done else None
+                        if isinstance(error, ActorError):  # the endpoint itself failed
+                            ended = True
+                            raise ModelError(*_type(error))
+                        if error is not None:  # SupervisionError: the replica is gone
+                            ended = True
+                            raise _Lost(str(error).splitlines()[0][:200])
+                finally:
+                    if not recv.done():
                         recv.cancel()
-                        raise TimeoutError("the stream did not finish within request_timeout_s")
-                    error = call_done.exception() if call_done in done else None
-                    if isinstance(error, ActorError):  # the endpoint itself failed
-                        recv.cancel()
-                        raise ModelError(*_type(error))
-                    if error is not None:  # SupervisionError: the replica is gone
-                        recv.cancel()
-                        raise _Lost(str(error).splitlines()[0][:200])
                 kind, value = recv.result()
                 if kind == "text":
                     yield value
-                elif kind == "end":
+                    continue
+                ended = True
+                if kind == "end":
                     return
-                else:
-                    raise ModelError(*value)
+                raise ModelError(*value)
         finally:
-            if not call_done.done():
+            if not ended and not call_done.done():
+                # Ended early (a deadline, or the client left and this task was cancelled):
+                # the replica is told to stop, and keeps its slot busy until it has.
+                call.owns_slot = False
+                self.stopped_streams += 1
+                self._spawn(self._stop_stream(call.slot, stream_id, call_done))
+            elif not call_done.done():
                 call_done.cancel()
+
+    async def _stop_stream(
+        self, slot: Slot, stream_id: str, call_done: asyncio.Future[Any]
+    ) -> None:
+        """Tell `slot`'s replica to stop stream `stream_id`; free the slot once its generate
+        call has returned, or kill the replica if that takes past `request_timeout_s`."""
+
+        async def stopped() -> None:
+            await wait_reply(slot.replica.actor.cancel.call_one(stream_id))
+            await call_done  # the generate call returns once its thread has stopped
+
+        try:
+            await asyncio.wait_for(stopped(), self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._hung(slot)
+            self.pool.lose(slot, "a cancelled stream did not stop within request_timeout_s")
+            self.pump()
+            return
+        except ActorError:
+            pass  # the endpoint failed: the replica itself is fine
+        except Exception as e:  # SupervisionError: the replica is gone
+            self.pool.lose(slot, str(e).splitlines()[0][:200])
+            self.pump()
+            return
+        self.release(slot)
 
     # ---- dispatch --------------------------------------------------------------------------
     def pump(self) -> None:
@@ -318,3 +365,12 @@ def _type(e: ActorError) -> tuple[str, str]:
 
 class _Lost(Exception):
     """A stream's replica died."""
+
+
+@dataclass(eq=False)
+class _StreamCall:
+    """One stream's turn on a replica; `owns_slot` False once the slot is lost, or handed to
+    `_stop_stream` (which frees it when the replica has stopped)."""
+
+    slot: Slot
+    owns_slot: bool = True

@@ -13,7 +13,10 @@
                         from under `checkpoint_root` (403 naming it otherwise)
 
 Errors are JSON, `{"error": {"type": ..., "message": ..., "field": ...}}`: 400 malformed JSON
-(NaN, Infinity and numbers that overflow to it included), 401 missing or wrong bearer token
+(NaN, Infinity and numbers that overflow to it included, nesting past 64 levels), 400
+`OutOfRange` a number the model's dtype cannot hold (3.5e38 for float32; temperature and seed
+likewise; named), 400 `PromptTooLong` a prompt over the model's context, 401 missing or wrong
+bearer token
 (when one is set; /healthz and /readyz need none), 403 reload off or outside the root, 408 body
 not in within `body_timeout_s`, 413 body over `max_body_bytes`, 422 a field of the wrong kind
 or shape (named), 500 the model raised (its exception's type; the replica keeps serving), 503
@@ -35,12 +38,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from raymesh._common import BearerAuth
+from raymesh._common import BearerAuth, RefusalLog, exposure
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.guard import Guard, HTTPError
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.model import ModelInfo, check_input
+from raymesh.serve.model import LARGEST, ModelInfo, PromptTooLong, check_input, check_range
 from raymesh.serve.router import Router
 from raymesh.serve.sections import FrontConfig
 
@@ -54,9 +57,15 @@ def _field_error(message: str) -> HTTPError:
     return HTTPError(422, "ValidationError", message, field=field)
 
 
+def _out_of_range(message: str) -> HTTPError:
+    return HTTPError(400, "OutOfRange", message, field=message.split(":", 1)[0])
+
+
 def _as_http(e: Exception) -> HTTPError:
     if isinstance(e, HTTPError):
         return e
+    if isinstance(e, ModelError) and e.type_name == PromptTooLong.__name__:
+        return HTTPError(400, e.type_name, e.message, field="prompt")
     if isinstance(e, Overloaded):
         return HTTPError(503, "Overloaded", str(e), headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, Unavailable):
@@ -88,6 +97,9 @@ async def answer_predict(
             why = check_input(body["x"], info.input_shape, info.input_dtype == "int64")
             if why is not None:
                 raise _field_error(why)
+            why = check_range(body["x"], info.input_dtype)
+            if why is not None:
+                raise _out_of_range(why)
         return 200, _json({"y": await predict(body["x"])}), None
     except Exception as e:
         error = _as_http(e)
@@ -111,6 +123,10 @@ def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
     """The routes above over `router`, with `front`'s tokens and limits, counted in
     `metrics`."""
     admin_token = front.admin_token
+    risk = exposure(front.host, token=front.token is not None, tls=front.tls is not None)
+    if risk is not None:
+        logger.warning("raymesh.serve: %s (set token= or $RAYMESH_SERVE_TOKEN, and tls=)", risk)
+    log_refusal = RefusalLog(logger, "raymesh.serve")
     root = None if front.checkpoint_root is None else Path(front.checkpoint_root)
     read_json = guard_of(front).read_json  # the tokens are checked by BearerAuth, below
     counters: dict[tuple[str, int], Any] = {}
@@ -154,10 +170,16 @@ def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
             raise _field_error(f"max_tokens: give an integer 1..{front.max_tokens} (got {n!r})")
         t = body.get("temperature", 0.0)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-            raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r})")
+            raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r:.40})")
+        # The model divides float32 logits by it: past float32's largest it is infinity.
+        why = check_range(t, "float32", "temperature")
+        if why is not None:
+            raise _out_of_range(why)
         seed = body.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool):
-            raise _field_error(f"seed: give an integer (got {seed!r})")
+            raise _field_error(f"seed: give an integer (got {seed!r:.40})")
+        if not -LARGEST["int64"] - 1 <= seed <= LARGEST["int64"]:  # torch's seeds are 64-bit
+            raise _out_of_range(f"seed: give an integer of 64 bits (got {len(str(seed))} digits)")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _field_error(f"stream: give true or false (got {stream!r})")
@@ -243,6 +265,7 @@ def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
             await app(scope, receive, send)
 
     def refused(scope: Scope, error: HTTPError) -> None:
+        log_refusal(scope, error)
         route = _ROUTES.get(scope["path"])
         if route is not None:
             count(route, error.status)
@@ -250,7 +273,12 @@ def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
     # /healthz and /readyz need no token; the admin token opens /admin/reload only.
     guarded = BearerAuth(routed, front.token, paths=("/v1/", "/metrics"), refused=refused)
     return BearerAuth(
-        guarded, admin_token, paths=("/admin/",), what="the admin token", refused=refused
+        guarded,
+        admin_token,
+        paths=("/admin/",),
+        what="the admin token",
+        refused=refused,
+        field="admin_token",
     )
 
 

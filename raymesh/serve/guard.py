@@ -12,7 +12,11 @@ Guarantees, for each request `read_json` is given:
 - a 408 or 413 ends its connection (`Connection: close`), so the rest of a refused body is
   never waited for;
 - what is decoded is a JSON object of finite numbers: NaN, Infinity and numbers that overflow
-  to infinity (`1e400`) are malformed JSON (400), so no model ever sees them.
+  to infinity (`1e400`) are malformed JSON (400), so no model ever sees them;
+- it nests at most `MAX_DEPTH` levels (400 naming the top-level field that goes deeper): a
+  body of 100000 `[` is refused, not a RecursionError and a 500.
+Whether a finite number fits the model's dtype (3.5e38 is inf in float32) is the route's
+check, which knows the field and the dtype (`raymesh.serve.model.check_range`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from starlette.types import Receive, Scope
 
 from raymesh._common import BearerToken, HTTPError
 
-__all__ = ["Guard", "HTTPError", "header"]
+__all__ = ["MAX_DEPTH", "Guard", "HTTPError", "header"]
+
+MAX_DEPTH = 64  # levels of nesting a body may have (an input of 60 dimensions still fits)
 
 
 def header(scope: Scope, name: bytes) -> bytes:
@@ -120,10 +126,17 @@ class Guard:
             body = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             raise HTTPError(400, "MalformedJSON", f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # the parser's own stack: nested thousands of levels deep
+            raise _too_deep(None) from None
         if not isinstance(body, dict):
             raise HTTPError(
                 422, "ValidationError", f"the body must be a JSON object, not {type(body).__name__}"
             )
+        # A body with few brackets cannot nest deeply: the walk is for the rare others.
+        if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+            field = _deeper_than(body, MAX_DEPTH)
+            if field is not None:
+                raise _too_deep(field)
         return body
 
     async def _body(self, receive: Receive) -> bytes:
@@ -144,3 +157,30 @@ class Guard:
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
+
+
+def _too_deep(field: str | None) -> HTTPError:
+    where = f"{field}: " if field is not None else "the body "
+    return HTTPError(
+        400,
+        "MalformedJSON",
+        f"{where}nests deeper than {MAX_DEPTH} levels of lists and objects",
+        field=field,
+    )
+
+
+def _deeper_than(body: dict[str, Any], limit: int) -> str | None:
+    """The top-level key whose value nests deeper than `limit` (the body itself is level 1),
+    or None. Iterative: no recursion to exhaust; containers only are visited."""
+    for key, value in body.items():
+        stack = [(value, 2)]
+        while stack:
+            v, depth = stack.pop()
+            if depth > limit:
+                return str(key)[:100]
+            if isinstance(v, dict):
+                v = v.values()
+            elif not isinstance(v, list):
+                continue
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (list, dict)))
+    return None

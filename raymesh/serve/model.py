@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,15 +39,30 @@ from raymesh.train.checkpoint import load_weights, resolve_checkpoint
 from raymesh.train.export import rebuild
 
 __all__ = [
+    "LARGEST",
     "LoadedModel",
     "ModelInfo",
     "ModelSpec",
+    "PromptTooLong",
     "check_input",
+    "check_range",
     "check_under_root",
     "resolve_checkpoint",
 ]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
+# The largest magnitude each input dtype holds: a JSON number past it would become inf (a
+# float32 model turns 3.5e38 into inf) or fail to convert (an int64 past 2**63).
+LARGEST = {
+    "float32": float(torch.finfo(torch.float32).max),
+    "float64": float(torch.finfo(torch.float64).max),
+    "int64": 2**63 - 1,
+}
+
+
+class PromptTooLong(ValueError):
+    """A /v1/generate prompt whose tokens and `max_tokens` do not fit the model's context
+    (HTTP 400, naming the limit)."""
 
 
 def check_under_root(path: str | Path, root: str | Path, *, files: bool = False) -> Path:
@@ -190,6 +205,30 @@ class LoadedModel:
             checkpoint=spec.checkpoint,
             device=str(device),
         )
+        # A Hugging Face model's context, in tokens (its position embeddings): /v1/generate
+        # refuses a prompt that, with max_tokens, would not fit (see check_context).
+        config = getattr(module, "config", None) if spec.hf is not None else None
+        self.context: int | None = getattr(config, "max_position_embeddings", None)
+        self._tokenizer: Any = None
+
+    def check_context(self, prompt: str, max_tokens: int) -> None:
+        """PromptTooLong, naming the limit, when the prompt's tokens and `max_tokens` make more
+        than the model's context (a Hugging Face model; others have no context to know). A
+        refusal, not a crop: the client decides which part of its prompt matters."""
+        if not isinstance(self.context, int) or self.module is None:
+            return
+        if self._tokenizer is None:
+            from raymesh.train import hf
+
+            self._tokenizer = hf.load_tokenizer(hf.folder_of(self.module))
+        # As raymesh.train.hf.generate counts them: no special tokens, at least one.
+        tokens = len(self._tokenizer(prompt, add_special_tokens=False)["input_ids"]) or 1
+        if tokens + max_tokens > self.context:
+            raise PromptTooLong(
+                f"prompt: {tokens} tokens and max_tokens={max_tokens} make "
+                f"{tokens + max_tokens}, over the model's context of {self.context} tokens "
+                "(max_position_embeddings): shorten the prompt or ask for fewer tokens"
+            )
 
     def predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, tuple[str, str]]]:
         """One output per input, in order, and {index: (exception type, message)} for the
@@ -229,9 +268,12 @@ class LoadedModel:
 
     def generate(
         self, prompt: str, max_tokens: int, temperature: float, seed: int
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
+        """The generate function's pieces; PromptTooLong first when a Hugging Face model's
+        prompt and `max_tokens` pass its context (`check_context`)."""
         if self.generate_fn is None:
             raise ValueError("this model has no generate function")
+        self.check_context(prompt, max_tokens)
         with torch.inference_mode():
             yield from self.generate_fn(self.module, prompt, max_tokens, temperature, seed)
 
@@ -293,4 +335,32 @@ def _check(
         why = _check(item, rest, f"{where}[{i}]", integer, full)
         if why is not None:
             return why
+    return None
+
+
+def check_range(x: Any, dtype: str, where: str = "x") -> str | None:
+    """Why a number in `x` (parsed JSON, already of the right shape and kinds) does not fit
+    `dtype` ("float32", "float64" or "int64"), naming its place (None: every number fits).
+    Each list of numbers is checked by its max and min, at C speed."""
+    top = LARGEST[dtype]
+    low = -top - 1 if dtype == "int64" else -top
+    stack: list[tuple[Any, str]] = [(x, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, list):
+            if not v:
+                continue
+            if not isinstance(v[0], list):
+                try:
+                    if low <= min(v) and max(v) <= top:
+                        continue
+                except TypeError:  # numbers and lists mixed: item by item
+                    pass
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
+        elif isinstance(v, (int, float)) and not low <= v <= top:
+            shown = f"{v:.3g}" if isinstance(v, float) else f"an integer of {len(str(v))} digits"
+            return (
+                f"{at}: {shown} is out of range for the model's {dtype} inputs (largest "
+                f"magnitude {top:.4g}; a number past it would become infinity or fail to convert)"
+            )
     return None

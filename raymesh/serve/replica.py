@@ -1,20 +1,25 @@
 """A replica: one actor on a proc of its own, holding the model and answering batches.
 
-The replica pool (raymesh.serve.pool) starts and stops replicas; a replica only computes. An
-actor runs one message at a time, so a batch, a token stream and a reload never overlap on one
-replica: a reload lands between two batches, and a batch sees either the old weights or the new.
+The replica pool (raymesh.serve.pool) starts and stops replicas; a replica only computes. The
+router gives a replica one thing at a time (a slot is busy until its batch, stream or reload
+ends), so a batch, a token stream and a reload never overlap on one replica: a reload lands
+between two batches, and a batch sees either the old weights or the new. A token stream runs
+on a thread of its own while the actor stays free to take `cancel`: a stream whose caller is
+gone (its deadline passed, or its client left) stops at the next token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from raymesh.actor import Actor, Port, ProcMesh, endpoint, host_mesh
+from raymesh.actor import Actor, Port, ProcMesh, concurrent_endpoint, endpoint, host_mesh
 from raymesh.serve.model import LoadedModel, ModelInfo, ModelSpec
 
 __all__ = ["Replica", "ReplicaProc", "spawn_replica"]
@@ -27,6 +32,7 @@ class Replica(Actor):
         torch.set_num_threads(max(1, int(cpus)))
         device = torch.device("cuda") if gpus and torch.cuda.is_available() else torch.device("cpu")
         self.model = LoadedModel(spec, device)
+        self.streams: dict[str, threading.Event] = {}  # a running stream's stop flag, by id
 
     @endpoint
     def info(self) -> tuple[ModelInfo, int]:
@@ -41,24 +47,64 @@ class Replica(Actor):
         values, errors = self.model.predict(inputs)
         return values, errors, time.perf_counter() - started
 
-    @endpoint
-    def generate(
-        self, prompt: str, max_tokens: int, temperature: float, seed: int, port: Port[Any]
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        port: Port[Any],
+        stream_id: str = "",
     ) -> int:
         """Sends ("text", piece) for each token, then ("end", None), or ("error", (type,
-        message)) if the model raised; returns the tokens sent."""
+        message)) if the model raised; returns the tokens sent. The model runs on a thread
+        of its own (torch's inference mode is per thread); the actor meanwhile takes
+        `cancel(stream_id)`, which stops it before its next token."""
+        stop = self.streams[stream_id] = threading.Event()
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, (kind, value))
+
+        def run() -> None:
+            made, tokens = 0, self.model.generate(prompt, max_tokens, temperature, seed)
+            try:
+                for piece in tokens:
+                    if stop.is_set():
+                        return put("stopped", None)
+                    put("text", piece)
+                    made += 1
+                    if made >= max_tokens:
+                        break
+            except Exception as e:
+                return put("error", (type(e).__name__, str(e)[:500]))
+            finally:
+                tokens.close()  # here: the model's inference mode is this thread's
+            put("end", None)
+
+        threading.Thread(target=run, name=f"raymesh-stream-{stream_id}", daemon=True).start()
         sent = 0
         try:
-            for piece in self.model.generate(prompt, max_tokens, temperature, seed):
-                port.send(("text", piece))
+            while True:
+                kind, value = await pieces.get()
+                if kind == "stopped":
+                    return sent
+                port.send((kind, value))  # on the actor's loop, where its sends belong
+                if kind != "text":
+                    return sent
                 sent += 1
-                if sent >= max_tokens:
-                    break
-        except Exception as e:
-            port.send(("error", (type(e).__name__, str(e)[:500])))
-            return sent
-        port.send(("end", None))
-        return sent
+        finally:
+            self.streams.pop(stream_id, None)
+
+    @endpoint
+    def cancel(self, stream_id: str) -> bool:
+        """Stop stream `stream_id` before its next token; False if it is not running."""
+        stop = self.streams.get(stream_id)
+        if stop is not None:
+            stop.set()
+        return stop is not None
 
     @endpoint
     def reload(self, spec: ModelSpec) -> ModelInfo:

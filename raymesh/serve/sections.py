@@ -57,7 +57,8 @@ class FrontConfig:
     checkpoint_root: str | None  # /admin/reload loads only from under this folder
     tls: Tls | None
     max_body_bytes: int
-    body_timeout_s: float
+    body_timeout_s: float  # the guard's 408 in the error shape; uvicorn's cut-off just after
+    head_timeout_s: float  # a request head not in by then: 408, connection closed
     max_connections: int
     keep_alive_s: float
     max_tokens: int  # the most tokens one /v1/generate request may ask for

@@ -78,6 +78,10 @@ class Server(App):
             tls=front.tls,
             max_connections=front.max_connections,
             keep_alive_s=front.keep_alive_s,
+            head_timeout_s=front.head_timeout_s,
+            # The guard answers a slow body first, in the error shape; this is the backstop.
+            body_timeout_s=front.body_timeout_s + 1.0,
+            authenticated=front.token is not None,
         )
         self.port = self._server.port
         logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))

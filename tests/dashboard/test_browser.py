@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 KILL_STEP = 150
-TOKEN = "s3cret-t0ken"
+TOKEN = "s3cret-t0ken-0123"
 
 
 @pytest.fixture

@@ -6,6 +6,11 @@ A fake replica's "weights" are its checkpoint folder's name: folder `w3` answers
 input x (no checkpoint: 1 * x), so an answer says which weights computed it. An input of -1
 hangs until the replica is killed, as a hung model does; while `gate` is clear, every batch
 waits (a replica busy for as long as the test says).
+
+A fake replica generates "a", "b", "c", ... one token every `token_s` seconds, through an
+in-process channel (`open_fake_channel`, the dispatcher's `open_channel`), and stops before its
+next token when told to `cancel` its stream; `generating` counts the streams it computes now.
+A prompt longer than `context` characters is refused as the real replica refuses one.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from raymesh.actor import ActorError
 from raymesh.serve import ModelSpec, ServeConfig
-from raymesh.serve.model import ModelInfo
+from raymesh.serve.model import ModelInfo, PromptTooLong
 from raymesh.serve.replica import ReplicaProc
 from raymesh.serve.server import Server
 
@@ -55,6 +60,9 @@ class FakeReplica:
         self.held: list[Any] = []  # inputs of the batch it is computing
         self.predict = _Endpoint(self._predict)
         self.reload = _Endpoint(self._reload)
+        self.generate = _Endpoint(self._generate)
+        self.cancel = _Endpoint(self._cancel)
+        self.stopping: set[str] = set()  # streams told to stop
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -81,6 +89,44 @@ class FakeReplica:
         finally:
             self.held = []
 
+    async def _generate(
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        port: FakePort,
+        stream_id: str,
+    ) -> int:
+        # A caller that stops waiting does not stop a real replica: only `cancel` does.
+        work = asyncio.ensure_future(self._stream(prompt, max_tokens, port, stream_id))
+        return await asyncio.shield(work)
+
+    async def _stream(self, prompt: str, max_tokens: int, port: FakePort, stream_id: str) -> int:
+        if len(prompt) > self.fakes.context:
+            port.send(("error", (PromptTooLong.__name__, f"prompt: over {self.fakes.context}")))
+            return 0
+        self.fakes.generating += 1
+        sent = 0
+        try:
+            for i in range(max_tokens):
+                await asyncio.sleep(self.fakes.token_s)
+                if self.killed:
+                    raise RuntimeError(f"{self.name}'s proc died")
+                if stream_id in self.stopping:
+                    return sent
+                port.send(("text", chr(ord("a") + (len(prompt) + i) % 26)))
+                sent += 1
+            port.send(("end", None))
+            return sent
+        finally:
+            self.fakes.generating -= 1
+            self.fakes.tokens_made += sent
+
+    async def _cancel(self, stream_id: str) -> bool:
+        self.stopping.add(stream_id)
+        return True
+
     async def _reload(self, spec: ModelSpec) -> ModelInfo:
         self.fakes.reloading += 1
         try:
@@ -99,6 +145,28 @@ class FakeReplica:
             return self.info()
         finally:
             self.fakes.reloading -= 1
+
+
+class FakePort:
+    def __init__(self, queue: asyncio.Queue[Any]) -> None:
+        self.queue = queue
+
+    def send(self, value: Any) -> None:
+        self.queue.put_nowait(value)
+
+
+class FakeReceiver:
+    def __init__(self, queue: asyncio.Queue[Any]) -> None:
+        self.queue = queue
+
+    def recv(self) -> Any:
+        return self.queue.get()  # a coroutine: the dispatcher awaits it as it awaits a Future
+
+
+def open_fake_channel() -> tuple[FakePort, FakeReceiver]:
+    """A Channel's two ends within the server's loop (the fakes run there too)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    return FakePort(queue), FakeReceiver(queue)
 
 
 class _Procs:
@@ -123,6 +191,10 @@ class Fakes:
         self.reloads: list[tuple[str, str | None]] = []  # (replica, checkpoint) per reload call
         self.reloading = 0  # replicas loading weights now
         self.served_during_reload = 0  # inputs answered while a replica was loading
+        self.token_s = 0.01  # each generated token takes this long
+        self.context = 1000  # the longest prompt, in characters
+        self.generating = 0  # streams computing now, on every replica
+        self.tokens_made = 0  # tokens generated, on every replica
         self._pids = itertools.count(100_000)
 
     def fail_reload(self, replica: FakeReplica, spec: ModelSpec) -> bool:
@@ -159,7 +231,9 @@ def fake_app(
         batch=config.batch,
         front=config.front,
         start_replica=fakes.start,
-    ).start()
+    )
+    app.router.dispatcher.open_channel = open_fake_channel
+    app.start()
     try:
         yield app, fakes
     finally:

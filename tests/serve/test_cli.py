@@ -27,7 +27,7 @@ def test_raymesh_serve_serves_a_job_file_until_interrupted(ray_cluster, tmp_path
         os.environ,
         RAYMESH_ADDRESS=backend.address(),
         RAYMESH_WARM_PROCS="0",
-        RAYMESH_SERVE_TOKEN="from-env",
+        RAYMESH_SERVE_TOKEN="from-env-token-0123",
     )
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -45,7 +45,7 @@ def test_raymesh_serve_serves_a_job_file_until_interrupted(ray_cluster, tmp_path
 
         url = wait_for(serving, 120, what="raymesh serve's URL", interval=0.2).group(1)
         x = [0.1] * 32
-        status, _, body = Client(url, "from-env").post("/v1/predict", {"x": x})
+        status, _, body = Client(url, "from-env-token-0123").post("/v1/predict", {"x": x})
         assert status == 200, body
         expected = mlp_outputs(checkpoint, [x])[0]
         torch.testing.assert_close(torch.tensor(body["y"]), torch.tensor(expected))
@@ -82,12 +82,14 @@ def test_raymesh_serve_refuses_an_admin_token_without_a_root_and_half_a_tls_pair
     checkpoint.mkdir()
     job = tmp_path / "job.toml"
     job.write_text(f'build = "raymesh.examples.mlp:build"\n[checkpoint]\ndir = "{checkpoint}"\n')
-    assert main(["serve", str(job), "--admin-token", "a"]) == 2  # nothing starts
+    assert main(["serve", str(job), "--admin-token", "admin-token-0123456"]) == 2  # nothing starts
     assert "checkpoint_root=None: an admin token" in capsys.readouterr().err
     assert main(["serve", str(job), "--tls-cert", str(job)]) == 2
     assert "tls_key is missing" in capsys.readouterr().err
     argv = ["serve", "reload", "--checkpoint", str(checkpoint)]
     assert main(argv) == 2
     assert ADMIN_TOKEN_ENV in capsys.readouterr().err
-    assert main([*argv, "--admin-token", "a", "--tls-cert", str(job)]) == 2  # an http:// URL
+    assert (
+        main([*argv, "--admin-token", "admin-token-0123456", "--tls-cert", str(job)]) == 2
+    )  # an http:// URL
     assert "give its https:// URL" in capsys.readouterr().err

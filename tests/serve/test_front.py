@@ -6,6 +6,8 @@ window that stays bounded)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import select
 import socket
@@ -23,7 +25,7 @@ from tests.serve.fakes import HANG, Fakes, fake_app, fake_checkpoint, weight_of
 from tests.serve.helpers import Client, mlp_checkpoint
 from tests.waiting import wait_for
 
-TOKEN, ADMIN = "user-token", "admin-token"
+TOKEN, ADMIN = "user-token-0123456789", "admin-token-0123456789"
 
 
 @pytest.fixture
@@ -274,9 +276,127 @@ def test_numbers_that_are_not_finite_are_malformed_json(plain: Any, raw: bytes) 
 
 def test_finite_numbers_pass_and_a_non_finite_temperature_is_refused(plain: Any) -> None:
     client = Client(plain.url, TOKEN)
-    assert client.post("/v1/predict", raw=b'{"x": 1e300}')[2] == {"y": 1e300}
+    assert client.post("/v1/predict", raw=b'{"x": 1e38}')[2] == {"y": 1e38}
     status, _, _ = client.post("/v1/generate", raw=b'{"prompt": "a", "temperature": 1e400}')
     assert status == 400
+
+
+@pytest.mark.parametrize(
+    "path, raw, field",
+    [
+        # 3.5e38 is finite in float64 and inf in the model's float32
+        ("/v1/predict", b'{"x": 3.5e38}', "x"),
+        ("/v1/predict", b'{"x": [1.0, [2.0, -3.5e38]]}', "x[1][1]"),
+        ("/v1/predict", b'{"x": 1' + b"0" * 400 + b"}", "x"),  # an integer past any float
+        ("/v1/generate", b'{"prompt": "a", "temperature": 1' + b"0" * 400 + b"}", "temperature"),
+        ("/v1/generate", b'{"prompt": "a", "temperature": 3.5e38}', "temperature"),
+        ("/v1/generate", b'{"prompt": "a", "seed": 1' + b"0" * 30 + b"}", "seed"),
+        ("/v1/predict", b'{"x": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", "x"),  # too deep
+        ("/v1/predict", b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # its stack
+    ],
+    ids=["f32", "nested", "int", "temperature", "temperature-f32", "seed", "deep", "deeper"],
+)
+def test_numbers_the_model_cannot_hold_and_deep_nesting_are_400s_naming_the_field(
+    plain: Any, path: str, raw: bytes, field: str | None
+) -> None:
+    status, _, body = Client(plain.url, TOKEN).post(path, raw=raw)
+    assert status == 400, body  # not a 500 with a traceback in the log
+    assert body["error"]["type"] in ("OutOfRange", "MalformedJSON"), body
+    assert body["error"].get("field") == field, body
+    if body["error"]["type"] == "OutOfRange":
+        assert "out of range" in body["error"]["message"] or "64 bits" in body["error"]["message"]
+    client = Client(plain.url, TOKEN)
+    assert client.post("/v1/predict", raw=b'{"x": 3.4e38}')[2] == {"y": 3.4e38}  # float32's
+    deep = b'{"prompt": "a", "max_tokens": 1, "n": ' + b"[" * 63 + b"]" * 63 + b"}"
+    assert client.post("/v1/generate", raw=deep)[0] == 200  # 64 levels, the body's included
+
+
+def _sse(url: str, body: dict[str, Any], token: str | None = None) -> tuple[socket.socket, Any]:
+    """A /v1/generate stream on a raw connection: its socket and a file of its lines."""
+    data = json.dumps({**body, "stream": True}).encode()
+    auth = b"" if token is None else b"Authorization: Bearer " + token.encode() + b"\r\n"
+    s = _raw_request(
+        url,
+        b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: %d\r\n\r\n" % len(data)
+        + data,
+    )
+    return s, s.makefile("rb")
+
+
+def test_a_stream_whose_deadline_passes_or_whose_client_leaves_stops_its_replica() -> None:
+    fakes = Fakes()
+    fakes.token_s = 0.05  # 1000 tokens: 50 s, far past every deadline here
+    with fake_app(fakes=fakes, request_timeout_s=1.0) as (app, _):
+        # The deadline: the stream ends with an error event, and the replica stops computing.
+        status, _, text = Client(app.url).post(
+            "/v1/generate", {"prompt": "a", "max_tokens": 1000, "stream": True}
+        )
+        assert status == 200 and "event: error" in text and "Timeout" in text, text
+        wait_for(lambda: fakes.generating == 0, 10, what="the timed-out stream stopped")
+        assert fakes.tokens_made < 1000
+        # The client leaves mid-stream: the front's task is cancelled, the replica told.
+        s, lines = _sse(app.url, {"prompt": "a", "max_tokens": 1000})
+        with s:
+            while not lines.readline().startswith(b"data: "):
+                pass  # the first token is out: the stream is running
+            assert fakes.generating == 1
+            made = fakes.tokens_made
+        wait_for(lambda: fakes.generating == 0, 10, what="the abandoned stream stopped")
+        assert fakes.tokens_made - made < 500
+        assert app.router.dispatcher.stopped_streams == 2
+        # The replica is free again, and serves the next stream whole.
+        reply = Client(app.url).post("/v1/generate", {"prompt": "ab", "max_tokens": 3})
+        assert reply[0] == 200 and reply[2] == {"text": "cde", "tokens": 3}, reply
+        assert len(fakes.live()) == 1  # stopped, not killed
+
+
+def test_a_prompt_over_the_models_context_is_a_400_naming_the_prompt() -> None:
+    fakes = Fakes()
+    fakes.context = 4
+    with fake_app(fakes=fakes) as (app, _):
+        status, _, body = Client(app.url).post("/v1/generate", {"prompt": "abcdefgh"})
+        assert status == 400 and body["error"]["type"] == "PromptTooLong", body
+        assert body["error"]["field"] == "prompt"
+        assert Client(app.url).post("/v1/generate", {"prompt": "abc", "max_tokens": 1})[0] == 200
+
+
+def test_serve_off_loopback_without_a_token_warns_and_a_short_token_is_refused(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAYMESH_SERVE_TOKEN", raising=False)
+    with caplog.at_level(logging.WARNING, logger="raymesh.serve"):
+        with fake_app(host="0.0.0.0"):
+            pass
+        with fake_app(host="0.0.0.0", token=TOKEN):
+            pass
+        with fake_app():  # loopback: nothing to say
+            pass
+    said = [r.getMessage() for r in caplog.records if "other machines" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "no token is set" in said[0] and "plain HTTP" in said[1], said
+    with pytest.raises(ValueError, match=r"token='<hidden>': the token has 5 characters"):
+        serve.ServeConfig(token="short")
+    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "short")
+    with pytest.raises(ValueError, match=r"\$RAYMESH_SERVE_TOKEN='<hidden>': the token has 5"):
+        _ = serve.ServeConfig().front
+
+
+def test_serve_on_loopback_without_a_token_answers_only_loopback_names_and_logs_refusals(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with fake_app() as (app, _):
+        client = Client(app.url)
+        client.headers["Host"] = "rebound.example:80"
+        status, _, body = client.post("/v1/predict", {"x": 1.0})
+        assert status == 421 and body["error"]["field"] == "Host", body
+    with fake_app(token=TOKEN) as (app, _), caplog.at_level(logging.WARNING, "raymesh.serve"):
+        for _ in range(30):  # a client that keeps trying
+            assert Client(app.url).post("/v1/predict%0aFORGED:%20x", {"x": 1.0})[0] == 401
+    lines = [r.getMessage() for r in caplog.records if r.name == "raymesh.serve"]
+    assert len(lines) == 20 and all("\n" not in line for line in lines), lines
+    assert "refused POST /v1/predict%0aFORGED:%20x from 127.0.0.1: 401" in lines[0], lines[0]
 
 
 def _raw_request(url: str, head: bytes) -> socket.socket:
@@ -290,7 +410,7 @@ def test_a_body_slower_than_its_deadline_is_a_408_and_the_connection_closes() ->
     # keep_alive_s: an idle connection closed by the keep-alive timer is not mistaken for this
     with fake_app(body_timeout_s=0.5, keep_alive_s=60) as (app, _):
         head = (
-            b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 200\r\n\r\n"
         )
         body = b'{"x": ' + b" " * 192 + b"1}"
@@ -337,3 +457,22 @@ def test_https_with_tls_and_raymesh_serve_reload_reaches_it(
         assert main([*base, "--admin-token", ADMIN, "--tls-cert", str(cert)]) == 0
         assert "serve " + str((root / "w3").resolve()) in capsys.readouterr().out
         assert Client(app.url, TOKEN, cafile=cert).post("/v1/predict", {"x": 1.0})[2] == {"y": 3.0}
+
+
+def test_a_hugging_face_prompt_past_the_models_context_is_refused_naming_the_limit(
+    tmp_path: Path,
+) -> None:
+    # The real replica's check (the fakes' stands in for it above), on a tiny Llama whose
+    # byte-level tokenizer makes one token per character.
+    pytest.importorskip("transformers")
+    import torch
+
+    from raymesh.serve.model import LoadedModel, ModelSpec, PromptTooLong
+    from raymesh.train import hf
+
+    folder = hf.save_tiny_llama(tmp_path / "tiny", max_position=16)
+    model = LoadedModel(ModelSpec(hf=str(folder)), torch.device("cpu"))
+    message = r"prompt: 10 tokens and max_tokens=8 make 18, over the model's context of 16 tokens"
+    with pytest.raises(PromptTooLong, match=message):
+        next(model.generate("x" * 10, 8, 0.0, 0))
+    assert 1 <= len(list(model.generate("x" * 8, 8, 0.0, 0))) <= 8  # 16: it fits

@@ -23,7 +23,7 @@ from tests.serve.helpers import (
 )
 from tests.waiting import wait_for
 
-TOKEN, ADMIN = "test-token", "test-admin-token"
+TOKEN, ADMIN = "test-token-0123456", "test-admin-token"
 XS = [[0.01 * (i + j) for j in range(32)] for i in range(64)]  # inputs of examples.mlp (32 wide)
 
 

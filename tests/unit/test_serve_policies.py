@@ -173,8 +173,8 @@ def test_each_room_is_handed_its_section_of_the_flat_config(monkeypatch, tmp_pat
     from raymesh.serve import ServeConfig
     from raymesh.serve.sections import ReplicaConfig
 
-    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env")
-    monkeypatch.setenv("RAYMESH_SERVE_ADMIN_TOKEN", "admin-from-env")
+    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env-token-0123")
+    monkeypatch.setenv("RAYMESH_SERVE_ADMIN_TOKEN", "admin-from-env-0123")
     config = ServeConfig(
         replicas=(2, 5),
         max_batch_size=8,
@@ -198,10 +198,10 @@ def test_each_room_is_handed_its_section_of_the_flat_config(monkeypatch, tmp_pat
     assert (router.request_timeout_s, router.max_retries) == (7, 1)
     assert batch == BatchConfig(max_batch_size=8, batch_wait_ms=2, max_queue=64)
     # The front's tokens are settled when it is read: no room reads the environment later.
-    assert (front.token, front.admin_token) == ("from-env", "admin-from-env")
+    assert (front.token, front.admin_token) == ("from-env-token-0123", "admin-from-env-0123")
     assert (front.port, front.checkpoint_root, front.max_tokens) == (0, str(tmp_path), 16)
     monkeypatch.delenv("RAYMESH_SERVE_TOKEN")
-    assert front.token == "from-env" and config.front.token is None
+    assert front.token == "from-env-token-0123" and config.front.token is None
     # An admin token from the environment that cannot be used: ValueError when it is read.
     with pytest.raises(ValueError, match="checkpoint_root=None"):
         _ = ServeConfig().front
@@ -210,9 +210,9 @@ def test_each_room_is_handed_its_section_of_the_flat_config(monkeypatch, tmp_pat
 def test_the_token_comes_from_the_environment_when_not_given(monkeypatch):
     from raymesh.serve import ServeConfig
 
-    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env")
-    assert ServeConfig().bearer() == "from-env"
-    assert ServeConfig(token="given").bearer() == "given"
+    monkeypatch.setenv("RAYMESH_SERVE_TOKEN", "from-env-token-0123")
+    assert ServeConfig().bearer() == "from-env-token-0123"
+    assert ServeConfig(token="given-token-01234567").bearer() == "given-token-01234567"
     monkeypatch.delenv("RAYMESH_SERVE_TOKEN")
     assert ServeConfig().bearer() is None
 
@@ -294,7 +294,7 @@ def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem
     from raymesh.serve import ServeConfig, Tls
 
     value = {
-        "admin_token": "admin",
+        "admin_token": "admin-token-0123456",
         "checkpoint_root": str(tmp_path),
         "tls": Tls(cert=pem[0], key=pem[1]),
         "max_connections": 10,
@@ -307,8 +307,10 @@ def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem
     with pytest.raises(ValueError, match=rf'{field}=.*: backend="ray-serve" cannot apply it'):
         ServeConfig(backend="ray-serve", **fields)
     # The token and the body's limits hold there too: the deployment checks them (Guard).
-    config = ServeConfig(backend="ray-serve", token="t", max_body_bytes=10, body_timeout_s=1)
-    assert config.bearer() == "t" and config.admin() is None
+    config = ServeConfig(
+        backend="ray-serve", token="t-token-0123456789", max_body_bytes=10, body_timeout_s=1
+    )
+    assert config.bearer() == "t-token-0123456789" and config.admin() is None
 
 
 def test_tls_and_the_reload_fields_from_a_job_file_and_the_command_line(pem, tmp_path):
@@ -321,8 +323,8 @@ def test_tls_and_the_reload_fields_from_a_job_file_and_the_command_line(pem, tmp
         f'[serve]\ncheckpoint_root = "{tmp_path}"\n'
         f'tls = {{cert = "{pem[0]}", key = "{pem[1]}"}}\n'
     )
-    _, config = load_serving(job, admin_token="from-cli")
+    _, config = load_serving(job, admin_token="from-cli-token-0123")
     assert config.tls == Tls(cert=pem[0], key=pem[1])
-    assert config.checkpoint_root == str(tmp_path) and config.admin() == "from-cli"
+    assert config.checkpoint_root == str(tmp_path) and config.admin() == "from-cli-token-0123"
     _, config = load_serving(job, tls=Tls(cert=pem[1], key=pem[0]))  # --tls-cert/--tls-key
     assert config.tls == Tls(cert=pem[1], key=pem[0]) and config.admin() is None
