@@ -1,6 +1,8 @@
 """`raymesh export RUN --hf OUT`: a trained model out of raymesh, as a Hugging Face folder that
 `from_pretrained` reads and `raymesh serve --hf OUT` serves. RUN is a run's checkpoint folder
-(its newest committed step that verifies) or one step-XXXXXXXX folder.
+(its newest committed step that verifies) or one step-XXXXXXXX folder. The model is rebuilt by
+the job's build function, or, where the job names none importable here (a function of the
+user's script), from the Hugging Face record its checkpoints carry (`--build` wins when given).
 
     raymesh export runs/lora --hf out/lora                # the LoRA adapter (and tokenizer)
     raymesh export runs/lora --hf out/merged --merge      # base + adapter, one model
@@ -36,7 +38,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--build",
         metavar="MODULE:FUNCTION",
-        help="the build function that trained it (default: the one the run's job names)",
+        help="the build function that trained it (default: the one the run's job names, or "
+        "for a transformers or PEFT model the model its checkpoint records)",
     )
 
 

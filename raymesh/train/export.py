@@ -14,6 +14,7 @@ only: no checkpoint file runs code here).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,17 @@ import torch
 from raymesh._common import bad, new_folder, resolve
 from raymesh.train.checkpoint import (
     CheckpointError,
+    Manifest,
+    check_record,
     load_weights,
     read_manifest,
     resolve_checkpoint,
 )
 from raymesh.train.config import TrainConfig
-from raymesh.train.materialize import materialize
+from raymesh.train.materialize import materialize, on_meta, repointed
 from raymesh.train.task import Context, Task
 
-__all__ = ["export_hf", "job_config", "rebuild"]
+__all__ = ["export_hf", "from_record", "job_config", "rebuild"]
 
 Build = str | Callable[[Context], Task]
 
@@ -49,8 +52,11 @@ def rebuild(
 
     checkpoint: a run's checkpoint folder (its newest committed step that verifies) or one
         `step-XXXXXXXX` folder. None: the model as built, with its initial weights.
-    build: the build function, or its "module:function" name. None: the one the checkpoint's
-        job named (its manifest's `config.build`).
+    build: the build function, or its "module:function" name; it wins when given. None: the
+        one the checkpoint's job named (its manifest's `config.build`); where it names none, or
+        one that cannot be imported here (a function of the user's script), a transformers or
+        PEFT model is rebuilt from the checkpoint's Hugging Face record (`Manifest.hf`: its
+        class, config and adapters; see `from_record`).
     device: the Context's device (where a build function that places its model puts it).
     seed: torch is seeded with it before `build` runs, as training seeds it, so the model is
         initialised as the job's was. None: the job's seed (0 without a checkpoint).
@@ -59,8 +65,8 @@ def rebuild(
 
     With a checkpoint, the Context's `config` is the job's TrainConfig, read from the manifest,
     so the build function sees the `ctx.params` it trained with. Raises ValueError when there
-    is no build function, no committed checkpoint, or the checkpoint holds another model's
-    weights (naming the keys that differ).
+    is no build function and no record, no committed checkpoint, or the checkpoint holds
+    another model's weights (naming the keys that differ).
     """
     step = None if checkpoint is None else resolve_checkpoint(checkpoint)
     config = None if step is None else job_config(step)
@@ -68,6 +74,12 @@ def rebuild(
         if config is not None:
             raise bad("params", params, "the checkpoint's job params are used: leave it out")
         config = TrainConfig(params=params)
+    seed = seed if seed is not None else (config.seed if config is not None else 0)
+    if build is None and step is not None:
+        record = _manifest(step).hf
+        named = config.build if config is not None else None
+        if record and (named is None or not _importable(named)):
+            return from_record(step, device=device, seed=seed)
     build = build if build is not None else (config.build if config is not None else None)
     if build is None:
         where = f"checkpoint {str(step)!r} names none" if step is not None else "no checkpoint"
@@ -75,7 +87,6 @@ def rebuild(
             f"build=None: {where}; pass the build function that trained the model "
             "(`--build module:function`, or build= in Python)"
         )
-    seed = seed if seed is not None else (config.seed if config is not None else 0)
     fn = resolve(build)
     torch.manual_seed(seed)  # as training seeds before build: the same init
     ctx = Context(
@@ -91,10 +102,112 @@ def rebuild(
     if not isinstance(task, Task):
         raise ValueError(f"build={build!r} returned {type(task).__name__}: return a train.Task")
     if step is not None:
-        load_weights(task.model, step)  # a model built on meta takes the checkpoint's tensors
+        # A model built on meta takes the checkpoint's tensors: new parameters, which the
+        # optimizer is re-pointed at (a learner trains on with it).
+        with repointed(task.model, task.optimizer) if on_meta(task.model) else nullcontext():
+            load_weights(task.model, step)
     # What is still on meta (no checkpoint) is filled by init_weights.
     materialize(task.model, torch.device(device), task.init_weights, task.optimizer)
     return task
+
+
+def from_record(
+    checkpoint: str | Path, *, device: torch.device | str = "cpu", seed: int = 0
+) -> Task:
+    """The transformers or PEFT model that `checkpoint` recorded (`Manifest.hf`), with its
+    weights, on `device`, in a Task for one rank: AdamW over what trains, the causal LM loss,
+    no dataset. No build function runs: the class is looked up among transformers' exported
+    model classes by its name (never imported from elsewhere), built on meta from the recorded
+    config, given the recorded PEFT adapters, and filled with the checkpoint's tensors, which
+    must fit it key for key. Its name_or_path is the recorded base folder (its tokenizer's).
+
+    ValueError naming the checkpoint when it has no record, the record is malformed, its class
+    is none of this transformers' models, or its weights do not fit."""
+    step = resolve_checkpoint(checkpoint)
+    where = f"checkpoint={str(step)!r}"
+    try:
+        import transformers
+        from accelerate import init_empty_weights
+
+        from raymesh.train import hf
+    except ImportError as e:
+        raise ValueError(
+            f"{where}: rebuilding its model needs {e.name}: pip install 'raymesh[hf]'"
+        ) from None
+    record = _manifest(step).hf
+    if not record:
+        raise ValueError(
+            f"{where}: its manifest records no Hugging Face model (saved by a raymesh before "
+            "it did, or the model is no transformers one); pass its build function"
+        )
+    record = check_record(record, where)
+    cls = getattr(transformers, record["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise bad(
+            "hf.class",
+            record["class"],
+            f"{where}: not a model class of transformers {transformers.__version__}; install "
+            f"the version that saved it ({record.get('transformers')}) or pass --build",
+        )
+    config_class: Any = cls.config_class
+    if config_class is None or config_class.model_type not in ("", record["config"]["model_type"]):
+        raise bad(
+            "hf.config.model_type",
+            record["config"]["model_type"],
+            f"{where}: {cls.__name__} takes {getattr(config_class, 'model_type', None)!r} configs",
+        )
+    config = config_class.from_dict(dict(record["config"]))
+    config._name_or_path = record.get("base") or ""  # where its tokenizer is
+    torch.manual_seed(seed)
+    with init_empty_weights():  # parameters on meta (the checkpoint fills them), buffers real
+        model: Any = cls(config)
+    if record.get("peft"):
+        model = _with_adapters(model, record["peft"], where)
+    load_weights(model, step)
+    get_base: Any = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    if getattr(base.config, "tie_word_embeddings", False):
+        base.tie_weights()  # the tensors were assigned: tie them again
+    materialize(model, torch.device(device), None)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return Task(
+        model=model,
+        optimizer=torch.optim.AdamW(trainable or list(model.parameters())),
+        loss_fn=hf.causal_lm_loss,
+    )
+
+
+def _with_adapters(model: Any, record: dict[str, Any], where: str) -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ValueError(f"{where}: its model has a PEFT adapter: pip install peft") from None
+    active, adapters = record["active"], record["adapters"]
+    try:
+        configs = {name: peft.get_peft_config(dict(c)) for name, c in adapters.items()}
+    except Exception as e:  # an unknown peft_type or field: what PEFT raises varies
+        raise bad("hf.peft", adapters, f"{where}: not PEFT configs this peft reads ({e})") from None
+    model = peft.get_peft_model(model, configs[active], adapter_name=active)
+    for name, config in configs.items():
+        if name != active:
+            model.add_adapter(name, config)
+    model.set_adapter(active)
+    return model
+
+
+def _importable(build: str) -> bool:
+    try:
+        resolve(build)
+    except ValueError:  # a function of the user's script: not here
+        return False
+    return True
+
+
+def _manifest(step: Path) -> Manifest:
+    try:
+        return read_manifest(step)
+    except (OSError, ValueError, CheckpointError) as e:
+        raise ValueError(f"checkpoint={str(step)!r}: its manifest cannot be read ({e})") from None
 
 
 def export_hf(
@@ -108,7 +221,8 @@ def export_hf(
     returns `out`.
 
     The model is `rebuild(checkpoint, build=build)`'s (the job's build function from the
-    manifest unless `build` is given), then:
+    manifest unless `build` is given; where the job names none that imports here, the model
+    the checkpoint's Hugging Face record describes), then:
     - a transformers model: `save_pretrained` (config.json, model.safetensors), plus the
       tokenizer of the folder it was loaded from, when that folder has one;
     - a PEFT model (LoRA): the adapter alone (adapter_config.json, adapter_model.safetensors,

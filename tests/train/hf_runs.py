@@ -54,12 +54,26 @@ def trained_run(dir: Path, config: TrainConfig, model: torch.nn.Module | None = 
     """`config`'s Task after one optimizer step on its first 4 blocks, checkpointed as step 1 in
     `dir`; `model`: save that module's weights instead (a checkpoint of another model)."""
     task = built(config)
+    saved = model if model is not None else task.model
+    optimizer = torch.optim.AdamW(saved.parameters()) if model is not None else task.optimizer
+    return step_and_save(task, dir, config, saved, optimizer)
+
+
+def step_and_save(
+    task: Task,
+    dir: Path,
+    config: TrainConfig,
+    saved: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Task:
+    """One optimizer step of `task` on its first 4 samples, then `saved` (default: its model)
+    checkpointed as step 1 in `dir` with `config` as the job's, as a rank saves it."""
     batch = torch.stack([task.dataset[i] for i in range(4)])
     task.loss_fn(task.model, batch).backward()
     task.optimizer.step()
     task.optimizer.zero_grad()
-    saved = model if model is not None else task.model
-    optimizer = torch.optim.AdamW(saved.parameters()) if model is not None else task.optimizer
+    saved = saved if saved is not None else task.model
+    optimizer = optimizer if optimizer is not None else task.optimizer
     Checkpointer(dir, keep=1).save(
         1,
         saved,

@@ -4,6 +4,7 @@ this process, no Ray, no process group, nothing downloaded."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: a hub call fails, not hangs
@@ -302,6 +303,92 @@ def test_an_exported_lora_run_is_an_adapter_on_its_base_and_merged_one_plain_mod
     assert not torch.allclose(logits(untrained, IDS), want, atol=1e-5)  # the adapter counts
     # An adapter folder serves as its base with the adapter (load_causal_lm reads its base).
     assert torch.equal(logits(hf.load_causal_lm(adapter), IDS), want)
+
+
+# A user's job script: the build function lives in it, so `raymesh export` cannot import it.
+USER_SCRIPT = """
+import torch
+import transformers
+from raymesh import train
+
+
+def build(ctx):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        ctx.params["model"], local_files_only=True, use_safetensors=True
+    )
+    model.config.use_cache = False
+    if ctx.params["lora"]:
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, config)
+    blocks = torch.arange(4 * 64).remainder(256).reshape(4, 64)
+    return train.Task(
+        model=model,
+        optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+        dataset=list(blocks),
+        loss_fn=lambda m, b: m(input_ids=b, labels=b).loss,
+    )
+"""
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_run_whose_build_lived_in_the_users_script_exports_from_its_checkpoint_alone(
+    tiny, tmp_path, kind, capsys
+):
+    """The checkpoint records the transformers (and PEFT) model; export, rebuild and the CLI
+    use that record when the job's build function cannot be imported, and `build=` still wins."""
+    import runpy
+
+    from raymesh.cli.main import main
+    from raymesh.train.api import _import_name
+    from raymesh.train.checkpoint import Manifest
+    from raymesh.train.export import rebuild
+    from tests.train.hf_runs import step_and_save
+
+    script = tmp_path / "user_job.py"
+    script.write_text(USER_SCRIPT)
+    build = runpy.run_path(str(script), run_name="__main__")["build"]  # `python user_job.py`
+    # What fit() records for it: none for a function of __main__; a module name otherwise.
+    named = _import_name(build, build) if kind == "full" else "user_job:build"
+    assert (named is None) == (kind == "full")
+    config = train.TrainConfig(build=named, params={"model": str(tiny), "lora": kind == "lora"})
+    torch.manual_seed(0)
+    ctx = train.Context(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        device=torch.device("cpu"),
+        seed=0,
+        config=config,
+    )
+    task = build(ctx)
+    step_and_save(task, tmp_path / "run", config)
+    want = logits(task.model, IDS)
+    step = tmp_path / "run" / "step-00000001"
+    record = Manifest.from_json((step / "manifest.json").read_text()).hf
+    assert record["class"] == "LlamaForCausalLM" and record["base"] == str(tiny)
+    assert (record["peft"] is not None) == (kind == "lora")
+
+    out = train.export_hf(tmp_path / "run", tmp_path / "out")  # no build function
+    assert (out / "tokenizer.json").is_file()  # the recorded base folder's
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
+    assert not torch.equal(logits(base, IDS), want)  # the trained weights, not the base's
+    if kind == "lora":
+        adapter = json.loads((out / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == str(tiny)
+        loaded = peft.PeftModel.from_pretrained(base, out)
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert torch.equal(logits(loaded, IDS), want)
+    rebuilt = rebuild(tmp_path / "run")  # what serve and init= call
+    assert torch.equal(logits(rebuilt.model, IDS), want)
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "cli")]) == 0
+    assert "exported the" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="holds the weights of another model"):
+        train.export_hf(tmp_path / "run", tmp_path / "x", build=_linear)  # build= wins
+    assert not (tmp_path / "x").exists()
 
 
 def test_export_refuses_an_existing_out_and_a_checkpoint_of_another_model_leaving_nothing(

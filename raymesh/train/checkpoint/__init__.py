@@ -4,7 +4,8 @@ The public front of a package: the writer and the readers (`checkpointer`: `Chec
 `export_state_dict`; `weights`: `resolve_checkpoint`, `load_weights`, for serving and
 exporting) over one on-disk contract (`layout`: the folders, the manifest and the
 check that a folder holds what its manifest says), whose DCP files are read without running
-code (`unpickling`); `CheckpointError` (`errors`) is what each of them raises.
+code (`unpickling`); a Hugging Face model's record in the manifest (`hf_record`: what rebuilds
+it without its build function); `CheckpointError` (`errors`) is what each of them raises.
 
 Layout of `Checkpointer(dir)`:
 
@@ -12,7 +13,8 @@ Layout of `Checkpointer(dir)`:
         .metadata                 DCP's index of the tensors (written by rank 0)
         __0_0.distcp ...          DCP data, one file per rank
         manifest.json             step, world size, strategy, config, data position, sha256 of
-                                  every other file; written last, so its presence marks a commit
+                                  every other file, a Hugging Face model's record; written
+                                  last, so its presence marks a commit
     dir/.tmp-step-00000060-<id>/  a save in progress (or left by a crash): never read, removed
                                   by the next commit
 
@@ -34,6 +36,9 @@ Guarantees:
   types and the torch and pathlib values they hold, and refuses anything else unread
   (CheckpointError naming it). Every read here goes through
   `unpickling.MetadataReader`.
+- Bounded reads: every file read is a regular file inside its step folder (a FIFO, a device
+  such as /dev/zero, or a link out is refused from its stat, unread), `.metadata` may send DCP
+  only to files the manifest lists, and a run's step folders lie inside the run (`layout`).
 - Checksums are not proof of origin: the manifest's sha256s catch corruption and partial
   writes, not someone who can write the folder (they can rewrite the manifest too). A checkpoint
   from such a source cannot run code when loaded, but its weights are whatever they wrote.
@@ -47,6 +52,7 @@ group (one process), they run locally.
 
 from raymesh.train.checkpoint.checkpointer import Checkpointer, export_state_dict
 from raymesh.train.checkpoint.errors import CheckpointError
+from raymesh.train.checkpoint.hf_record import check_record, hf_record
 from raymesh.train.checkpoint.layout import MANIFEST, Manifest, named_paths, read_manifest
 from raymesh.train.checkpoint.weights import load_weights, resolve_checkpoint
 
@@ -55,7 +61,9 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "Manifest",
+    "check_record",
     "export_state_dict",
+    "hf_record",
     "load_weights",
     "named_paths",
     "read_manifest",

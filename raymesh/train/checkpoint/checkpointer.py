@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raymesh.train.checkpoint.errors import CheckpointError
+from raymesh.train.checkpoint.hf_record import hf_record
 from raymesh.train.checkpoint.layout import (
     MANIFEST,
     MODEL,
@@ -83,7 +84,9 @@ class Checkpointer:
     ) -> None:
         """Checkpoint model and optimizer as `dir/step-<step:08d>`, with `extra` (the caller's
         JSON data, in the manifest, read back as `Manifest.extra`). COLLECTIVE: every rank calls
-        it with the same arguments (but its own `rank`).
+        it with the same arguments (but its own `rank`). A transformers or PEFT model is also
+        recorded in the manifest (`Manifest.hf`, see `hf_record`), so that export and serving
+        rebuild it from the checkpoint alone.
 
         Blocking mode: returns after the checkpoint is committed on every rank. Async mode: first
         commits the previous save, then returns once this one is staged (see the class doc).
@@ -126,6 +129,7 @@ class Checkpointer:
             data_position=data_position,
             rank=rank,
             extra=extra,
+            hf=hf_record(model),  # so export and serve rebuild it without its build function
         )
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
@@ -194,6 +198,7 @@ class Checkpointer:
             data_position=commit.data_position,
             files=files,
             extra=commit.extra,
+            hf=commit.hf,
             created=time.time(),
         )
         with open(commit.tmp / MANIFEST, "w") as f:
@@ -345,6 +350,7 @@ class _Commit:
     data_position: int
     rank: int
     extra: dict[str, Any]
+    hf: dict[str, Any]
 
 
 def _distributed() -> bool:
