@@ -35,7 +35,7 @@ import torch
 
 from raymesh._common import resolve
 from raymesh.train import Context, Task
-from raymesh.train.checkpoint import load_weights, resolve_checkpoint
+from raymesh.train.checkpoint import check_named_paths, load_weights, resolve_checkpoint
 from raymesh.train.export import rebuild
 
 __all__ = [
@@ -68,8 +68,10 @@ class PromptTooLong(ValueError):
 def check_under_root(path: str | Path, root: str | Path, *, files: bool = False) -> Path:
     """`path` with every symlink resolved, if it lies under `root` (resolved too); with
     `files`, every file and folder under it must resolve under `root` as well (a link inside a
-    checkpoint that points out of the root counts as out). PermissionError naming the root
-    otherwise. Nothing outside the root is read to decide: only the links on the way."""
+    checkpoint that points out of the root counts as out), and so must every file or folder its
+    manifest's params name (what rebuilding the model reads: `check_named_paths`).
+    PermissionError naming the root otherwise. Nothing outside the root is read to decide:
+    only the links on the way."""
     real_root = Path(root).resolve()
     real = Path(path).resolve()
     outside = None if real.is_relative_to(real_root) else real
@@ -83,6 +85,8 @@ def check_under_root(path: str | Path, root: str | Path, *, files: bool = False)
             f"checkpoint={str(path)!r}: {shown} is outside checkpoint_root={str(root)!r} "
             f"(resolved: {str(real_root)!r}); reloads load only from under it"
         )
+    if files:
+        check_named_paths(real, root)
     return real
 
 

@@ -532,3 +532,84 @@ def test_a_link_to_a_device_a_fifo_or_outside_is_refused_unread_and_promptly(
             _within(10, lambda: export_state_dict(step))
         with pytest.raises(CheckpointError, match=why):
             _within(10, lambda: ck.load(step, model, opt))
+
+
+def test_a_reload_refuses_a_manifest_whose_params_name_files_outside_the_root(
+    tmp_path: Path,
+) -> None:
+    """What rebuilding a model reads besides the checkpoint (its params' folders and files,
+    a Hugging Face base folder) stays under serve's checkpoint_root, as the checkpoint does."""
+    from raymesh.serve.model import check_under_root
+
+    root = tmp_path / "runs"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "text.txt").write_text("inside")
+    outside = tmp_path / "private-model"
+    outside.mkdir()
+    model, opt = _fresh()
+    for name, params in (
+        ("inside", {"text": str(root / "data" / "text.txt"), "targets": ["q_proj"], "r": 4}),
+        ("outside", {"text": str(root / "data" / "text.txt"), "nested": {"m": str(outside)}}),
+        ("linked", {"model": str(root / "data" / "link")}),
+    ):
+        config = {**CONFIG, "params": params}
+        Checkpointer(root / name).save(
+            1, model, opt, world_size=1, strategy="none", config=config, data_position=0, rank=0
+        )
+    (root / "data" / "link").symlink_to(outside)  # under the root by name, out by its target
+    assert check_under_root(root / "inside" / "step-00000001", root, files=True)
+    for name, shown in (("outside", str(outside)), ("linked", str(root / "data" / "link"))):
+        with pytest.raises(PermissionError) as e:
+            check_under_root(root / name / "step-00000001", root, files=True)
+        message = str(e.value)
+        assert f"its manifest names {shown!r}" in message, message
+        assert f"outside checkpoint_root={str(root)!r}" in message, message
+
+
+def test_a_reload_of_an_unreadable_checkpoint_fails_promptly_and_is_not_left_in_progress(
+    tmp_path: Path,
+) -> None:
+    """A run whose manifest is a FIFO (a read that never returns) fails the reload at once, and
+    the next reload is not refused as "already in progress"."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from raymesh.serve.model import ModelSpec
+    from raymesh.serve.reloader import Reloader
+
+    ck, step, model, _ = _saved(tmp_path)
+    (step / "manifest.json").unlink()
+    os.mkfifo(step / "manifest.json")
+    spec = ModelSpec(model=model)
+
+    async def reload_twice() -> list[str]:
+        loop = asyncio.get_running_loop()
+
+        def blocking(fn: Any) -> asyncio.Future[Any]:
+            # On a daemon thread: a read that never returns (the bug) must not hold the exit.
+            future = loop.create_future()
+
+            def run() -> None:
+                try:
+                    value = fn()
+                except BaseException as e:
+                    loop.call_soon_threadsafe(future.set_exception, e)
+                else:
+                    loop.call_soon_threadsafe(future.set_result, value)
+
+            threading.Thread(target=run, daemon=True).start()
+            return future
+
+        # The pool's part a reload uses before any replica is touched.
+        pool = SimpleNamespace(spec=spec, slots=[], blocking=blocking)
+        reloader = Reloader(pool, pump=lambda: None)  # type: ignore[arg-type]
+        errors = []
+        for _ in range(2):
+            with pytest.raises(ValueError) as e:
+                await asyncio.wait_for(reloader.reload(str(ck.dir), root=tmp_path), 10)
+            errors.append(str(e.value))
+        return errors
+
+    errors = asyncio.run(reload_twice())
+    assert all("no committed checkpoint there" in e for e in errors), errors

@@ -54,13 +54,14 @@ from raymesh.train.checkpoint.checkpointer import Checkpointer, export_state_dic
 from raymesh.train.checkpoint.errors import CheckpointError
 from raymesh.train.checkpoint.hf_record import check_record, hf_record
 from raymesh.train.checkpoint.layout import MANIFEST, Manifest, named_paths, read_manifest
-from raymesh.train.checkpoint.weights import load_weights, resolve_checkpoint
+from raymesh.train.checkpoint.weights import check_named_paths, load_weights, resolve_checkpoint
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
     "Checkpointer",
     "Manifest",
+    "check_named_paths",
     "check_record",
     "export_state_dict",
     "hf_record",
@@ -76,6 +77,7 @@ for _public in (
     CheckpointError,
     Checkpointer,
     Manifest,
+    check_named_paths,
     export_state_dict,
     load_weights,
     named_paths,
