@@ -3,15 +3,12 @@ connect and the limits they meet; each checked on construction."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from raymesh._common import Tls
+from raymesh._common import Tls, check_token
 from raymesh.federated.privacy import DP
 
 __all__ = ["EdgeConfig", "RunConfig"]
-
-_TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: it travels in a header
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,15 +32,8 @@ class EdgeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"edge.port={self.port!r}: give a TCP port, or 0 for any free one")
-        if self.token is not None and (
-            not isinstance(self.token, str)
-            or len(self.token) < 8
-            or not _TOKEN.fullmatch(self.token)
-        ):
-            raise ValueError(
-                "edge.token must be at least 8 printable ASCII characters without spaces: give "
-                "a longer secret (python -c 'import secrets; print(secrets.token_urlsafe())')"
-            )
+        if self.token is not None:  # the servers' one rule: the edge server's BearerAuth's
+            check_token("edge.token", self.token)
         if not isinstance(self.wait_for, int) or self.wait_for < 0:
             raise ValueError(f"edge.wait_for={self.wait_for!r}: give a count >= 0")
         for name in ("join_timeout_s", "poll_s"):

@@ -140,7 +140,9 @@ def test_an_edge_client_without_ray_joins_the_simulated_ones_over_https(ray_clus
     the server's self-signed certificate through --ca-file. The server binds port 0: the
     client is started once the port is known, so no other process can take it first."""
     cert, key = self_signed(tmp_path)
-    token = "edge-test-token"
+    token = "edge-test-token-16"  # every server's tokens are 16 characters at least
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
     config = fl.RunConfig(
         clients=3,
         rounds=1,
@@ -155,7 +157,7 @@ def test_an_edge_client_without_ray_joins_the_simulated_ones_over_https(ray_clus
     log = open(tmp_path / "edge.log", "w")  # noqa: SIM115 (the child writes to it)
     script = (
         "import sys, runpy; sys.modules['ray'] = None; "
-        f"sys.argv = ['edge.py', '--server', '{fed.edge.url}', '--token', '{token}', "
+        f"sys.argv = ['edge.py', '--server', '{fed.edge.url}', '--token-file', '{token_file}', "
         f"'--ca-file', '{cert}', '--client', 'raymesh/examples/fedmlp.py:client_fn']; "
         "runpy.run_path('raymesh/federated/edge.py', run_name='__main__')"
     )
@@ -168,6 +170,7 @@ def test_an_edge_client_without_ray_joins_the_simulated_ones_over_https(ray_clus
         log.close()
     out = (tmp_path / "edge.log").read_text()
     assert "edge client 3: answered 4 messages" in out, out  # advertise, share, fit, unmask
+    assert "process list" not in out and "plain http" not in out and token not in out
     (rec,) = result.history
     assert (rec.sampled, rec.responded, rec.dropped) == (4, 4, {})
     # The edge client built fedmlp's client 3 on its side: the mean is all four's, by hand.

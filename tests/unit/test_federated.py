@@ -397,6 +397,14 @@ def test_run_config_and_job_file_errors_name_the_field_and_the_fix(tmp_path):
         RunConfig(clients=10, rounds=0)
     with pytest.raises(ValueError, match="clients=0: give simulated clients, or edge clients"):
         RunConfig(clients=0, rounds=1)
+    from raymesh.federated import EdgeConfig
+
+    # The edge server's token check is every server's (BearerAuth's), here at construction.
+    with pytest.raises(ValueError, match=r"edge\.token=.*give at least 16") as e:
+        EdgeConfig(token="fifteen-chars-x")
+    assert "fifteen" not in str(e.value)
+    with pytest.raises(ValueError, match=r"edge\.max_body_bytes=512: give bytes >= 1024, or None"):
+        EdgeConfig(max_body_bytes=512)
     job = tmp_path / "job.toml"
     job.write_text(
         'client_fn = "raymesh.examples.fedmlp:client_fn"\nclients = 4\nrounds = 2\n'
