@@ -495,15 +495,15 @@ def _within(seconds: float, fn: Any) -> Any:
 
 @pytest.mark.parametrize(
     "planted",
-    ["manifest a FIFO", "data file -> /dev/zero", "data file -> outside", "step -> outside"],
+    ["manifest a FIFO", "data file -> /dev/zero", "data file -> outside", "step -> /dev/zero"],
 )
 def test_a_link_to_a_device_a_fifo_or_outside_is_refused_unread_and_promptly(
     tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every file a read opens is a regular file inside its step folder, and a run's step folder
-    lies inside the run: anything else is refused from its stat, never opened, so latest(),
-    export and load return at once (a FIFO or /dev/zero would block or never end)."""
-    if planted == "data file -> /dev/zero" and not Path("/dev/zero").exists():
+    """Every file a read opens is a regular file inside its step folder, and a step folder is a
+    folder: anything else is refused from its stat, never opened, so latest(), export and load
+    return at once (a FIFO or /dev/zero would block or never end)."""
+    if "/dev/zero" in planted and not Path("/dev/zero").exists():
         pytest.skip("no /dev/zero")
     ck, step, model, opt = _saved(tmp_path)
     data = next(step.glob("*.distcp"))
@@ -520,18 +520,18 @@ def test_a_link_to_a_device_a_fifo_or_outside_is_refused_unread_and_promptly(
         shutil.move(data, elsewhere)
         data.symlink_to(elsewhere)
         why = rf"{data.name!r} links to .*elsewhere.*outside the checkpoint"
-    else:  # the run's step folder is a link to a checkpoint outside the run
-        shutil.move(step, elsewhere)
-        step.symlink_to(elsewhere, target_is_directory=True)
-        why = r"links to .*elsewhere.*outside .*ck"
+    else:  # the step folder itself
+        shutil.rmtree(step)
+        step.symlink_to("/dev/zero")
+        why = r"step-00000001' is not a folder"
     with caplog.at_level(logging.WARNING, logger="raymesh"):
-        assert _within(10, ck.latest) is None
-    assert re.search(why, caplog.text), caplog.text
-    if planted != "step -> outside":  # a step folder given itself is the caller's choice
-        with pytest.raises(CheckpointError, match=why):
-            _within(10, lambda: export_state_dict(step))
-        with pytest.raises(CheckpointError, match=why):
-            _within(10, lambda: ck.load(step, model, opt))
+        assert _within(10, ck.latest) is None  # no folder: not a step (nothing logged)
+    if planted != "step -> /dev/zero":
+        assert re.search(why, caplog.text), caplog.text
+    with pytest.raises(CheckpointError, match=why):
+        _within(10, lambda: export_state_dict(step))
+    with pytest.raises(CheckpointError, match=why):
+        _within(10, lambda: ck.load(step, model, opt))
 
 
 def test_a_reload_refuses_a_manifest_whose_params_name_files_outside_the_root(

@@ -38,7 +38,7 @@ Guarantees:
   `unpickling.MetadataReader`.
 - Bounded reads: every file read is a regular file inside its step folder (a FIFO, a device
   such as /dev/zero, or a link out is refused from its stat, unread), `.metadata` may send DCP
-  only to files the manifest lists, and a run's step folders lie inside the run (`layout`).
+  only to files the manifest lists (`layout`).
 - Checksums are not proof of origin: the manifest's sha256s catch corruption and partial
   writes, not someone who can write the folder (they can rewrite the manifest too). A checkpoint
   from such a source cannot run code when loaded, but its weights are whatever they wrote.

@@ -236,7 +236,7 @@ class Checkpointer:
             return None
         for _, path in sorted(committed_steps(self.dir), reverse=True):
             try:
-                verify(path, self.dir)
+                verify(path)
             except CheckpointError as e:
                 log.warning("checkpoint: skipping %s: %s; trying the previous one", path, e)
                 continue
