@@ -1,13 +1,16 @@
 """Fine-tuning a Hugging Face model as users run it, on real procs: a Llama-architecture model
-with a LoRA adapter, bf16, activation checkpointing, gradient clipping, a warmed-up cosine
-schedule and evaluation, healing a SIGKILLed rank bit for bit as fp32 does; and an FSDP job
-in bf16 with checkpointing healing from its checkpoint."""
+with a LoRA adapter (which trains, on a base that does not), bf16, activation checkpointing,
+gradient clipping, a warmed-up cosine schedule and evaluation, healing a SIGKILLed rank bit for
+bit as fp32 does; and an FSDP job in bf16 with checkpointing healing from its checkpoint to the
+uninterrupted run's weights, bit for bit."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from raymesh import train
 from raymesh.testing import kill
@@ -46,16 +49,33 @@ def _config(files, **kw) -> train.TrainConfig:
     return train.TrainConfig(**{**base, **kw})
 
 
+def _folder_key(name: str) -> str:
+    """The name the base model's folder gives the PEFT model's weight `name`."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def test_a_lora_job_in_bf16_with_checkpointing_heals_a_sigkill_bit_for_bit(fit, files):
+    from safetensors.torch import load_file
+
     clean = fit(None, _config(files))
     assert clean.decision.strategy == "ddp" and clean.decision.checkpointing
     assert "activation checkpointing per block" in clean.decision.reason
     evals = [h for h in clean.history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [4, 8]
     assert all(math.isclose(h["perplexity"], math.exp(h["eval_loss"])) for h in evals)
-    # Only the adapter trains: the frozen base's weights are the model folder's.
+    # The adapter trained: every lora_B left its initial zeros, and the held-out loss fell
+    # (it would stay put to the bit with the adapter unchanged).
     state = clean.state_dict()
-    assert any("lora_A" in k for k in state)
+    lora_b = [k for k in state if ".lora_B." in k]
+    assert len(lora_b) == 4, list(state)  # q_proj and v_proj of each of the 2 blocks
+    assert all(state[k].count_nonzero() > 0 for k in lora_b), "a lora_B never trained"
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"], evals
+    # Only the adapter trains: every base weight is still the model folder's, bit for bit.
+    folder = load_file(str(Path(files[0]) / "model.safetensors"))
+    base = {_folder_key(k): v for k, v in state.items() if ".lora_" not in k}
+    assert base.keys() == folder.keys(), (sorted(base), sorted(folder))
+    moved = [k for k in base if not torch.equal(base[k], folder[k])]
+    assert not moved, f"base weights that trained: {moved}"
 
     healed = fit(None, _config(files, faults=[kill(rank=1, at_step=3)]))
     [failure] = healed.failures
@@ -67,16 +87,26 @@ def test_a_lora_job_in_bf16_with_checkpointing_heals_a_sigkill_bit_for_bit(fit, 
 
 
 def test_an_fsdp_job_in_bf16_with_checkpointing_heals_from_its_checkpoint(fit, files, tmp_path):
-    config = _config(
-        files,
-        strategy="fsdp",
-        params={**_config(files).params, "lora_r": 0},  # a full fine-tune, sharded
-        checkpoint=train.CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2),
-        faults=[kill(rank=0, at_step=5)],
-    )
-    result = fit(None, config)
+    def config(name: str, **kw) -> train.TrainConfig:
+        return _config(
+            files,
+            strategy="fsdp",
+            params={**_config(files).params, "lora_r": 0},  # a full fine-tune, sharded
+            checkpoint=train.CheckpointConfig(dir=str(tmp_path / name), every=2),
+            **kw,
+        )
+
+    clean = fit(None, config("clean"))
+    result = fit(None, config("healed", faults=[kill(rank=0, at_step=5)]))
     assert result.decision.strategy == "fsdp" and result.decision.checkpointing
     [failure] = result.failures
-    assert failure.kind == "died" and failure.steps_recomputed is not None
+    # Healed from the checkpoint of step 4: step 5, in flight, is recomputed.
+    assert failure.kind == "died" and failure.steps_recomputed == 1, failure
     assert [h["step"] for h in result.history] == list(range(1, 9))
     assert math.isfinite(result.history[-1]["eval_loss"])
+    # docs/training.md: FSDP heals from the newest checkpoint and ends bitwise equal to the
+    # uninterrupted run (bf16 included: the same steps on the same samples, in the same order).
+    assert equal(clean.state_dict(), result.state_dict())
+    assert [h.get("eval_loss") for h in result.history] == [
+        h.get("eval_loss") for h in clean.history
+    ]

@@ -175,7 +175,13 @@ class TrainWorker(Actor):
         start = 0
         if self.checkpointer is not None and resume is not None:
             assert self.model is not None
+            # DCP restores only the optimizer keys a fresh optimizer has: "lr" comes back as the
+            # saved step's scheduled rate, and "initial_lr" (the base rate run_step scales by the
+            # schedule) not at all. The built optimizer's rates are the base ones: keep them.
+            base = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
             manifest: Manifest = self.checkpointer.load(Path(resume), self.model, self.optimizer)
+            for group, lr in zip(self.optimizer.param_groups, base):  # new groups: re-read
+                group["initial_lr"] = lr
             start = manifest.data_position
         self.done = start
         return start
