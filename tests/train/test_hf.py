@@ -303,6 +303,14 @@ def test_an_exported_lora_run_is_an_adapter_on_its_base_and_merged_one_plain_mod
     assert not torch.allclose(logits(untrained, IDS), want, atol=1e-5)  # the adapter counts
     # An adapter folder serves as its base with the adapter (load_causal_lm reads its base).
     assert torch.equal(logits(hf.load_causal_lm(adapter), IDS), want)
+    # Rebuilt for training on (RL's init=): the optimizer holds the loaded adapters, not the
+    # meta parameters hf.build made them from.
+    from raymesh.train.export import rebuild
+
+    rebuilt = rebuild(dir)
+    held = [p for g in rebuilt.optimizer.param_groups for p in g["params"]]
+    trained = [p for p in rebuilt.model.parameters() if p.requires_grad]
+    assert held and [id(p) for p in held] == [id(p) for p in trained]
 
 
 # A user's job script: the build function lives in it, so `raymesh export` cannot import it.
