@@ -6,6 +6,10 @@
     train.export_hf("runs/lora", "out/lora")  # the run's newest checkpoint: an adapter folder
     train.export_hf("runs/lora", "out/merged", merge=True)  # base + adapter, one model
 
+A job whose build function cannot be imported here (one of the user's script) still exports
+when its model is a transformers or PEFT one: its checkpoints record the model (`Manifest.hf`)
+and `from_record` rebuilds it from that, running no build function.
+
 Nothing here needs a process group or a GPU: the model is built on the CPU, in this process,
 and the checkpoint's weights are read with `export_state_dict` (checksums verified, tensors
 only: no checkpoint file runs code here).
