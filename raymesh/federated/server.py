@@ -54,7 +54,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from raymesh._common import BearerAuth, HTTPError, Pending, ServerThread
+from raymesh._common import BearerAuth, HTTPError, Pending, RefusalLog, ServerThread, exposure
 from raymesh.federated.bodies import Limits, load
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.config import EdgeConfig
@@ -125,6 +125,8 @@ class EdgeServer:
         self._joined = threading.Condition(self._lock)
         self._done: str | None = None
         self._done_body = b""
+        # Refusals are logged rate-limited, the path as sent with control characters escaped.
+        self._log_refusal = RefusalLog(logger, "raymesh.federated")
         self._server = ServerThread(
             self._app(),
             host=config.host,
@@ -133,11 +135,10 @@ class EdgeServer:
             tls=config.tls,
         )
         self.port = self._server.port
-        if config.tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        if (risk := exposure(config.host, token=True, tls=config.tls is not None)) is not None:
             logger.warning(
-                "raymesh.federated: edge clients are served over plain HTTP on %s: the token, "
-                "keys and updates cross the network in clear; give edge.tls (--tls-cert/--tls-key)",
-                config.host,
+                "raymesh.federated: %s; keys and updates too: give edge.tls (--tls-cert/--tls-key)",
+                risk,
             )
 
     @property
@@ -210,20 +211,6 @@ class EdgeServer:
         self._parsers.shutdown(wait=False, cancel_futures=True)
 
     # --- HTTP --------------------------------------------------------------------------
-
-    def _log_refusal(self, scope: Any, error: HTTPError) -> None:
-        # The reason can quote what a client sent: cut it, in the log and in the answer.
-        reason = str(error)
-        short = reason if len(reason) <= 200 else reason[:200] + "..."
-        client = scope.get("client")
-        logger.warning(
-            "raymesh.federated: refused %s %s from %s: %d %s",
-            scope.get("method"),
-            scope.get("path"),
-            client[0] if client else "?",
-            error.status,
-            short,
-        )
 
     def _refuse(self, error: HTTPError, request: Request) -> JSONResponse:
         self._log_refusal(request.scope, error)

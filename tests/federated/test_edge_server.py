@@ -126,11 +126,19 @@ def test_refusals_are_logged_cut_short_and_a_generated_token_never_is(caplog):
         long_field = {"$": "Adverts", "round": 1, "adverts": [], "Z" * 100_000: 1}
         status, body = edge.call("POST", f"/v1/reply?client={edge.cid}", {"reply": long_field})
         assert status == 422 and len(body["error"]["message"]) <= 1000
+        # A flood of forged requests whose path would forge a log line: each refused, the
+        # log keeps the path as sent (no newline) and at most 20 lines a minute.
+        for _ in range(30):
+            forged = edge.call("GET", "/v1/next%0aFORGED-LINE?client=1", token="f" * 24)
+            assert forged[0] == 401
     finally:
         assert fed.edge is not None
         fed.edge.finish("over", grace_s=0)  # the raw client will not poll for Done
     refusals = [r.getMessage() for r in caplog.records if "refused POST" in r.getMessage()]
     assert refusals and all(len(m) < 400 for m in refusals), refusals
+    forged = [r.getMessage() for r in caplog.records if "FORGED-LINE" in r.getMessage()]
+    assert len(forged) == 19 and all("\n" not in m and "%0a" in m for m in forged), forged
+    assert "FORGED-LINE" not in caplog.text.replace("%0aFORGED-LINE", "")
     assert token not in caplog.text
 
 
