@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from raymesh._common import exposure
 from raymesh.cli import errors
 from raymesh.cli.args import add_tls_arguments
 from raymesh.dashboard import DEFAULT_PORT
@@ -76,15 +77,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None) -> int:
             "the URL with #token=<token> after it: browsers never send what follows '#')"
         )
     print(said)  # in one write: a reader never sees the first line without the second
-    if args.host not in ("127.0.0.1", "localhost", "::1") and (token is None or tls is None):
-        risk = (
-            "no token is set: anyone who reaches it reads your runs"
-            if token is None
-            else "without --tls-cert/--tls-key its token crosses the network in the clear"
-        )
+    if (risk := exposure(args.host, token=token is not None, tls=tls is not None)) is not None:
         print(
-            f"raymesh dashboard: {args.host} is reachable from other machines and {risk} "
-            f"(set ${TOKEN_ENV}, and --tls-cert/--tls-key)",
+            f"raymesh dashboard: {risk} (set ${TOKEN_ENV}, and --tls-cert/--tls-key)",
             file=sys.stderr,
         )
     sys.stdout.flush()

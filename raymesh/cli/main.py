@@ -17,7 +17,7 @@
                                write a trained model as a Hugging Face folder (a LoRA adapter,
                                or with --merge base + adapter as one model)
     raymesh federated JOB.toml federated learning, a line per round
-    raymesh federated client --server URL --token T --client module:fn
+    raymesh federated client --server URL --token-file F --client module:fn
                                an edge client taking part in a federated run
     raymesh rl JOB.toml [--steps N]
                                post-train a policy with GRPO (a line per step)
