@@ -1,5 +1,7 @@
-"""Self-healing on real procs: a rank is SIGKILLed, raises, or hangs mid-run; the job heals in
-place, loses at most the step in flight, and ends with the failure-free run's exact weights."""
+"""Self-healing on real procs: a rank is SIGKILLed, raises, or hangs mid-run, with or without a
+warm spare; the job heals in place, loses at most the step in flight, and ends with the
+failure-free run's exact weights. Each kind of fault is tried at 4 ranks (the README's job
+size), SIGKILL at 2 too."""
 
 from __future__ import annotations
 
@@ -93,10 +95,13 @@ def test_a_replacement_that_dies_as_it_joins_is_replaced_in_turn(fit, reference)
 
 
 def test_a_rank_that_raises_is_replaced(fit, reference):
-    result = fit(MLP, _config(faults=[fail(rank=1, at_step=4)]))
+    # At 4 ranks (the README's job size), step 4 ending a chunk.
+    result = fit(MLP, _config(workers=4, faults=[fail(rank=2, at_step=4)]))
     [failure] = result.failures
-    assert failure.kind == "error" and "InjectedFault" in failure.cause
-    assert equal(reference[2], result.state_dict())
+    assert (failure.rank, failure.step, failure.kind) == (2, 4, "error")
+    assert "InjectedFault" in failure.cause
+    assert [h["step"] for h in result.history] == list(range(1, 13))
+    assert equal(reference[4], result.state_dict())
 
 
 def _lines(path: Path) -> list[dict]:
@@ -104,14 +109,15 @@ def _lines(path: Path) -> list[dict]:
 
 
 HANG_TIMEOUT_S = 4.0  # the hung job's step_timeout_s: far above 10x its measured steps (ms)
+HUNG_RANK = 3
 
 
 @pytest.fixture(scope="module")
 def hung(fit, tmp_path_factory) -> tuple[train.Result, Path]:
-    """A job whose rank 0 hangs as it starts step 6, and its run folder."""
+    """A job of 4 ranks whose rank 3 hangs as it starts step 6, and its run folder."""
     run = tmp_path_factory.mktemp("hung")
-    faults = [hang(rank=0, at_step=6)]
-    config = _config(step_timeout_s=HANG_TIMEOUT_S, run_dir=str(run), faults=faults)
+    faults = [hang(rank=HUNG_RANK, at_step=6)]
+    config = _config(workers=4, step_timeout_s=HANG_TIMEOUT_S, run_dir=str(run), faults=faults)
     return fit(MLP, config), run
 
 
@@ -128,16 +134,16 @@ def _hang_seconds(result: train.Result) -> float:
 def test_a_hung_rank_is_detected_after_the_step_timeout_killed_and_replaced(hung, reference):
     result, run = hung
     [failure] = result.failures
-    assert (failure.rank, failure.step, failure.kind) == (0, 6, "hung")
+    assert (failure.rank, failure.step, failure.kind) == (HUNG_RANK, 6, "hung")
     assert failure.cause == "no progress past step 6 for the step timeout"
     assert failure.action == "replace" and failure.replaced_by is not None
     # Not before the timeout: the ranks waiting for it are not taken for hung ones.
     assert _hang_seconds(result) >= HANG_TIMEOUT_S, result.history
     [first, *_] = [e for e in _lines(run / "events.jsonl") if e["event"] == "mesh"]
-    hung_pid = first["ranks"][0]["pid"]
-    assert failure.replaced_by != f"{first['ranks'][0]['mesh']} (pid {hung_pid})"
+    hung_pid = first["ranks"][HUNG_RANK]["pid"]
+    assert failure.replaced_by != f"{first['ranks'][HUNG_RANK]['mesh']} (pid {hung_pid})"
     wait_for(lambda: not alive(hung_pid), 10, what=f"the hung rank's proc {hung_pid} killed")
-    assert equal(reference[2], result.state_dict())
+    assert equal(reference[4], result.state_dict())
 
 
 def test_a_hung_rank_is_detected_within_about_the_step_timeout(hung):
@@ -149,9 +155,9 @@ def test_a_hung_rank_is_detected_within_about_the_step_timeout(hung):
 
 
 def test_a_hung_ranks_job_keeps_every_step_in_its_history(hung):
-    # Step 5 completed on both ranks in the chunk that timed out (the survivor's state, with
-    # done=5, is the one restored); no rank reported it in time, but the survivor's reply comes
-    # once the hung rank is killed, and the step is recorded from it.
+    # Step 5 completed on every rank in the chunk that timed out (a survivor's state, with
+    # done=5, is the one restored); no rank reported it in time, but the survivors' replies
+    # come once the hung rank is killed, and the step is recorded from them.
     result, run = hung
     assert [h["step"] for h in result.history] == list(range(1, 13))
     assert [r["step"] for r in _lines(run / "metrics.jsonl")] == list(range(1, 13))
@@ -180,8 +186,8 @@ def test_three_kills_in_one_run_each_healed_by_a_warm_spare_that_is_then_refille
         # until the recruiter has refilled the spare, so each kill finds one ready.
         wait_for(lambda: recruits.count >= p["failures"], 30, what="a spare recruited")
 
-    faults = [kill(rank=1, at_step=3), kill(rank=0, at_step=6), kill(rank=1, at_step=9)]
-    config = _config(spares=1, faults=faults, run_dir=str(tmp_path))
+    faults = [kill(rank=3, at_step=3), kill(rank=0, at_step=6), kill(rank=2, at_step=9)]
+    config = _config(workers=4, spares=1, faults=faults, run_dir=str(tmp_path))
     logger = logging.getLogger("raymesh")
     logger.addHandler(recruits)
     try:
@@ -189,7 +195,7 @@ def test_three_kills_in_one_run_each_healed_by_a_warm_spare_that_is_then_refille
             result = fit(MLP, config, progress=progress)
     finally:
         logger.removeHandler(recruits)
-    assert [(f.rank, f.step) for f in result.failures] == [(1, 3), (0, 6), (1, 9)]
+    assert [(f.rank, f.step) for f in result.failures] == [(3, 3), (0, 6), (2, 9)]
     assert recruits.count == 3, "the recruiter refills the spare after each heal"
     # Each lost rank's place went to the spare listed before the failure: its proc (name and
     # pid) holds the lost rank's place in the world after it.
@@ -214,7 +220,8 @@ def test_three_kills_in_one_run_each_healed_by_a_warm_spare_that_is_then_refille
     spares = [r["spares"] for r in _lines(tmp_path / "metrics.jsonl")]
     runs = [n for i, n in enumerate(spares) if i == 0 or spares[i - 1] != n]
     assert runs == [1, 0, 1, 0, 1, 0, 1], spares
-    assert equal(reference[2], result.state_dict())
+    assert [h["step"] for h in result.history] == list(range(1, 13))
+    assert equal(reference[4], result.state_dict())
 
 
 def test_more_failures_than_allowed_stop_with_every_failure_and_a_valid_checkpoint(fit, tmp_path):
