@@ -1,12 +1,14 @@
 """`rl.run` end to end on real procs: GRPO learns, and a run with the same seed whose generator
 was SIGKILLed mid-rollout (replaced, its keys made again once), or whose reward is a mesh of
-reward actors, ends with bitwise-equal weights, and a reward actor that raises or hangs drops
-only its sample;
-PPO learns CartPole through a SIGKILLed environment runner."""
+reward actors, or that resumed from a checkpoint, ends with bitwise-equal weights; a reward
+actor that raises, hangs, returns no float or dies drops only its samples; a reward that never
+scores ends the run; PPO learns CartPole through a SIGKILLed environment runner."""
 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 PROMPTS = ["def ", "x = ", "import ", "class "]
 ALGORITHM = rl.GRPO(group_size=8, max_tokens=8)
+LR = 0.1  # the policy's learning rate (the build's ctx.params["lr"]): es is learned in 4 steps
 
 
 def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-untyped-def]
@@ -33,38 +36,84 @@ def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-
         generators=generators,
         seed=3,
         timeout_s=120,
+        params={"lr": LR},
         **kw,
     )
 
 
 def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or_with_reward_actors(
-    tmp_path,
+    tmp_path, kills
 ):
-    procs = this_host().spawn_procs(per_host={"procs": 2})
+    # Four reward actors, on procs this test watches itself: one is SIGKILLed below.
+    procs = this_host().spawn_procs(per_host={"procs": 4}, escalate=False)
     try:
         # The reward as a mesh of reward actors (as a reward model would be).
         scored = _run(procs.spawn("reward-model", rewards.RewardModel))
         by_step = [row["reward_mean"] for row in scored.history]
         assert scored.version == 4 and len(scored.history) == 4
-        assert all(row["staleness_mean"] == 0 and row["samples"] == 32 for row in scored.history)
-        assert sum(by_step[-2:]) > sum(by_step[:2]), by_step  # it learns
+        assert all(
+            row["staleness_mean"] == 0 and row["samples"] == 32 and row["dropped"] == 0
+            for row in scored.history
+        )
+        # It learns: a random byte is an e 1 time in 256 (the first step's mean is 1/256),
+        # and the 4th step's completions are mostly e; the seed is fixed, so a learner that
+        # does nothing (LR = 0: about 0.01 at the 4th step) fails this every time.
+        assert by_step[0] < 0.05 and by_step[-1] > 0.5, by_step
         # Another run with the seed, scored by the function where the samples are, whose
-        # generator dies mid-rollout: the same weights. So a run is a function of its seed
-        # (with max_staleness=0), the fault changed nothing, and the reward actors scored what
-        # the function does, whichever of them answered.
-        killed = _run(functools.partial(rewards.es_or_die, flag=str(tmp_path / "killed")))
-        assert (tmp_path / "killed").exists() and killed.replaced == 1
-        assert killed.remade and len(killed.remade) <= 2  # the dead generator's keys, made again
+        # generator dies mid-rollout at a random version >= 1 (a replacement that installed
+        # any version but the current one would make other samples): the same weights. So a
+        # run is a function of its seed (with max_staleness=0), the fault changed nothing, and
+        # the reward actors scored what the function does, whichever of them answered.
+        after = kills.randint(17, 64)  # a generator scores 16 completions a version
+        flag = tmp_path / "killed"
+        killed = _run(
+            functools.partial(rewards.es_or_die, flag=str(flag), after=after),
+            checkpoint=str(tmp_path / "ckpt"),
+            checkpoint_every=1,
+        )
+        assert flag.exists() and killed.replaced == 1, kills
+        # the dead generator's keys, made again: a version's keys are 4v .. 4v + 3
+        assert killed.remade and len(killed.remade) <= 2 and min(killed.remade) >= 4, kills
         assert [r["samples"] for r in killed.history] == [32] * 4  # none lost, none twice
         differ = [k for k, v in scored.weights.items() if not torch.equal(killed.weights[k], v)]
+        assert differ == [], (differ, kills)
+        # Resumed from its checkpoint of version 3 (the newest, of version 4, dropped), the
+        # run ends there again: the loop's position and the optimizer came back whole.
+        shutil.rmtree(tmp_path / "ckpt" / "step-00000004")
+        resumed = _run(rewards.es, checkpoint=str(tmp_path / "ckpt"), resume=True)
+        assert resumed.resumed_from == 3 and len(resumed.history) == 1
+        differ = [k for k, v in scored.weights.items() if not torch.equal(resumed.weights[k], v)]
         assert differ == [], differ
-        # A reward actor that raises, and one that hangs, drop only their own samples.
-        faulty = procs.spawn("faulty-model", rewards.RewardModel, str(tmp_path))
-        dropped = _run(faulty, steps=1, generators=1, reward_timeout_s=2.0)
-        assert (tmp_path / "raised").exists() and (tmp_path / "hung").exists()
-        assert [r["samples"] for r in dropped.history] == [30]
+        # A faulty reward mesh of 4: its first answers raise, hang, and return numbers no float
+        # holds (10**400, such a Fraction), and one actor's proc is SIGKILLed mid-run. Each
+        # drops only its own samples (the dead actor's in flight), no generator is lost, and
+        # once the actor is dead it is chosen no more: the last step has every sample.
+        faulty = procs.spawn("faulty-model", rewards.RewardModel, str(tmp_path), kill_after=12)
+        dropped = _run(faulty, steps=3, generators=1, reward_timeout_s=2.0)
+        assert all((tmp_path / f).exists() for f in (*rewards.FAULTS, "actor-killed"))
+        assert dropped.replaced == 0 and dropped.remade == []
+        counts = [(int(r["samples"]), int(r["dropped"])) for r in dropped.history]
+        assert all(s + d == 32 for s, d in counts) and counts[-1] == (32, 0), counts
+        # the 4 faults, and the dead actor's calls in flight (at most a group's 8)
+        assert counts[0][1] >= 4 and 4 < sum(d for _, d in counts) <= 4 + 8, counts
     finally:
         procs.stop().get(timeout=60)
+
+
+def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp_path):
+    # A str method on the bytes a reward is given raises TypeError on every completion; a
+    # reward returning a word is no number. Either ends the run at step 1 (it used to train
+    # on nothing and return normally), the run folder saying why.
+    with pytest.raises(rl.RewardError, match=r"^rl\.run: no completion of step 1 .*") as e:
+        _run(rewards.counts_a_str, steps=2, generators=1, run_dir=str(tmp_path))
+    assert e.value.step == 1 and e.value.reward == "tests.rl.rewards:counts_a_str"
+    assert "the reward raised TypeError: argument should be" in e.value.reason, e.value
+    end = [json.loads(line) for line in (tmp_path / "events.jsonl").open()][-1]
+    assert end["event"] == "end" and end["state"] == "Failed" and "RewardError" in end["reason"]
+    assert not (tmp_path / "metrics.jsonl").exists()  # no step was taken
+    with pytest.raises(rl.RewardError, match=r"returned str 'high', not a number") as e:
+        _run(rewards.says_high, steps=2, generators=1)
+    assert e.value.step == 1 and e.value.reward == "tests.rl.rewards:says_high"
 
 
 def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
