@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -48,16 +47,19 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     out, err = capsys.readouterr()
     steps = [line.split() for line in err.splitlines() if line.startswith("step ")]
     assert [s[1] for s in steps] == ["1/3", "2/3", "3/3"]
-    # Within the staleness bound, and every sample of every step there (2 prompts x 4).
-    assert all(0 <= float(s[s.index("staleness") + 1]) <= 1 for s in steps), steps
-    assert all(s[s.index("samples") + 1] == "8" for s in steps), steps
+    # Asynchronous: one generator samples the next step's keys while the learner learns, with
+    # the version it has, so steps 2 and 3 learn from samples one version late (a synchronous
+    # run shows 0 at every step). Every sample of every step is there (2 prompts x 4).
+    assert [s[s.index("staleness") + 1] for s in steps] == ["0.00", "1.00", "1.00"], steps
+    assert all(s[s.index("samples") + 1 : s.index("dropped") + 2] == ["8", "dropped", "0"]
+               for s in steps), steps  # fmt: skip
     assert f"saved {tmp_path / 'out' / 'step-00000003'}" in out
     # A JSON line per step in the run folder, with the step's timing and what it learned.
     rows = [json.loads(line) for line in (tmp_path / "out" / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["step_s"] >= r["learn_s"] + r["sync_s"] > 0 and r["rollouts_per_s"] > 0, r
-        assert r["samples"] == 8 and "reward_mean" in r, r
+        assert r["samples"] == 8 and r["dropped"] == 0 and "reward_mean" in r, r
         # 8 completions of 6 tokens a step
         assert r["tokens_per_s"] == pytest.approx(48 / r["step_s"]), r
         assert r["samples_per_s"] == pytest.approx(8 / r["step_s"]), r
@@ -75,59 +77,113 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     assert any(not torch.equal(fresh[k], v) for k, v in task.model.state_dict().items())
 
 
-def test_a_controller_sigkilled_at_a_random_step_resumes_to_the_uninterrupted_runs_weights(
-    tmp_path, capsys
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo.toml"
+
+
+def _example(tmp_path: Path, name: str, init: Path) -> Path:
+    """examples/grpo.toml with its own settings (TinyGPT from a checkpoint, 8 prompts, 4 a step,
+    8 completions of 40 bytes each, 2 generators one version behind, seed 0), but: its init
+    made here at once (not after the README's 300 steps), 5 steps, a checkpoint every step
+    under tmp_path with a run folder, and its reward slowed for half the prompts."""
+    text = EXAMPLE.read_text()
+    out = tmp_path / name
+    for old, new in (
+        ('init = "runs/tinygpt"', f'init = "{init}"'),
+        ('checkpoint = "runs/tinygpt-grpo"', f'checkpoint = "{out}"\nrun_dir = "{out / "run"}"'),
+        ("steps = 30", "steps = 5"),
+        ("checkpoint_every = 10", "checkpoint_every = 1"),
+        ("raymesh.examples.rewards:python_lines", "tests.rl.rewards:slow_lines"),
+    ):
+        assert old in text, f"examples/grpo.toml changed ({old!r}): change this test with it"
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def _position(step: Path) -> dict:
+    """The RL position saved in the checkpoint `step` (its manifest's extra["rl"])."""
+    return json.loads((step / "manifest.json").read_text())["extra"]["rl"]
+
+
+def test_the_example_job_sigkilled_resumes_asynchronously_taking_each_sample_once(
+    tmp_path, capsys, kills
 ):
-    """The controller (`raymesh rl`, a process of its own on this session's Ray) is SIGKILLed
-    after a random number of steps, mid-step or mid-save; `raymesh rl --resume` continues
-    from its newest checkpoint and ends, synchronous, bitwise where the run that was not
-    interrupted ends, with one metrics line per step."""
+    """examples/grpo.toml's settings, asynchronous with 2 generators, from an `init`
+    checkpoint. Half the prompts score slowly, so one generator falls behind and a step takes
+    keys out of order. The controller (`raymesh rl`, a process of its own on this session's
+    Ray) is SIGKILLed after a random checkpoint >= 2, one whose position holds keys taken out
+    of order; `raymesh rl --resume` makes the keys not taken, and only those: its final
+    checkpoint has taken each of the 5 steps' 20 keys once, with one metrics line per step.
+    Then a hostile manifest (its position edited) is refused, naming the field."""
     from raymesh._src import backend
+    from raymesh.rl.learner import Learner
+    from raymesh.train.checkpoint import Checkpointer
 
-    def job(name: str) -> Path:
-        path = tmp_path / f"{name}.toml"
-        text = JOB.format(out=tmp_path / name).replace("steps = 3", "steps = 5")
-        # a reward the policy learns from at once: the samples taken decide the weights
-        text = text.replace("raymesh.examples.rewards:python_lines", "tests.rl.rewards:es")
-        text = text.replace("max_staleness = 1", "max_staleness = 0\ncheckpoint_every = 1")
-        path.write_text(text)
-        return path
-
-    assert main(["rl", str(job("whole"))]) == 0
-    metrics = tmp_path / "killed" / "run" / "metrics.jsonl"
+    # The example's policy, saved at once by a learner in this process, seeded unlike the run.
+    init = tmp_path / "init"
+    Learner("raymesh.examples.tinygpt:build", rl.GRPO(), seed=1, init=None).save(str(init), {})
+    job = _example(tmp_path, "killed", init)
+    saved = tmp_path / "killed"
+    metrics = saved / "run" / "metrics.jsonl"
+    log = tmp_path / "controller.log"  # a file, not a pipe: nothing blocks the controller
+    target = kills.randint(2, 4)  # the version whose checkpoint the kill follows
     env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
-    controller = subprocess.Popen(
-        [sys.executable, "-m", "raymesh.cli.main", "rl", str(job("killed"))],
-        cwd=Path(__file__).parents[2],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    with log.open("w") as stderr:
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "raymesh.cli.main", "rl", str(job)],
+            cwd=Path(__file__).parents[2],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     try:
-        lines = random.randint(1, 3)
-        deadline = time.monotonic() + 120
-        saved = tmp_path / "killed"
-        while not (
-            metrics.exists()
-            and len(metrics.read_text().splitlines()) >= lines
-            and any(saved.glob("step-*"))
-        ):
-            assert controller.poll() is None, controller.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the controller made no steps"
+        deadline = time.monotonic() + 180
+        while max((int(p.name[5:]) for p in saved.glob("step-*")), default=0) < target:
+            assert controller.poll() is None, f"{kills}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{kills}: no step {target}: {log.read_text()}"
             time.sleep(0.05)
         controller.send_signal(signal.SIGKILL)
     finally:
         controller.kill()
         controller.wait(timeout=60)
+    latest = Checkpointer(saved).latest()
+    assert latest is not None, kills
+    before = _position(latest)
+    # Keys taken past the first not taken: the out-of-order restore is what resumes here.
+    assert before["taken"], f"{kills}: {latest.name} took its keys in order: {before}"
+    missing = set(range(before["taken_below"], max(before["taken"]))) - set(before["taken"])
     capsys.readouterr()
-    assert main(["rl", str(job("killed")), "--resume"]) == 0
+    assert main(["rl", str(job), "--resume"]) == 0
     out = capsys.readouterr().out
     resumed = int(re.search(r"resumed from version (\d+)", out)[1])  # type: ignore[index]
-    assert 1 <= resumed < 5, out
-    assert [json.loads(line)["step"] for line in metrics.open()] == [1, 2, 3, 4, 5]
-    whole = rebuild(tmp_path / "whole").model.state_dict()
-    weights = rebuild(tmp_path / "killed").model.state_dict()
-    assert all(torch.equal(whole[k], v) for k, v in weights.items())
+    assert resumed == int(latest.name[5:]) >= target, (out, kills)
+    assert [json.loads(line)["step"] for line in metrics.open()] == [1, 2, 3, 4, 5], kills
+    rows = [json.loads(line) for line in metrics.open()]
+    assert all(r["samples"] + r["dropped"] == 32 and r["staleness_mean"] <= 1 for r in rows)
+    final = Checkpointer(saved).latest()
+    assert final is not None and final.name == "step-00000005"
+    after = _position(final)
+    taken = set(range(after["taken_below"])) | set(after["taken"])
+    # Each of the 20 keys once (a key taken twice would leave fewer), the missing ones among them.
+    assert len(taken) == 20 and missing <= taken, (before, after, kills)
+    # init= : the learner started from the init checkpoint, not from the build's own weights.
+    torch.manual_seed(0)
+    fresh = rebuild(None, build="raymesh.examples.tinygpt:build", seed=0).model.state_dict()
+    start = rebuild(init).model.state_dict()
+    end = rebuild(saved).model.state_dict()
+
+    def distance(a: dict, b: dict) -> float:
+        return sum(float((a[k].float() - b[k].float()).norm()) for k in a)
+
+    assert distance(end, start) < distance(end, fresh), (distance(end, start), kills)
+    # A hostile manifest: a position whose keys reach a trillion past the first not taken is
+    # refused before it is expanded, naming the field (it used to be expanded, without bound).
+    manifest = json.loads((final / "manifest.json").read_text())
+    manifest["extra"]["rl"] = {"taken_below": 20, "taken": [10**12]}
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["rl", str(job), "--resume"]) == 2
+    assert "extra.rl.taken=[1000000000000]: holds" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
