@@ -1,5 +1,7 @@
 """`raymesh serve job.toml`: serve a trained checkpoint over HTTP until Ctrl-C (or SIGTERM);
 `raymesh serve --hf FOLDER`: serve a Hugging Face folder (`raymesh export --hf`'s) the same way;
+`raymesh serve --checkpoint RUN`: serve a checkpoint alone (its job's build function, or the
+transformers model it records, rebuilt from that record: raymesh.serve.model);
 `raymesh serve reload --checkpoint NEW`: roll a running server to another checkpoint.
 
     RAYMESH_SERVE_ADMIN_TOKEN=$(openssl rand -hex 16) raymesh serve job.toml \
@@ -40,7 +42,11 @@ def add_parser(sub: Any) -> None:
         help="serve this Hugging Face folder (a causal LM or a LoRA adapter, as `raymesh "
         "export --hf` writes it) instead of a job file's model; it generates text",
     )
-    p.add_argument("--checkpoint", help="checkpoint folder (default: the job's [checkpoint] dir)")
+    p.add_argument(
+        "--checkpoint",
+        help="checkpoint folder (default: the job's [checkpoint] dir); without a job file, "
+        "served alone: a transformers model is rebuilt from what the checkpoint records",
+    )
     p.add_argument("--replicas", type=count_or_range, help="N, or MIN:MAX to autoscale")
     p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
@@ -106,8 +112,15 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         model = {"hf": args.hf, "checkpoint": overrides.pop("checkpoint")}
         config = serve.ServeConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
         what = f"hf folder {args.hf}"
+    elif args.job is None and args.checkpoint is not None:
+        # A checkpoint alone: its job's build function if that imports, else its record.
+        model = {"checkpoint": overrides.pop("checkpoint")}
+        config = serve.ServeConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
+        what = f"checkpoint {args.checkpoint}"
     elif args.job is None:
-        raise ValueError("give a job file (raymesh serve job.toml) or --hf FOLDER")
+        raise ValueError(
+            "give a job file (raymesh serve job.toml), --checkpoint RUN or --hf FOLDER"
+        )
     else:
         model, config = serve.load_serving(args.job, **overrides)
         what = f"checkpoint {model.get('checkpoint')}"

@@ -13,7 +13,10 @@ with an optional `[serve]` table of deploy's arguments and ServeConfig's fields:
     checkpoint_root = "runs"                 # POST /admin/reload loads only from under it
     tls = {cert = "cert.pem", key = "key.pem"}         # HTTPS
 
-or, for a fine-tuned Hugging Face model, the folder `raymesh export RUN --hf OUT` wrote:
+A job whose build function cannot be imported here (one of the user's script) serves its
+checkpoint alone: a transformers (or PEFT) model is rebuilt from what its checkpoint records
+(`raymesh.serve.model`). Or, for a fine-tuned Hugging Face model, the folder `raymesh export
+RUN --hf OUT` wrote:
 
     [serve]
     hf = "out/finetune"      # served instead of the build function and its checkpoint
@@ -26,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import read_toml, split_job
+from raymesh._common import read_toml, resolve, split_job
 from raymesh.serve.config import ServeConfig
 from raymesh.train import load_config
 
@@ -37,7 +40,9 @@ MODEL_KEYS = ("generate", "input_shape", "input_dtype")  # deploy's model argume
 
 def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], ServeConfig]:
     """deploy's model arguments (build, checkpoint, seed, and MODEL_KEYS from [serve]) and the
-    ServeConfig, with `overrides` (None values skipped) on top of the file's. Raises
+    ServeConfig, with `overrides` (None values skipped) on top of the file's. The job's build
+    is left out when it does not import here and a checkpoint is served: the checkpoint alone
+    then says how to rebuild its model (deploy refuses one that cannot, naming it). Raises
     ValueError naming the file and the field."""
     path = Path(path)
     _, tables = split_job(read_toml(path))  # other commands' tables ([tune]) are skipped
@@ -58,13 +63,28 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
         if checkpoint is not None:
             model.update(checkpoint=checkpoint)  # refused by deploy, with the fix
     else:
-        job = load_config(path, build=True)  # the model, built as training built it
+        job = load_config(path)
         if checkpoint is None and job.checkpoint is not None:
             checkpoint = job.checkpoint.dir
-        model.update(build=job.build, checkpoint=checkpoint, seed=job.seed)
+        if job.build is None and checkpoint is None:
+            raise ValueError(
+                f'{path}: set build = "module:function" in the job file, or name a checkpoint '
+                "([checkpoint] dir, or --checkpoint) of a model it records"
+            )
+        if job.build is not None and (checkpoint is None or _importable(job.build)):
+            model.update(build=job.build)  # the model, built as training built it
+        model.update(checkpoint=checkpoint, seed=job.seed)
     table.update({k: v for k, v in overrides.items() if v is not None})
     try:
         config = ServeConfig.from_dict(table)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return model, config
+
+
+def _importable(build: str) -> bool:
+    try:
+        resolve(build)
+    except ValueError:  # a function of the user's script: the checkpoint's record serves
+        return False
+    return True

@@ -10,13 +10,18 @@ A model is one of:
 - a Hugging Face folder (`hf=`, as `raymesh export --hf` writes it: a causal LM, or a LoRA
   adapter naming its local base folder), loaded with `raymesh.train.hf.load_causal_lm`; it
   generates with `raymesh.train.hf.generate` unless told otherwise, and predicts the logits
-  of a list of token ids.
+  of a list of token ids;
+- a checkpoint alone (`checkpoint=` and none of the above): rebuilt as `rebuild` rebuilds it
+  with no build function given: with the build function its job named, where that imports
+  here, else from the transformers (or PEFT) model its manifest records (`Manifest.hf`). A
+  causal LM so recorded is served as an hf folder is: generate (the tokenizer of the recorded
+  base folder), the logits of token ids, prompts held to its context.
 The checkpoint is a raymesh.train checkpoint folder (its newest committed step that verifies)
 or one step's folder; the model is rebuilt from it as `raymesh.train.export.rebuild` does (the
-build function called as one rank of the job, with the job's config from the manifest) and its
-weights are read with `export_state_dict` (checksums verified, tensors only, DCP's `.metadata`
-by an unpickler that refuses anything but DCP's metadata: no checkpoint file runs code in a
-replica).
+build function called as one rank of the job, with the job's config from the manifest, or the
+model its record describes) and its weights are read with `export_state_dict` (checksums
+verified, tensors only, DCP's `.metadata` by an unpickler that refuses anything but DCP's
+metadata: no checkpoint file runs code in a replica).
 
 `generate`, when given, serves POST /v1/generate: `generate(model, prompt, max_tokens,
 temperature, seed)` yields text pieces (one token each), which the front streams.
@@ -33,10 +38,17 @@ from typing import Any
 
 import torch
 
-from raymesh._common import resolve
+from raymesh._common import bad, resolve
 from raymesh.train import Context, Task
-from raymesh.train.checkpoint import check_named_paths, load_weights, resolve_checkpoint
-from raymesh.train.export import rebuild
+from raymesh.train.checkpoint import (
+    check_named_paths,
+    check_record,
+    hf_record,
+    load_weights,
+    read_manifest,
+    resolve_checkpoint,
+)
+from raymesh.train.export import job_config, rebuild
 
 __all__ = [
     "LARGEST",
@@ -50,6 +62,7 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
+HF_GENERATE = "raymesh.train.hf:generate"  # what a causal LM generates with, unless told
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 # The largest magnitude each input dtype holds: a JSON number past it would become inf (a
 # float32 model turns 3.5e38 into inf) or fail to convert (an int64 past 2**63).
@@ -97,18 +110,20 @@ class ModelSpec:
     model: Any = None  # an nn.Module, or a predict(batch) callable
     build: str | Callable[[Context], Task] | None = None  # a raymesh.train build function
     hf: str | None = None  # a Hugging Face save_pretrained folder (a causal LM or an adapter)
-    checkpoint: str | None = None  # resolved to a step folder by `resolved()`
+    checkpoint: str | None = None  # resolved to a step folder by `resolved()`; alone: see there
     generate: str | Callable[..., Iterator[str]] | None = None  # hf: raymesh.train.hf's
     input_shape: tuple[int, ...] | None = None  # one request's input; None: from the task
     input_dtype: str | None = None  # "float32" (default; hf: "int64"), "float64" or "int64"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.model, self.build, self.hf)) != 1:
+        given = sum(x is not None for x in (self.model, self.build, self.hf))
+        if given > 1 or (given == 0 and self.checkpoint is None):
             raise ValueError(
                 "give one of the model (an nn.Module or a predict function), build= (a "
-                "raymesh.train build function, e.g. 'pkg.module:build') or hf= (a Hugging Face "
-                "model folder), not several or none"
+                "raymesh.train build function, e.g. 'pkg.module:build'), hf= (a Hugging Face "
+                "model folder) or a checkpoint alone (checkpoint=: rebuilt as it records), not "
+                "several or none"
             )
         if self.hf is not None:
             self._check_hf()
@@ -145,17 +160,65 @@ class ModelSpec:
                 f"checkpoint={self.checkpoint!r}: an hf folder holds its own weights; export a "
                 "checkpoint to a folder (`raymesh export RUN --hf OUT`) and serve that"
             )
+        self._causal_lm_defaults()
+
+    def _causal_lm_defaults(self) -> None:
         if self.generate is None:  # a causal LM generates text
-            object.__setattr__(self, "generate", "raymesh.train.hf:generate")
+            object.__setattr__(self, "generate", HF_GENERATE)
         if self.input_dtype is None:  # predict takes token ids
             object.__setattr__(self, "input_dtype", "int64")
 
+    @property
+    def alone(self) -> bool:
+        """Whether the model is the checkpoint's alone (no model, build or hf given)."""
+        return self.model is None and self.build is None and self.hf is None
+
     def resolved(self) -> ModelSpec:
         """This spec with `checkpoint` pinned to one step folder (so every replica, and a
-        replacement started later, loads the same weights)."""
+        replacement started later, loads the same weights).
+
+        A checkpoint alone is checked here, before any replica starts: its job's build
+        function must import here, or its manifest must record a transformers model
+        (`Manifest.hf`, which `rebuild` then rebuilds from); ValueError naming the checkpoint
+        and the fix otherwise. A causal LM it records generates with raymesh.train.hf's
+        `generate` (when the record names the base folder, whose tokenizer it uses) and takes
+        token ids, as an hf folder does, unless `generate` / `input_dtype` are given."""
         if self.checkpoint is None:
             return self
-        return dataclasses.replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
+        spec = dataclasses.replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
+        if spec.alone:
+            spec._check_record()
+        return spec
+
+    def _check_record(self) -> None:
+        step = Path(str(self.checkpoint))
+        named = job_config(step).build  # ValueError naming the checkpoint if unreadable
+        why = None
+        if named is not None:
+            try:
+                resolve(named)
+            except ValueError as e:  # a function of the user's script: not importable here
+                why = str(e)
+        record = read_manifest(step).hf
+        if not record:
+            if named is not None and why is None:
+                return  # rebuilt with the job's own build function
+            cause = (
+                f"its job's build cannot be imported here ({why})" if why else "its job names none"
+            )
+            raise bad(
+                "checkpoint",
+                str(step),
+                f"{cause}, and it records no Hugging Face model to rebuild from; serve it with "
+                "the build function that trained it (build= in Python, or a job file whose "
+                'build = "module:function" imports here)',
+            )
+        record = check_record(record, f"checkpoint={str(step)!r}")
+        if str(record["class"]).endswith("ForCausalLM"):
+            # A base folder holds the tokenizer generate needs; without one, logits only.
+            if record.get("base") is not None:
+                self._causal_lm_defaults()
+            object.__setattr__(self, "input_dtype", self.input_dtype or "int64")
 
 
 @dataclass
@@ -176,7 +239,7 @@ class LoadedModel:
         self.device = device
         shape, dtype = spec.input_shape, spec.input_dtype
         module: torch.nn.Module | None = None
-        if spec.build is not None:
+        if spec.build is not None or spec.alone:
             task = rebuild(spec.checkpoint, build=spec.build, device=device, seed=spec.seed)
             module = task.model
             if shape is None or dtype is None:
@@ -192,10 +255,13 @@ class LoadedModel:
             module = spec.model
             if spec.checkpoint is not None:
                 load_weights(module, spec.checkpoint)
+        # A causal LM from a folder or from a checkpoint alone is served alike: the logits of
+        # token ids, and prompts held to its context.
+        causal_lm = spec.hf is not None or (spec.alone and _is_causal_lm(module))
         if module is not None:
             module = module.to(device).eval()
             self.fn: Callable[[Any], Any] = module
-            if spec.hf is not None:
+            if causal_lm:
                 self.fn = functools.partial(_logits, module)
         else:
             self.fn = spec.model
@@ -211,7 +277,7 @@ class LoadedModel:
         )
         # A Hugging Face model's context, in tokens (its position embeddings): /v1/generate
         # refuses a prompt that, with max_tokens, would not fit (see check_context).
-        config = getattr(module, "config", None) if spec.hf is not None else None
+        config = getattr(module, "config", None) if causal_lm else None
         self.context: int | None = getattr(config, "max_position_embeddings", None)
         self._tokenizer: Any = None
 
@@ -286,6 +352,12 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """A causal LM's next-token logits at every position of each input [B, T] of token ids."""
     logits: torch.Tensor = model(input_ids=ids).logits
     return logits
+
+
+def _is_causal_lm(module: torch.nn.Module | None) -> bool:
+    """Whether `module` is a transformers causal LM (or a PEFT model on one)."""
+    record = {} if module is None else hf_record(module)
+    return str(record.get("class", "")).endswith("ForCausalLM")
 
 
 def _first_input(task: Task) -> torch.Tensor | None:

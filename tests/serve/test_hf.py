@@ -1,6 +1,7 @@
 """Serving Hugging Face models in a replica's process (`LoadedModel`, no Ray): an exported
 folder (`ModelSpec(hf=...)`, `raymesh serve --hf`) and a checkpoint of raymesh.train.hf's build
-function, whose params the replica reads from the checkpoint's job."""
+function, whose params the replica reads from the checkpoint's job; and, on Ray over HTTP, a
+checkpoint whose build function lived in the user's script, served from its record alone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: a hub call fails, not hangs
 
+import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -16,11 +19,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from raymesh import train
+from raymesh import serve, train
 from raymesh.serve import ModelSpec
 from raymesh.serve.model import LoadedModel
 from raymesh.train import hf
-from tests.train.hf_runs import HF_BUILD, job, logits, text_file, trained_run
+from tests.serve.helpers import Client, mlp_checkpoint
+from tests.train.hf_runs import HF_BUILD, job, logits, step_and_save, text_file, trained_run
 
 CPU = torch.device("cpu")
 
@@ -85,7 +89,8 @@ def test_raymesh_serve_takes_an_hf_folder_or_a_job_file_and_says_which_is_missin
     assert main(["serve", str(tmp_path / "job.toml"), "--hf", str(runs["merged"])]) == 2
     assert "or --hf FOLDER, not both" in capsys.readouterr().err
     assert main(["serve"]) == 2
-    assert "give a job file (raymesh serve job.toml) or --hf FOLDER" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "give a job file (raymesh serve job.toml), --checkpoint RUN or --hf FOLDER" in err
     argv = ["serve", "--hf", str(runs["merged"]), "--checkpoint", str(runs["run"])]
     assert main(argv) == 2  # refused before anything starts
     assert "an hf folder holds its own weights" in capsys.readouterr().err
@@ -110,3 +115,86 @@ def test_a_job_files_serve_hf_names_the_folder_served_instead_of_its_build(runs,
     job.write_text(job.read_text().replace(f'hf = "{runs["merged"]}"', "hf = 3"))
     with pytest.raises(ValueError, match=r"serve\.hf=3: give the folder"):
         load_serving(job)
+
+
+# A user's job script: the build function lives in it, so serve cannot import it.
+USER_SCRIPT = """
+import torch
+from raymesh import train
+from raymesh.train import hf
+
+
+def build(ctx):
+    model = hf.load_causal_lm(ctx.params["model"], lora=hf.Lora(r=4))
+    return train.Task(
+        model=model,
+        optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+        dataset=list(torch.arange(4 * 64).remainder(256).reshape(4, 64)),
+        loss_fn=hf.causal_lm_loss,
+    )
+"""
+
+
+def test_a_checkpoint_whose_build_lived_in_the_users_script_is_served_from_its_record(
+    ray_cluster, runs, tmp_path
+):
+    """`raymesh serve job.toml` of such a job (what the command runs, in this process): the
+    replica rebuilds the LoRA model from the checkpoint's record, generates with the recorded
+    base folder's tokenizer and answers the trained model's greedy tokens and logits."""
+    from raymesh.serve import load_serving
+
+    build = runpy.run_path(str(_script(tmp_path)), run_name="__main__")["build"]
+    config = train.TrainConfig(build="user_job:build", params={"model": str(runs["tiny"])})
+    torch.manual_seed(0)
+    ctx = train.Context(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU, seed=0, config=config
+    )
+    trained = step_and_save(build(ctx), tmp_path / "run", config).model.eval()
+    want = list(hf.generate(trained, "def f(", 8, 0.0, 0))
+    ids = [list(b"import os")]
+    want_logits = logits(trained, torch.tensor(ids))[0]
+    base = hf.load_causal_lm(runs["tiny"])
+    assert not torch.equal(logits(base, torch.tensor(ids))[0], want_logits)  # it trained
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'build = "user_job:build"\n[params]\nmodel = "{runs["tiny"]}"\n'
+        f'[checkpoint]\ndir = "{tmp_path / "run"}"\n[serve]\nreplicas = 1\nport = 0\n'
+    )
+    model, serve_config = load_serving(job)
+    assert "build" not in model  # not importable here: the checkpoint alone
+    app = serve.deploy(config=serve_config, **model)
+    try:
+        client = Client(app.url)
+        body = {"prompt": "def f(", "max_tokens": 8, "stream": True}
+        status, _, events = client.post("/v1/generate", body)
+        assert status == 200, events
+        lines = [line[6:] for line in events.split("\n") if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]", events
+        assert [json.loads(line)["text"] for line in lines[:-1]] == want
+        status, _, answer = client.post("/v1/predict", {"x": ids[0]})
+        assert status == 200, answer
+        torch.testing.assert_close(torch.tensor(answer["y"]), want_logits)
+    finally:
+        app.stop()
+
+
+def test_a_checkpoint_alone_with_no_build_and_no_record_is_refused_naming_it_and_the_fix(
+    runs, tmp_path, capsys
+):
+    from raymesh.cli.main import main
+
+    plain = mlp_checkpoint(tmp_path / "mlp", seed=1)  # its manifest names no build function
+    assert main(["serve", "--checkpoint", str(plain)]) == 2  # refused before anything starts
+    err = capsys.readouterr().err
+    assert f"checkpoint='{plain}/step-00000001'" in err
+    assert "records no Hugging Face model" in err and "build function that trained it" in err
+    # A build function given still wins over the record: here another model's, refused.
+    spec = ModelSpec(build="raymesh.examples.mlp:build", checkpoint=str(runs["run"])).resolved()
+    with pytest.raises(ValueError, match="another model"):
+        LoadedModel(spec, CPU)
+
+
+def _script(folder: Path) -> Path:
+    script = folder / "user_job.py"
+    script.write_text(USER_SCRIPT)
+    return script
