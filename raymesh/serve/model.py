@@ -175,14 +175,10 @@ class ModelSpec:
 
     def resolved(self) -> ModelSpec:
         """This spec with `checkpoint` pinned to one step folder (so every replica, and a
-        replacement started later, loads the same weights).
-
-        A checkpoint alone is checked here, before any replica starts: its job's build
-        function must import here, or its manifest must record a transformers model
-        (`Manifest.hf`, which `rebuild` then rebuilds from); ValueError naming the checkpoint
-        and the fix otherwise. A causal LM it records generates with raymesh.train.hf's
-        `generate` (when the record names the base folder, whose tokenizer it uses) and takes
-        token ids, as an hf folder does, unless `generate` / `input_dtype` are given."""
+        replacement started later, loads the same weights). A checkpoint alone must be
+        rebuildable (its job's build function imports here, or it records a transformers model:
+        ValueError naming it and the fix otherwise); a causal LM it records takes token ids and,
+        with its base folder recorded, generates with raymesh.train.hf's `generate`."""
         if self.checkpoint is None:
             return self
         spec = dataclasses.replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
@@ -193,30 +189,24 @@ class ModelSpec:
     def _check_record(self) -> None:
         step = Path(str(self.checkpoint))
         named = job_config(step).build  # ValueError naming the checkpoint if unreadable
-        why = None
+        why = None if named is not None else "its job names no build function"
         if named is not None:
             try:
                 resolve(named)
             except ValueError as e:  # a function of the user's script: not importable here
-                why = str(e)
+                why = f"its job's build cannot be imported here ({e})"
         record = read_manifest(step).hf
-        if not record:
-            if named is not None and why is None:
-                return  # rebuilt with the job's own build function
-            cause = (
-                f"its job's build cannot be imported here ({why})" if why else "its job names none"
-            )
+        if not record and why is not None:
+            fix = 'build= in Python, or a job file whose build = "module:function" imports'
             raise bad(
                 "checkpoint",
                 str(step),
-                f"{cause}, and it records no Hugging Face model to rebuild from; serve it with "
-                "the build function that trained it (build= in Python, or a job file whose "
-                'build = "module:function" imports here)',
+                f"{why}, and it records no Hugging Face model to rebuild from; give the build "
+                f"function that trained it ({fix})",
             )
-        record = check_record(record, f"checkpoint={str(step)!r}")
-        if str(record["class"]).endswith("ForCausalLM"):
-            # A base folder holds the tokenizer generate needs; without one, logits only.
-            if record.get("base") is not None:
+        record = check_record(record, f"checkpoint={str(step)!r}") if record else {}
+        if str(record.get("class", "")).endswith("ForCausalLM"):
+            if record.get("base") is not None:  # its tokenizer's folder: without one, no text
                 self._causal_lm_defaults()
             object.__setattr__(self, "input_dtype", self.input_dtype or "int64")
 
