@@ -16,7 +16,7 @@ class Kills(random.Random):
         super().__init__(seed)
         self.seed_value = seed
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:
         return f"kill points seeded {self.seed_value} (RAYMESH_TEST_SEED={self.seed_value})"
 
 
