@@ -43,7 +43,6 @@ from raymesh.train import Context, Task
 from raymesh.train.checkpoint import (
     check_named_paths,
     check_record,
-    hf_record,
     load_weights,
     read_manifest,
     resolve_checkpoint,
@@ -346,8 +345,12 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _is_causal_lm(module: torch.nn.Module | None) -> bool:
     """Whether `module` is a transformers causal LM (or a PEFT model on one)."""
-    record = {} if module is None else hf_record(module)
-    return str(record.get("class", "")).endswith("ForCausalLM")
+    get_base: Any = getattr(module, "get_base_model", None)  # a PEFT model's base
+    base = get_base() if callable(get_base) else module
+    return any(
+        c.__module__.startswith("transformers.") and c.__name__.endswith("ForCausalLM")
+        for c in type(base).__mro__
+    )
 
 
 def _first_input(task: Task) -> torch.Tensor | None:
