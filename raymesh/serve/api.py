@@ -38,7 +38,9 @@ def deploy(
         as training did; or hf= (a Hugging Face folder, as `raymesh export --hf` writes it:
         a causal LM, or an adapter naming its local base), which generates text by default
         (raymesh.train.hf.generate). checkpoint: a raymesh.train checkpoint folder (its
-        newest committed step) or one step's folder, loaded into the module. generate: a
+        newest committed step) or one step's folder, loaded into the module; given alone, the
+        model is rebuilt with its job's build function, or from the transformers model it
+        records (a causal LM then generates as hf= does; see `raymesh.serve.model`). generate: a
         function serving POST /v1/generate (see `raymesh.serve.model`). input_shape /
         input_dtype: one request's input, checked by the front (422 when wrong; from the
         task's first sample when a build function is given).
