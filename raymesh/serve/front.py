@@ -42,8 +42,9 @@ from raymesh._common import BearerAuth, RefusalLog, exposure
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.guard import Guard, HTTPError
+from raymesh.serve.inputs import LARGEST, check_input, check_range
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.model import LARGEST, ModelInfo, PromptTooLong, check_input, check_range
+from raymesh.serve.model import ModelInfo, PromptTooLong
 from raymesh.serve.router import Router
 from raymesh.serve.sections import FrontConfig
 
