@@ -15,6 +15,7 @@ import torch
 
 from raymesh import rl
 from raymesh.actor import this_host
+from raymesh.cli.main import main
 from raymesh.rl.environments import ActorCritic
 from tests.rl import policies, rewards
 
@@ -102,7 +103,7 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         procs.stop().get(timeout=60)
 
 
-def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp_path):
+def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp_path, capsys):
     # A str method on the bytes a reward is given raises TypeError on every completion; a
     # reward returning a word is no number. Either ends the run at step 1 (it used to train
     # on nothing and return normally), the run folder saying why.
@@ -113,9 +114,19 @@ def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp
     end = [json.loads(line) for line in (tmp_path / "events.jsonl").open()][-1]
     assert end["event"] == "end" and end["state"] == "Failed" and "RewardError" in end["reason"]
     assert not (tmp_path / "metrics.jsonl").exists()  # no step was taken
-    with pytest.raises(rl.RewardError, match=r"returned str 'high', not a number") as e:
-        _run(rewards.says_high, steps=2, generators=1)
-    assert e.value.step == 1 and e.value.reward == "tests.rl.rewards:says_high"
+    # `raymesh rl`: one line naming the reward and the reason, and exit status 1.
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'policy = "tests.rl.rewards:build"\nreward = "tests.rl.rewards:says_high"\n'
+        'prompts = ["def "]\nsteps = 2\nprompts_per_step = 1\ngenerators = 1\n'
+    )
+    assert main(["rl", str(job)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(
+        "raymesh rl: rl.run: no completion of step 1 could be scored by the reward "
+        "tests.rl.rewards:says_high (all 8 dropped); the first: key 0 completion 0: the reward "
+        "returned str 'high', not a number."
+    ), err
 
 
 def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
