@@ -27,9 +27,9 @@ What is here:
   and index) and scoring (`score`: a reward that raises or is no finite number drops only its
   completion, with its reason; a step with no completion scored ends the run: `RewardError`).
 
-Not built yet: the learner as a raymesh.train job (any strategy, healing), weight sync in
-buckets or over Ray's tensor transport, reward actors, `--resume`, the dashboard's view of
-an RL run, and the GRPO benchmark against TRL.
+Also: reward actors (`reward=` a mesh), `checkpoint=` and `resume`, the run folder the
+dashboard shows (docs/rl.md). Not built yet: the learner as a raymesh.train job (any
+strategy, healing), weight sync in buckets or over Ray's tensor transport.
 """
 
 from raymesh.rl.algorithms import (
