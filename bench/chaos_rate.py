@@ -104,13 +104,18 @@ def rate_run(*, minutes: float, every_s: float, seed: int) -> dict[str, Any]:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="raymesh-rate-") as tmp:
-        # A short run first: steps per second, so the pair lasts about `minutes` each.
-        t = time.monotonic()
-        probe = train.fit(None, _config(60, f"{tmp}/probe", 0))
-        rate = 60 / (time.monotonic() - t)
+        # A short run first: its steady steps per second (from its first report on, so the
+        # start is not counted), so the pair lasts about `minutes` each.
+        seen: list[tuple[float, int]] = []
+        train.fit(
+            None,
+            _config(120, f"{tmp}/probe", 0),
+            progress=lambda p: seen.append((time.monotonic(), int(p["step"]))),
+        )
+        (t0, s0), (t1, s1) = seen[0], seen[-1]
+        rate = (s1 - s0) / max(t1 - t0, 1e-9)
         steps = max(100, int(rate * minutes * 60))
         print(f"[rate] ~{rate:.1f} steps/s: {steps} steps a run", file=sys.stderr, flush=True)
-        del probe
         t = time.monotonic()
         clean = train.fit(None, _config(steps, f"{tmp}/clean", 0))
         clean_s = time.monotonic() - t
