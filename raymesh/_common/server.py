@@ -11,8 +11,9 @@ Every server gets the same limits against slow or greedy clients, whatever its a
 - at most `max_connections` open at once (uvicorn answers 503 beyond);
 - a request head (request line and headers) must be complete within `head_timeout_s` of the
   connection opening, or of its first byte on a kept-alive connection, and is at most 64 KiB
-  (431 beyond); a body within `body_timeout_s` of its head. Otherwise the server answers 408
-  (when no response has begun) and closes the connection, however the client paces its bytes:
+  (431 beyond); a body within `body_timeout_s` of its head (a pipelined request's: of its
+  turn, once the responses before it are sent). Otherwise the server answers 408 (only when no
+  response is being sent) and closes the connection, however the client paces its bytes:
   a client that connects and says nothing, or trickles a byte at a time, holds a slot for a
   bounded time only, so such clients cannot fill the cap and turn every later request away;
 - an idle keep-alive connection is closed after `keep_alive_s`.
@@ -282,9 +283,10 @@ _431 = (
 class _Deadlines:
     """Mixed into uvicorn's protocol class: one timer per connection, armed for the head when
     the connection opens (or a kept-alive one receives its next byte), re-armed for the body
-    once the head is in, disarmed once the app has the whole request or has answered. Only
-    uvicorn's per-connection attributes are read (`cycle`, `transport`, `loop`): its h11 and
-    httptools protocols both have them."""
+    once the head is in, disarmed once the app has the whole request or has answered; with
+    pipelined requests the phase is the oldest unfinished one's. Only uvicorn's per-connection
+    attributes are read (`cycle`, `transport`, `loop`; httptools' `pipeline`, its queue of
+    pipelined requests, where it has one)."""
 
     head_timeout_s: float
     body_timeout_s: float
@@ -297,11 +299,24 @@ class _Deadlines:
     _head_tail = b""  # its last 3 bytes: a CRLFCRLF may straddle two reads
 
     def _waiting_for(self) -> str | None:
-        """'head', 'body', or None: the app has the request (or answered it)."""
+        """'head', 'body', or None: what the oldest unfinished request waits for (None: the
+        app has it, or is answering it)."""
+        if getattr(self, "pipeline", None):
+            # httptools has queued a pipelined request (`cycle` is already that one): the one
+            # being answered came in whole before it, and the queued one's clock starts when
+            # its turn comes (`on_response_complete`).
+            return None
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return "head"
         return "body" if cycle.more_body and not cycle.response_started else None
+
+    def _answering(self) -> bool:
+        """Whether a response is being sent: bytes of our own may not go between its bytes."""
+        cycle = self.cycle
+        return bool(getattr(self, "pipeline", None)) or (
+            cycle is not None and cycle.response_started and not cycle.response_complete
+        )
 
     def _arm(self, phase: str | None) -> None:
         if phase == self._phase:
@@ -337,10 +352,15 @@ class _Deadlines:
         self._arm(phase)
 
     def on_response_complete(self) -> None:
+        answered, queued = self.cycle, bool(getattr(self, "pipeline", None))
         super().on_response_complete()  # type: ignore[misc]
-        # Idle until the next byte (uvicorn's keep-alive timer); a pipelined request's
-        # body, if any, is already in.
-        self._arm(None)
+        if queued or self.cycle is not answered:
+            # uvicorn started a pipelined request (httptools: from its queue; h11: parsed
+            # from its buffer just now), and arms no keep-alive timer: its body, if not all
+            # in, gets its deadline from now.
+            self._arm(self._waiting_for())
+        else:
+            self._arm(None)  # idle until the next byte: uvicorn's keep-alive timer
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
@@ -355,9 +375,12 @@ class _Deadlines:
         self._refuse(_408, 408, f"the request's {phase} did not arrive within {field}={seconds:g}")
 
     def _refuse(self, template: bytes, status: int, message: str) -> None:
-        # Written straight to the socket: no response has begun (the phases say so), and
-        # the connection ends with it, so the protocol's own state no longer matters. The
-        # app, if it waits for the body, sees a disconnect.
-        data = error_json(HTTPError(status, None, message))
-        self.transport.write(template % (len(data), data))
+        # Written straight to the socket when no response is being sent (the phases say
+        # none is; checked again, since bytes of ours inside a response would corrupt it:
+        # then the connection only closes), and the connection ends with it, so the
+        # protocol's own state no longer matters. The app, if it waits for the body, sees a
+        # disconnect.
+        if not self._answering():
+            data = error_json(HTTPError(status, None, message))
+            self.transport.write(template % (len(data), data))
         self.transport.close()

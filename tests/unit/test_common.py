@@ -287,6 +287,43 @@ def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slot
         server.stop()
 
 
+async def _slow_or_echo(scope, receive, send):
+    """`_echo`, but /slow streams its answer in three parts, 0.3 s apart."""
+    if scope["path"] != "/slow":
+        return await _echo(scope, receive, send)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for part in (b"one", b"two", b"three"):
+        await asyncio.sleep(0.3)
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_a_pipelined_request_meets_its_deadline_in_its_turn_and_never_inside_an_answer():
+    server = ServerThread(
+        _slow_or_echo,
+        host="127.0.0.1",
+        port=0,
+        name="test-pipelined",
+        keep_alive_s=60,  # an idle kept-alive connection is not what closes these
+        head_timeout_s=0.5,
+        body_timeout_s=0.5,
+    )
+    post = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n"
+    try:
+        for path in (b"/", b"/slow"):  # answered at once; answered longer than the deadline
+            get = b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+                s.sendall(get + post)  # in one write, and then not one byte of the body
+                answer = b"".join(iter(lambda: s.recv(65536), b""))  # socket.timeout: held
+            first, _, second = answer.partition(b"HTTP/1.1 408")
+            # The first answer whole (its last chunk: no 408 in its middle), then the 408.
+            assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n0\r\n\r\n"), answer
+            assert path == b"/" or b"three" in first, answer
+            assert b"body_timeout_s=0.5" in second, answer
+    finally:
+        server.stop()
+
+
 def select_readable(s: socket.socket, timeout: float) -> bool:
     import select
 
