@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from raymesh._common import Tls, check_token
 from raymesh.federated.privacy import DP
 
-__all__ = ["EdgeConfig", "RunConfig"]
+__all__ = ["MIN_BODY_RATE", "MIN_BODY_S", "EdgeConfig", "RunConfig"]
+
+# The slowest uplink an honest device's answer is allowed (bytes/s), and the least time a body
+# gets whatever its size: EdgeConfig.body_deadline.
+MIN_BODY_RATE = 256 * 1024
+MIN_BODY_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +31,10 @@ class EdgeConfig:
     # secure-aggregation neighbour: raymesh.federated.bodies), so one device cannot make the
     # controller read and parse more than an update.
     max_body_bytes: int | None = None
+    # An answer's body must be in within this long of its head (408 and the connection closed
+    # beyond). None: the body limit at MIN_BODY_RATE (256 KiB/s), at least 60 s, so a device on
+    # a slow uplink can send the largest honest answer (110 MB for 10M floats: 7 minutes).
+    body_timeout_s: float | None = None
     max_clients: int = 1000  # devices that may enrol (403 beyond)
     tls: Tls | None = None  # serve HTTPS with this certificate and key
 
@@ -48,6 +57,15 @@ class EdgeConfig:
                 f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024, or None for "
                 "what an honest answer for the run's model can be"
             )
+        if self.body_timeout_s is not None and (
+            isinstance(self.body_timeout_s, bool)
+            or not isinstance(self.body_timeout_s, (int, float))
+            or not 0 < self.body_timeout_s < float("inf")
+        ):
+            raise ValueError(
+                f"edge.body_timeout_s={self.body_timeout_s!r}: give seconds > 0, or None for "
+                f"the body limit at {MIN_BODY_RATE // 1024} KiB/s (at least {MIN_BODY_S:g} s)"
+            )
         if not isinstance(self.max_clients, int) or self.max_clients < 1:
             raise ValueError(f"edge.max_clients={self.max_clients!r}: give a count >= 1")
         if self.wait_for > self.max_clients:
@@ -60,6 +78,13 @@ class EdgeConfig:
                 f"edge.tls={self.tls!r}: give raymesh.federated.Tls(cert=..., key=...) "
                 "([edge.tls] cert and key in a job file)"
             )
+
+    def body_deadline(self, max_bytes: int) -> float:
+        """The seconds an answer's body gets (`body_timeout_s`, or what a body of `max_bytes`,
+        the body limit, takes at MIN_BODY_RATE, at least MIN_BODY_S)."""
+        if self.body_timeout_s is not None:
+            return float(self.body_timeout_s)
+        return max(MIN_BODY_S, max_bytes / MIN_BODY_RATE)
 
 
 @dataclass(frozen=True, kw_only=True)

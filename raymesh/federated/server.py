@@ -22,9 +22,11 @@ once, its body unread: one answer in flight per client); 413 a body over the byt
 holds (raymesh.federated.bodies: both follow the model's size, unless
 `EdgeConfig.max_body_bytes` sets the bytes); 400 a body that is not JSON, holds NaN or
 Infinity, or nests deeper than protocol.MAX_DEPTH; 422 an answer that does not decode or fails
-its checks (raymesh.federated.checks). A client whose answer is refused (413, 400, 422) is
-dropped from that round, and the round goes on; one that went away before its body ended
-(400) sent no answer, and may send it again. Every refusal is answered in raymesh's error
+its checks (raymesh.federated.checks); 408 a body not in within `EdgeConfig.body_deadline`
+(by default the byte limit at 256 KiB/s, at least 60 s). A client whose answer is refused
+(413, 400, 422) is dropped from that round, and the round goes on; one that went away before
+its body ended (400) or was too slow (408) sent no answer, and may send it again. Every
+refusal is answered in raymesh's error
 shape, `{"error": {"type", "message"}}`, the token check by the shared `BearerAuth`
 (raymesh._common.auth).
 
@@ -113,6 +115,8 @@ class EdgeServer:
     def __init__(self, config: EdgeConfig, *, first_cid: int, size: int, peers: int = 0) -> None:
         self.config = config
         self.limits = Limits.for_model(size, peers=peers, max_bytes=config.max_body_bytes)
+        # An honest answer as large as the limit must fit its deadline on a slow uplink.
+        self.body_timeout_s = config.body_deadline(self.limits.max_bytes)
         self._parsers = concurrent.futures.ThreadPoolExecutor(
             PARSERS, thread_name_prefix="raymesh-federated-parse"
         )
@@ -133,6 +137,7 @@ class EdgeServer:
             port=config.port,
             name="raymesh-federated",
             tls=config.tls,
+            body_timeout_s=self.body_timeout_s,
         )
         self.port = self._server.port
         if (risk := exposure(config.host, token=True, tls=config.tls is not None)) is not None:

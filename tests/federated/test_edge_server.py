@@ -17,6 +17,7 @@ from raymesh.examples import fedmlp
 from raymesh.federated import Tls
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.client import Layout
+from raymesh.federated.config import MIN_BODY_RATE
 from raymesh.federated.edge import EdgeClient, Untrusted
 from raymesh.federated.protocol import Advertise, Fit, Participant, decode, encode
 from raymesh.federated.server import EdgeConfig, EdgeServer
@@ -209,6 +210,31 @@ def test_a_second_answer_in_flight_from_one_client_is_refused_at_once_unread(ser
     first.send(json.dumps(encode(answer)).encode() + b"}")
     assert first.response() == (200, {"ok": True})
     assert waiting.get(timeout=5) == answer
+
+
+def test_an_answers_body_deadline_follows_the_body_limit_and_a_late_body_is_no_answer(server):
+    """The largest honest answer gets its body limit's time at 256 KiB/s (at least 60 s); a
+    body later than its deadline is answered 408, and the client is free to answer again."""
+    assert server.body_timeout_s == 60.0  # a small model: the floor
+    big = EdgeServer(EdgeConfig(token=TOKEN), first_cid=0, size=10_000_000)
+    try:  # 110 MB of answer: 7 minutes, which the fixed 60 s would cut off on a slow uplink
+        assert big.body_timeout_s == big.limits.max_bytes / MIN_BODY_RATE > 400
+    finally:
+        big.finish("the test is over", grace_s=0)
+    quick = EdgeServer(EdgeConfig(token=TOKEN, body_timeout_s=0.5), first_cid=0, size=SIZE)
+    try:
+        edge = _joined(quick, "slow")
+        quick.send(edge.cid, Advertise(1, (edge.cid,)), lambda reply: None)
+        edge.next()
+        late = edge.upload()
+        late.send(b'{"reply": ')
+        status, body = late.response(finish=False, timeout=10)
+        assert status == 408 and "body_timeout_s=0.5" in body["error"]["message"], body
+        wait_for(lambda: not quick._edges[edge.cid].replying, 10, what="the late answer gone")
+    finally:
+        quick.finish("the test is over", grace_s=0)
+    with pytest.raises(ValueError, match=r"edge.body_timeout_s=0: give seconds > 0"):
+        EdgeConfig(body_timeout_s=0)
 
 
 def test_each_message_is_encoded_once_whatever_the_polls(server, monkeypatch):
