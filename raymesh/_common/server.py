@@ -17,9 +17,11 @@ Every server gets the same limits against slow or greedy clients, whatever its a
   a client that connects and says nothing, or trickles a byte at a time, holds a slot for a
   bounded time only, so such clients cannot fill the cap and turn every later request away;
 - an idle keep-alive connection is closed after `keep_alive_s`.
-Bound to loopback without a token (`authenticated=False`), it answers only requests whose
-`Host` is localhost, 127.0.0.1 or [::1] (any port: an SSH tunnel's port differs), 421
-otherwise: a web page whose name was rebound to 127.0.0.1 (DNS rebinding) reaches nothing.
+Bound beyond loopback without a token, or with one over plain HTTP, it logs a warning once
+(`exposure`). Bound to loopback without a token (`authenticated=False`), it answers only
+requests whose `Host` is localhost, 127.0.0.1 or [::1] (any port: an SSH tunnel's port
+differs), 421 otherwise: a web page whose name was rebound to 127.0.0.1 (DNS rebinding)
+reaches nothing. With a token (`authenticated=True`) the app checks who asks, by any name.
 With `tls` (a certificate and key file, as `Tls`) it serves HTTPS.
 """
 
@@ -102,6 +104,8 @@ class ServerThread:
     keep_alive_s: an idle keep-alive connection is closed after this long.
     head_timeout_s, body_timeout_s: the deadlines of a request's head and of its body (408).
     authenticated: the app checks a token itself; False on a loopback bind: the Host check.
+    exposure_fix: what the warning logged once a server is exposed (`exposure`) tells the user
+        to do, e.g. "set token= and tls=".
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class ServerThread:
         head_timeout_s: float = 10.0,
         body_timeout_s: float = 60.0,
         authenticated: bool = False,
+        exposure_fix: str = "give it a token and tls",
     ) -> None:
         self.host = host
         self.tls = tls
@@ -147,6 +152,9 @@ class ServerThread:
         except BaseException:
             self.stop()
             raise
+        # Said here, once per server, so that no way of starting one goes without it.
+        if (risk := exposure(host, token=authenticated, tls=tls is not None)) is not None:
+            logger.warning("%s: %s (%s)", name, risk, exposure_fix)
 
     @property
     def url(self) -> str:

@@ -22,7 +22,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import exposure
 from raymesh.cli import errors
 from raymesh.cli.args import add_tls_arguments
 from raymesh.dashboard import DEFAULT_PORT
@@ -77,11 +76,6 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None) -> int:
             "the URL with #token=<token> after it: browsers never send what follows '#')"
         )
     print(said)  # in one write: a reader never sees the first line without the second
-    if (risk := exposure(args.host, token=token is not None, tls=tls is not None)) is not None:
-        print(
-            f"raymesh dashboard: {risk} (set ${TOKEN_ENV}, and --tls-cert/--tls-key)",
-            file=sys.stderr,
-        )
     sys.stdout.flush()
     try:
         (stop or threading.Event()).wait()

@@ -87,7 +87,7 @@ def start(
     token: when set, every API request must carry it (`Authorization: Bearer`); the page asks
         for it, or takes it from `Dashboard.login_url`'s fragment. Give one whenever the page
         is reachable from other machines, and `tls` with it there, or the token crosses the
-        network in the clear.
+        network in the clear (bound beyond loopback without either, it logs a warning).
     tls: serve HTTPS with this certificate and key (`Tls(cert=..., key=...)`).
     """
     try:
@@ -114,5 +114,14 @@ def start(
             f"tls={tls!r}: give raymesh.dashboard.Tls(cert=..., key=...) (PEM files), or None"
         )
     app = make_app(root, token=token)
-    server = ServerThread(app, host=host, port=port, name="raymesh-dashboard", tls=tls)
+    server = ServerThread(
+        app,
+        host=host,
+        port=port,
+        name="raymesh-dashboard",
+        tls=tls,
+        authenticated=token is not None,  # the app checks it, by whatever name it is reached
+        exposure_fix="set token= and tls=; raymesh dashboard: $RAYMESH_DASHBOARD_TOKEN, "
+        "--tls-cert and --tls-key",
+    )
     return Dashboard(server, app, token)

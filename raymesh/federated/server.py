@@ -56,7 +56,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from raymesh._common import BearerAuth, HTTPError, Pending, RefusalLog, ServerThread, exposure
+from raymesh._common import BearerAuth, HTTPError, Pending, RefusalLog, ServerThread
 from raymesh.federated.bodies import Limits, load
 from raymesh.federated.checks import BadUpdate
 from raymesh.federated.config import EdgeConfig
@@ -138,13 +138,10 @@ class EdgeServer:
             name="raymesh-federated",
             tls=config.tls,
             body_timeout_s=self.body_timeout_s,
+            authenticated=True,  # BearerAuth checks every /v1 request's token, by any Host
+            exposure_fix="keys and updates too: give edge.tls (--tls-cert/--tls-key)",
         )
         self.port = self._server.port
-        if (risk := exposure(config.host, token=True, tls=config.tls is not None)) is not None:
-            logger.warning(
-                "raymesh.federated: %s; keys and updates too: give edge.tls (--tls-cert/--tls-key)",
-                risk,
-            )
 
     @property
     def url(self) -> str:

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from raymesh._common import BearerAuth, RefusalLog, exposure
+from raymesh._common import BearerAuth, RefusalLog
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.guard import Guard, HTTPError
@@ -124,9 +124,6 @@ def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
     """The routes above over `router`, with `front`'s tokens and limits, counted in
     `metrics`."""
     admin_token = front.admin_token
-    risk = exposure(front.host, token=front.token is not None, tls=front.tls is not None)
-    if risk is not None:
-        logger.warning("raymesh.serve: %s (set token= or $RAYMESH_SERVE_TOKEN, and tls=)", risk)
     log_refusal = RefusalLog(logger, "raymesh.serve")
     root = None if front.checkpoint_root is None else Path(front.checkpoint_root)
     read_json = guard_of(front).read_json  # the tokens are checked by BearerAuth, below

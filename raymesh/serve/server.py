@@ -82,6 +82,7 @@ class Server(App):
             # The guard answers a slow body first, in the error shape; this is the backstop.
             body_timeout_s=front.body_timeout_s + 1.0,
             authenticated=front.token is not None,
+            exposure_fix="set token= or $RAYMESH_SERVE_TOKEN, and tls=",
         )
         self.port = self._server.port
         logger.info("raymesh.serve: %s with %d replica(s)", self.url, len(self.router.slots))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -210,6 +211,20 @@ def test_a_second_answer_in_flight_from_one_client_is_refused_at_once_unread(ser
     first.send(json.dumps(encode(answer)).encode() + b"}")
     assert first.response() == (200, {"ok": True})
     assert waiting.get(timeout=5) == answer
+
+
+def test_the_token_decides_who_is_served_by_any_host_name(server):
+    """The edge server always has a token: a device reaching it by a tunnel's or a proxy's name
+    is served, or refused for its token (401), never for the name (421)."""
+    for auth, status in ((f"Bearer {TOKEN}", b"200"), ("Bearer wrong-token", b"401")):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(
+                f"POST /v1/join HTTP/1.1\r\nHost: edge.example:443\r\nConnection: close\r\n"
+                f"Authorization: {auth}\r\nContent-Length: 19\r\n\r\n"
+                '{"device": "proxy"}'.encode()
+            )
+            answer = b"".join(iter(lambda: s.recv(65536), b""))
+        assert answer.startswith(b"HTTP/1.1 " + status), answer
 
 
 def test_an_answers_body_deadline_follows_the_body_limit_and_a_late_body_is_no_answer(server):

@@ -339,14 +339,30 @@ def test_a_token_is_required_in_a_header_on_every_api_route_and_never_in_a_url(t
         assert c.get("/api/runs").status_code == 200
 
 
-def test_a_dashboards_urls_never_hold_its_token_and_a_bad_token_is_refused(tmp_path):
+def test_a_dashboards_urls_never_hold_its_token_and_a_bad_token_is_refused(tmp_path, caplog):
     from raymesh import dashboard
 
-    with dashboard.start(tmp_path, port=0, token="s3 cr/t-long-enough") as board:
-        for url in (board.url, board.page("/mesh/a"), board.run_url("a")):
-            assert "s3" not in url and "token" not in url, url
-        assert board.login_url().endswith("/#token=s3%20cr%2Ft-long-enough")  # only for a browser
-        assert "s3" not in repr(board)
+    with caplog.at_level(logging.WARNING, logger="raymesh"):
+        with dashboard.start(tmp_path, port=0, token="s3 cr/t-long-enough") as board:
+            for url in (board.url, board.page("/mesh/a"), board.run_url("a")):
+                assert "s3" not in url and "token" not in url, url
+            assert board.login_url().endswith("/#token=s3%20cr%2Ft-long-enough")  # a browser's
+            assert "s3" not in repr(board)
+            # With a token, the token decides who is served, by any name (a tunnel's, a proxy's).
+            port = board.url.rsplit(":", 1)[1].rstrip("/")
+            with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+                s.sendall(
+                    b"GET /api/runs HTTP/1.1\r\nHost: board.example\r\nConnection: close\r\n"
+                    b"Authorization: Bearer s3 cr/t-long-enough\r\n\r\n"
+                )
+                answer = b"".join(iter(lambda: s.recv(65536), b""))
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert "reachable" not in caplog.text  # on loopback: nothing to warn of
+        with dashboard.start(tmp_path, host="0.0.0.0", port=0):  # `start()` warns, as the CLI
+            pass
+    said = [r.getMessage() for r in caplog.records if "reachable" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("raymesh-dashboard: 0.0.0.0 is reachable"), said
+    assert "no token is set" in said[0] and "$RAYMESH_DASHBOARD_TOKEN" in said[0], said
     for bad in ("", " x", "x\n", "tøken"):
         with pytest.raises(ValueError, match="printable ASCII") as e:
             dashboard.start(tmp_path, port=0, token=bad)
