@@ -13,7 +13,9 @@ caller; token streams, a replica each.
 - A stream that ends before its replica does (its deadline passed, or its client left and the
   front cancelled it) tells the replica to stop (`cancel`, taken between two tokens); the
   replica stays busy until its generation has ended, and one that does not end within
-  `request_timeout_s` more is killed and replaced, as a hung batch's is.
+  `request_timeout_s` more is killed and replaced, as a hung batch's is. However the stream's
+  generator is closed (cancelled inside it, or closed from outside at a token), its slot is
+  freed once, and only once the replica has stopped: a replica never runs two streams.
 
 Nothing polls: `pump` runs whenever what may leave can change (a request in, a replica free or
 added, a batch's wait over).
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +145,7 @@ class Dispatcher:
 
     async def stream(
         self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """The generated text, a token at a time. A replica lost mid-stream is replaced by
         another that continues from the text already sent (the prompt plus it), so the caller
         sees one unbroken stream."""
@@ -155,13 +158,19 @@ class Dispatcher:
         while True:
             slot = await self._acquire(deadline)
             call = _StreamCall(slot)
+            turn = self._stream_on(
+                call, prompt + "".join(pieces), max_tokens - len(pieces), temperature, seed,
+                deadline,
+            )  # fmt: skip
             try:
-                async for piece in self._stream_on(
-                    call, prompt + "".join(pieces), max_tokens - len(pieces), temperature, seed,
-                    deadline,
-                ):  # fmt: skip
-                    pieces.append(piece)
-                    yield piece
+                # Closed here, not whenever it is collected: when this generator is closed from
+                # outside (the front's task cancelled while it waited in send()), the turn's own
+                # end runs first and hands the slot to `_stop_stream` before `owns_slot` is read
+                # below, so a replica still generating is never freed here.
+                async with contextlib.aclosing(turn):
+                    async for piece in turn:
+                        pieces.append(piece)
+                        yield piece
                 return
             except _Lost as e:
                 call.owns_slot = False
@@ -173,7 +182,7 @@ class Dispatcher:
                 logger.warning("raymesh.serve: a stream's replica was lost; continuing elsewhere")
             finally:
                 if call.owns_slot:
-                    self.release(slot)
+                    self.release(slot, call)
 
     async def _stream_on(
         self,
@@ -183,7 +192,7 @@ class Dispatcher:
         temperature: float,
         seed: int,
         deadline: float,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         port, receiver = self.open_channel()
         stream_id = uuid.uuid4().hex
         generate = call.slot.replica.actor.generate
@@ -227,15 +236,16 @@ class Dispatcher:
                 # the replica is told to stop, and keeps its slot busy until it has.
                 call.owns_slot = False
                 self.stopped_streams += 1
-                self._spawn(self._stop_stream(call.slot, stream_id, call_done))
+                self._spawn(self._stop_stream(call, stream_id, call_done))
             elif not call_done.done():
                 call_done.cancel()
 
     async def _stop_stream(
-        self, slot: Slot, stream_id: str, call_done: asyncio.Future[Any]
+        self, call: _StreamCall, stream_id: str, call_done: asyncio.Future[Any]
     ) -> None:
-        """Tell `slot`'s replica to stop stream `stream_id`; free the slot once its generate
+        """Tell `call`'s replica to stop stream `stream_id`; free the slot once its generate
         call has returned, or kill the replica if that takes past `request_timeout_s`."""
+        slot = call.slot
 
         async def stopped() -> None:
             await wait_reply(slot.replica.actor.cancel.call_one(stream_id))
@@ -254,7 +264,7 @@ class Dispatcher:
             self.pool.lose(slot, str(e).splitlines()[0][:200])
             self.pump()
             return
-        self.release(slot)
+        self.release(slot, call)
 
     # ---- dispatch --------------------------------------------------------------------------
     def pump(self) -> None:
@@ -318,8 +328,14 @@ class Dispatcher:
         )
         self.pool.kill(slot)
 
-    def release(self, slot: Slot) -> None:
-        """`slot` has finished its batch or stream: it may take the next."""
+    def release(self, slot: Slot, call: _StreamCall | None = None) -> None:
+        """`slot` has finished its batch or stream: it may take the next. A stream's turn
+        (`call`) frees its slot at most once: a second release for the same turn is ignored,
+        as the slot may by then be another request's."""
+        if call is not None:
+            if call.released:
+                return
+            call.released = True
         slot.busy = False
         self.pump()
 
@@ -374,3 +390,4 @@ class _StreamCall:
 
     slot: Slot
     owns_slot: bool = True
+    released: bool = False  # `release` has freed the slot for this turn

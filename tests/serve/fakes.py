@@ -9,7 +9,8 @@ waits (a replica busy for as long as the test says).
 
 A fake replica generates "a", "b", "c", ... one token every `token_s` seconds, through an
 in-process channel (`open_fake_channel`, the dispatcher's `open_channel`), and stops before its
-next token when told to `cancel` its stream; `generating` counts the streams it computes now.
+next token when told to `cancel` its stream; `generating` counts the streams it computes now,
+and `most_on_one` the most one replica ever computed at once (the router gives it one).
 A prompt longer than `context` characters is refused as the real replica refuses one.
 """
 
@@ -63,6 +64,7 @@ class FakeReplica:
         self.generate = _Endpoint(self._generate)
         self.cancel = _Endpoint(self._cancel)
         self.stopping: set[str] = set()  # streams told to stop
+        self.streaming = 0  # streams it computes now
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -107,6 +109,8 @@ class FakeReplica:
             port.send(("error", (PromptTooLong.__name__, f"prompt: over {self.fakes.context}")))
             return 0
         self.fakes.generating += 1
+        self.streaming += 1
+        self.fakes.most_on_one = max(self.fakes.most_on_one, self.streaming)
         sent = 0
         try:
             for i in range(max_tokens):
@@ -121,6 +125,7 @@ class FakeReplica:
             return sent
         finally:
             self.fakes.generating -= 1
+            self.streaming -= 1
             self.fakes.tokens_made += sent
 
     async def _cancel(self, stream_id: str) -> bool:
@@ -195,6 +200,7 @@ class Fakes:
         self.context = 1000  # the longest prompt, in characters
         self.generating = 0  # streams computing now, on every replica
         self.tokens_made = 0  # tokens generated, on every replica
+        self.most_on_one = 0  # the most streams one replica ever computed at once
         self._pids = itertools.count(100_000)
 
     def fail_reload(self, replica: FakeReplica, spec: ModelSpec) -> bool:

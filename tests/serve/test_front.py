@@ -6,12 +6,14 @@ window that stays bounded)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import select
 import socket
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -350,6 +352,35 @@ def test_a_stream_whose_deadline_passes_or_whose_client_leaves_stops_its_replica
         reply = Client(app.url).post("/v1/generate", {"prompt": "ab", "max_tokens": 3})
         assert reply[0] == 200 and reply[2] == {"text": "cde", "tokens": 3}, reply
         assert len(fakes.live()) == 1  # stopped, not killed
+
+
+def test_a_stream_closed_from_outside_frees_its_replica_once_it_has_stopped() -> None:
+    """A front cancelled while it waits in send() (its client left) leaves the stream at a
+    token, then closes it from outside. Its replica is freed once, after it has stopped: the
+    streams that waited for it never share it."""
+    fakes = Fakes()
+    fakes.token_s = 0.05
+    with fake_app(fakes=fakes) as (app, _):
+        dispatcher = app.router.dispatcher
+
+        async def leave_while_two_wait() -> list[str]:
+            left = dispatcher.stream("a", 1000)
+            await left.__anext__()  # the first token is out: the front sends it
+            waiting = [asyncio.ensure_future(_text(app.router.stream("ab", 3))) for _ in "12"]
+            for _ in range(500):  # both wait for the one replica
+                if len(dispatcher._streams) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            await left.aclose()  # the client is gone: closed at its token
+            return list(await asyncio.wait_for(asyncio.gather(*waiting), 20))
+
+        assert app._submit(leave_while_two_wait()).result(30) == ["cde", "cde"]
+        assert fakes.most_on_one == 1 and dispatcher.stopped_streams == 1
+        assert [r["busy"] for r in app.stats()["replicas"]] == [False]
+
+
+async def _text(pieces: AsyncIterator[str]) -> str:
+    return "".join([p async for p in pieces])
 
 
 def test_a_prompt_over_the_models_context_is_a_400_naming_the_prompt() -> None:
