@@ -29,9 +29,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import read_toml, resolve, split_job
+from raymesh._common import read_toml, split_job
 from raymesh.serve.config import ServeConfig
 from raymesh.train import load_config
+from raymesh.train.export import rebuild_plan
 
 __all__ = ["MODEL_KEYS", "load_serving"]
 
@@ -71,7 +72,11 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
                 f'{path}: set build = "module:function" in the job file, or name a checkpoint '
                 "([checkpoint] dir, or --checkpoint) of a model it records"
             )
-        if job.build is not None and (checkpoint is None or _importable(job.build)):
+        # Where a checkpoint is served, its job's build runs only where it imports here (the
+        # one decision, as an export makes it); else the checkpoint alone says how.
+        if job.build is not None and (
+            checkpoint is None or rebuild_plan(None, named=job.build) is not None
+        ):
             model.update(build=job.build)  # the model, built as training built it
         model.update(checkpoint=checkpoint, seed=job.seed)
     table.update({k: v for k, v in overrides.items() if v is not None})
@@ -80,11 +85,3 @@ def load_serving(path: str | Path, **overrides: Any) -> tuple[dict[str, Any], Se
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return model, config
-
-
-def _importable(build: str) -> bool:
-    try:
-        resolve(build)
-    except ValueError:  # a function of the user's script: the checkpoint's record serves
-        return False
-    return True

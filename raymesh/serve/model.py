@@ -47,7 +47,7 @@ from raymesh.train.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from raymesh.train.export import job_config, rebuild
+from raymesh.train.export import from_record, job_config, rebuild, rebuild_plan
 
 __all__ = [
     "LoadedModel",
@@ -104,6 +104,8 @@ class ModelSpec:
     input_shape: tuple[int, ...] | None = None  # one request's input; None: from the task
     input_dtype: str | None = None  # "float32" (default; hf: "int64"), "float64" or "int64"
     seed: int = 0
+    # A checkpoint alone: how it is rebuilt, decided once by `resolved()` (not given by hand).
+    pinned: Pinned | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.model, self.build, self.hf))
@@ -167,7 +169,14 @@ class ModelSpec:
         replacement started later, loads the same weights). A checkpoint alone must be
         rebuildable (its job's build function imports here, or it records a transformers model:
         ValueError naming it and the fix otherwise); a causal LM it records takes token ids and,
-        with its base folder recorded, generates with raymesh.train.hf's `generate`."""
+        with its base folder recorded, generates with raymesh.train.hf's `generate`.
+
+        How a checkpoint alone is rebuilt (its job's build function, or its record) is decided
+        on the first call (at deploy: the only time the build its manifest names is imported)
+        and kept in `pinned`; on a spec already pinned (a reload) nothing the new manifest
+        names is imported, and a manifest naming another build than the pinned checkpoint's
+        is refused (PermissionError naming `config.build`): whoever can write a checkpoint
+        folder does not choose which code the server runs."""
         if self.checkpoint is None:
             return self
         spec = dataclasses.replace(self, checkpoint=str(resolve_checkpoint(self.checkpoint)))
@@ -178,12 +187,24 @@ class ModelSpec:
     def _check_record(self) -> None:
         step = Path(str(self.checkpoint))
         named = job_config(step).build  # ValueError naming the checkpoint if unreadable
-        why = None if named is not None else "its job names no build function"
-        if named is not None:
-            try:
-                resolve(named)
-            except ValueError as e:  # a function of the user's script: not importable here
-                why = f"its job's build cannot be imported here ({e})"
+        pinned = self.pinned
+        if pinned is None:  # deploy: the one decision, which imports the named build
+            build = rebuild_plan(step, named=named)  # a name: no build is given
+            pinned = Pinned(named, None if build is None else str(build))
+            object.__setattr__(self, "pinned", pinned)
+        elif named != pinned.named:
+            raise PermissionError(
+                f"checkpoint={str(step)!r}: its manifest's config.build={named!r} is not the "
+                f"served checkpoint's ({pinned.named!r}); a reload never runs another build "
+                "function: serve this checkpoint from a new server"
+            )
+        why = None
+        if pinned.build is None:
+            why = (
+                "its job names no build function"
+                if named is None
+                else f"its job's build {named!r} cannot be imported here"
+            )
         record = read_manifest(step).hf
         if not record and why is not None:
             fix = 'build= in Python, or a job file whose build = "module:function" imports'
@@ -198,6 +219,17 @@ class ModelSpec:
             if record.get("base") is not None:  # its tokenizer's folder: without one, no text
                 self._causal_lm_defaults()
             object.__setattr__(self, "input_dtype", self.input_dtype or "int64")
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """How a checkpoint served alone is rebuilt, decided at deploy and kept for every replica
+    and reload: `build` ("module:function", its job's) called as one rank of the job, or None:
+    from the checkpoint's Hugging Face record. `named`: what its manifest's `config.build`
+    names (a reload's checkpoint must name the same)."""
+
+    named: str | None
+    build: str | None
 
 
 @dataclass
@@ -219,7 +251,13 @@ class LoadedModel:
         shape, dtype = spec.input_shape, spec.input_dtype
         module: torch.nn.Module | None = None
         if spec.build is not None or spec.alone:
-            task = rebuild(spec.checkpoint, build=spec.build, device=device, seed=spec.seed)
+            # A checkpoint alone: as decided at deploy, never by what its manifest names now.
+            pinned = spec.pinned if spec.alone else None
+            if pinned is not None and pinned.build is None:
+                task = from_record(str(spec.checkpoint), device=device, seed=spec.seed)
+            else:
+                build = pinned.build if pinned is not None else spec.build
+                task = rebuild(spec.checkpoint, build=build, device=device, seed=spec.seed)
             module = task.model
             if shape is None or dtype is None:
                 first = _first_input(task)

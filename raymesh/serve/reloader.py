@@ -42,7 +42,11 @@ class Reloader:
 
         root: load only from under this folder (HTTP's checkpoint_root): PermissionError,
         before anything is read, for a path outside it, and before anything is loaded when
-        the step folder found, or a file in it, links out of it."""
+        the step folder found, or a file in it, links out of it.
+
+        A checkpoint served alone is rebuilt as deploy decided (`ModelSpec.pinned`): a new
+        checkpoint whose job names another build function is refused (PermissionError), and
+        no module its manifest names is imported."""
         if self._reloading:
             raise RuntimeError("a reload is already in progress; wait for it")
         self._reloading = True
@@ -69,7 +73,11 @@ class Reloader:
 
     def _resolve(self, checkpoint: str, root: Path | None) -> ModelSpec:
         if root is not None:
-            checkpoint = str(check_under_root(checkpoint, root))
+            # Every file under the folder given, and what its manifest names, before anything
+            # in it is read to decide (which step, how it is rebuilt).
+            checkpoint = str(check_under_root(checkpoint, root, files=True))
+        # A checkpoint alone keeps how deploy rebuilt it (`ModelSpec.pinned`): nothing its
+        # manifest names is imported here, and another build is refused (PermissionError).
         new = dataclasses.replace(self.pool.spec, checkpoint=checkpoint).resolved()
         if root is not None and new.checkpoint is not None:
             # The replicas load the real path checked here, not a link that could be moved.

@@ -37,7 +37,7 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.materialize import materialize, on_meta, repointed
 from raymesh.train.task import Context, Task
 
-__all__ = ["export_hf", "from_record", "job_config", "rebuild"]
+__all__ = ["export_hf", "from_record", "job_config", "rebuild", "rebuild_plan"]
 
 Build = str | Callable[[Context], Task]
 
@@ -79,13 +79,13 @@ def rebuild(
             raise bad("params", params, "the checkpoint's job params are used: leave it out")
         config = TrainConfig(params=params)
     seed = seed if seed is not None else (config.seed if config is not None else 0)
-    if build is None and step is not None:
-        record = _manifest(step).hf
-        named = config.build if config is not None else None
-        if record and (named is None or not _importable(named)):
-            return from_record(step, device=device, seed=seed)
-    build = build if build is not None else (config.build if config is not None else None)
+    named = config.build if config is not None else None
+    build = rebuild_plan(step, build, named=named)
     if build is None:
+        if step is not None and _manifest(step).hf:
+            return from_record(step, device=device, seed=seed)
+        if named is not None:
+            resolve(named)  # not importable here: raises, naming it
         where = f"checkpoint {str(step)!r} names none" if step is not None else "no checkpoint"
         raise ValueError(
             f"build=None: {where}; pass the build function that trained the model "
@@ -199,12 +199,33 @@ def _with_adapters(model: Any, record: dict[str, Any], where: str) -> Any:
     return model
 
 
-def _importable(build: str) -> bool:
+_JOBS = object()  # rebuild_plan's default `named`: the one the checkpoint's job named
+
+
+def rebuild_plan(
+    step: Path | None, build: Build | None = None, *, named: str | object | None = _JOBS
+) -> Build | None:
+    """The one decision of how a checkpoint's model is rebuilt (`rebuild`, export, serve): the
+    build function to call as one rank of its job, or None: from the checkpoint's Hugging Face
+    record (`from_record`, where it has one; no build function runs).
+
+    build: given, it wins. Else `named` (default: the build function the job of step folder
+    `step` named, its manifest's `config.build`) where it imports here; None where it names
+    none or one that does not import here (a function of the user's script).
+
+    Deciding imports the named build's module, which runs its code: decide on a checkpoint
+    whose writer you trust (serve decides once, at deploy, and a reload keeps that decision)."""
+    if build is not None:
+        return build
+    if named is _JOBS:
+        named = job_config(step).build if step is not None else None
+    if not isinstance(named, str):
+        return None
     try:
-        resolve(build)
-    except ValueError:  # a function of the user's script: not here
-        return False
-    return True
+        resolve(named)
+    except ValueError:  # a function of the user's script: not importable here
+        return None
+    return named
 
 
 def _manifest(step: Path) -> Manifest:

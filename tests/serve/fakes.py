@@ -31,6 +31,8 @@ from raymesh.serve import ModelSpec, ServeConfig
 from raymesh.serve.model import ModelInfo, PromptTooLong
 from raymesh.serve.replica import ReplicaProc
 from raymesh.serve.server import Server
+from raymesh.train import TrainConfig
+from raymesh.train.checkpoint import Manifest
 
 HANG = -1
 
@@ -39,10 +41,18 @@ def weight_of(checkpoint: str | None) -> float:
     return 1.0 if checkpoint is None else float(Path(checkpoint).name.lstrip("w"))
 
 
-def fake_checkpoint(folder: Path) -> Path:
-    """A folder `resolve_checkpoint` takes as a step folder (it has a manifest.json)."""
+def fake_checkpoint(folder: Path, build: str | None = None) -> Path:
+    """A folder `resolve_checkpoint` takes as a step folder (it has a manifest.json); with
+    `build`, a manifest whose job names that build function (no weights: fakes load none)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "manifest.json").write_text("{}")
+    manifest = "{}"
+    if build is not None:
+        config = TrainConfig(build=build).to_dict()
+        manifest = Manifest(
+            step=1, world_size=1, strategy="ddp", config=config, data_position=0, files={},
+            created=0.0,
+        ).to_json()  # fmt: skip
+    (folder / "manifest.json").write_text(manifest)
     return folder
 
 
@@ -226,13 +236,17 @@ def spec_of(checkpoint: Path | None) -> ModelSpec:
 
 @contextlib.contextmanager
 def fake_app(
-    checkpoint: Path | None = None, fakes: Fakes | None = None, **fields: Any
+    checkpoint: Path | None = None,
+    fakes: Fakes | None = None,
+    spec: ModelSpec | None = None,
+    **fields: Any,
 ) -> Iterator[tuple[Server, Fakes]]:
-    """A real server (uvicorn, router, HTTP on a free port) over fake replicas."""
+    """A real server (uvicorn, router, HTTP on a free port) over fake replicas; `spec`: what
+    it serves, resolved (default: an nn.Module with `checkpoint`)."""
     fakes = fakes or Fakes()
     config = ServeConfig(port=0, **fields)
     app = Server(
-        spec_of(checkpoint),
+        spec or spec_of(checkpoint),
         router=config.router,
         batch=config.batch,
         front=config.front,

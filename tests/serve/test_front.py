@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -121,6 +122,34 @@ def test_reload_loads_only_from_under_the_checkpoint_root(tmp_path: Path, root: 
             assert f"outside checkpoint_root={str(root)!r}" in body["error"]["message"], body
         assert fakes.reloads == [] and app.stats()["checkpoint"] == str(root / "w2")
         assert admin.post("/admin/reload", {"checkpoint": str(root / "w3")})[0] == 200
+
+
+def test_a_reload_of_a_checkpoint_alone_keeps_its_build_and_imports_none_it_names(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How a checkpoint alone is rebuilt is decided at deploy: a reload whose manifest names
+    another build function, one that imports here, is a 403 naming config.build, and its
+    module is never imported; a checkpoint of the same build reloads."""
+    (tmp_path / "mods").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "mods" / "rm_marker_build.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef build(ctx):\n    raise RuntimeError('ran')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    mlp = "raymesh.examples.mlp:build"
+    spec = serve.ModelSpec(checkpoint=str(fake_checkpoint(root / "w5", mlp))).resolved()
+    assert spec.pinned is not None and spec.pinned.build == mlp
+    fake_checkpoint(root / "w6", "rm_marker_build:build")
+    fake_checkpoint(root / "w7", mlp)
+    with _guarded(root, spec=spec) as (app, fakes):
+        admin = Client(app.url, ADMIN)
+        status, _, body = admin.post("/admin/reload", {"checkpoint": str(root / "w6")})
+        assert status == 403 and body["error"]["field"] == "checkpoint", body
+        assert "config.build='rm_marker_build:build'" in body["error"]["message"], body
+        assert not marker.exists() and "rm_marker_build" not in sys.modules
+        assert fakes.reloads == [] and app.stats()["checkpoint"] == str(root / "w5")
+        assert admin.post("/admin/reload", {"checkpoint": str(root / "w7")})[0] == 200
+        assert [c for _, c in fakes.reloads] == [str((root / "w7").resolve())]
 
 
 def test_a_reload_that_fails_on_one_replica_rolls_back_and_fails_no_request(root: Path) -> None:
