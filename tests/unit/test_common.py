@@ -249,7 +249,6 @@ def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slot
 
     def trickle(name: str, s: socket.socket) -> None:
         # A byte every 50 ms for as long as the server takes it: never a whole head or body.
-        s.sendall(slow[name])
         try:
             while not stop.is_set() and not select_readable(s, 0.05):
                 if name != "silent":
@@ -259,6 +258,8 @@ def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slot
             answers[name] = repr(e).encode()
 
     sockets = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in slow]
+    for name, s in zip(slow, sockets):  # before any asker connects: the cap is not yet full
+        s.sendall(slow[name])
     threads = [threading.Thread(target=trickle, args=a) for a in zip(slow, sockets)]
     try:
         for t in threads:
