@@ -293,21 +293,29 @@ class LoadedModel:
             device=str(device),
         )
         # A Hugging Face model's context, in tokens (its position embeddings): /v1/generate
-        # refuses a prompt that, with max_tokens, would not fit (see check_context).
+        # refuses a prompt that, with max_tokens, would not fit (see check_context). Decided
+        # here, once: without the folder of its tokenizer there is nothing to count with.
         config = getattr(module, "config", None) if causal_lm else None
-        self.context: int | None = getattr(config, "max_position_embeddings", None)
+        context = getattr(config, "max_position_embeddings", None)
+        self._folder: Path | None = None
+        if module is not None and isinstance(context, int):
+            self._folder = _folder_of(module)
+        self.context: int | None = context if self._folder is not None else None
         self._tokenizer: Any = None
 
     def check_context(self, prompt: str, max_tokens: int) -> None:
         """PromptTooLong, naming the limit, when the prompt's tokens and `max_tokens` make more
-        than the model's context (a Hugging Face model; others have no context to know). A
-        refusal, not a crop: the client decides which part of its prompt matters."""
-        if not isinstance(self.context, int) or self.module is None:
+        than the model's context (a Hugging Face model whose folder is known; others have no
+        context to know: a causal LM with no known folder, rebuilt from a record without its
+        base folder or built from a config, has no tokenizer to count with and is not
+        checked). A refusal, not a crop: the client decides which part of its prompt
+        matters."""
+        if self.context is None or self._folder is None:
             return
         if self._tokenizer is None:
             from raymesh.train import hf
 
-            self._tokenizer = hf.load_tokenizer(hf.folder_of(self.module))
+            self._tokenizer = hf.load_tokenizer(self._folder)
         # As raymesh.train.hf.generate counts them: no special tokens, at least one.
         tokens = len(self._tokenizer(prompt, add_special_tokens=False)["input_ids"]) or 1
         if tokens + max_tokens > self.context:
@@ -369,6 +377,16 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """A causal LM's next-token logits at every position of each input [B, T] of token ids."""
     logits: torch.Tensor = model(input_ids=ids).logits
     return logits
+
+
+def _folder_of(module: torch.nn.Module) -> Path | None:
+    """The folder a Hugging Face model was loaded from (its tokenizer's), or None: unknown."""
+    from raymesh.train import hf  # a causal LM's: transformers is there
+
+    try:
+        return hf.folder_of(module)
+    except ValueError:
+        return None
 
 
 def _is_causal_lm(module: torch.nn.Module | None) -> bool:

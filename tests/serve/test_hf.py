@@ -23,6 +23,7 @@ from raymesh import serve, train
 from raymesh.serve import ModelSpec
 from raymesh.serve.model import LoadedModel
 from raymesh.train import hf
+from raymesh.train.checkpoint import Checkpointer
 from tests.serve.helpers import Client, mlp_checkpoint
 from tests.train.hf_runs import HF_BUILD, job, logits, step_and_save, text_file, trained_run
 
@@ -66,6 +67,43 @@ def test_a_replica_rebuilds_a_checkpoint_of_the_hf_build_with_its_jobs_params(ru
     served = hf.load_causal_lm(runs["adapter"]).eval()
     ids = torch.tensor([list(b"import os")])
     assert torch.equal(logits(loaded.module, ids), logits(served, ids))
+
+
+def llama_from_config(ctx: train.Context) -> train.Task:
+    """A build function whose causal LM is built from a config: it names no folder."""
+    import transformers
+
+    torch.manual_seed(ctx.seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=8,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return train.Task(model=model, optimizer=optimizer, loss_fn=hf.causal_lm_loss)
+
+
+def test_a_causal_lm_of_no_known_folder_generates_unchecked_against_its_context(tmp_path):
+    """A checkpoint alone rebuilt by its build from a config, or from a record naming no base
+    folder: no tokenizer to count a prompt with, so no context check (decided at load), and
+    the user's generate function serves a prompt however long."""
+    ctx = train.Context(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU, seed=0, config=None
+    )
+    task = llama_from_config(ctx)
+    for build in ("tests.serve.test_hf:llama_from_config", "user_job:build"):  # build, record
+        run = tmp_path / build.split(":")[0]
+        config = train.TrainConfig(build=build).to_dict()
+        Checkpointer(run).save(
+            1, task.model, task.optimizer, world_size=1, strategy="ddp", config=config,
+            data_position=0, rank=0,
+        )  # fmt: skip
+        spec = ModelSpec(checkpoint=str(run), generate="tests.serve.helpers:alphabet").resolved()
+        record = build == "user_job:build"  # not importable here: rebuilt from its record
+        assert spec.pinned is not None and spec.pinned.build == (None if record else build)
+        loaded = LoadedModel(spec, CPU)
+        assert loaded.context is None, build
+        assert list(loaded.generate("a prompt of more than 8 tokens", 3, 0.0, 0)) == list("efg")
 
 
 def test_an_hf_model_spec_refuses_a_checkpoint_another_model_and_a_folder_of_no_model(
