@@ -69,7 +69,9 @@ def _kills(r: random.Random, last_call: int) -> tuple[int, ...]:
 def _generators(run: Any, r: random.Random, staleness: int, tmp: str, reference: Any) -> None:
     from tests.rl import chaos_faults
 
-    at = _kills(r, STEPS * SAMPLES)
+    # Calls before the last two steps' samples: past them, a generator running ahead (staleness
+    # 1) may be making samples no step takes, and the run can end before its replacement.
+    at = _kills(r, (STEPS - 2) * SAMPLES)
     run.faults = [f"SIGKILL the generator making reward call {n}" for n in at]
     reward = functools.partial(chaos_faults.es_killing_at, counter=f"{tmp}/calls", at=at)
     result = _run(reward, staleness)
@@ -190,15 +192,19 @@ CASES = ("generators, staleness 0", "generators, staleness 1", "reward actors", 
 
 
 def rl_runs(seed: int, count: int, replay: int | None, make_run: Any) -> Iterator[Any]:
-    """`count` runs, each case in turn (a replay draws its case from its seed alone)."""
+    """`count` runs, each case in turn; a run's case and faults follow from its seed alone."""
     from raymesh import cluster
 
     rng = random.Random(seed)
     reference = None
     for i in range(count):
+        # The case is the seed's (so a replay runs it again); the campaign draws seeds until
+        # each case has its turn.
         run_seed = replay if replay is not None else rng.randrange(1 << 30)
+        while replay is None and run_seed % len(CASES) != i % len(CASES):
+            run_seed = rng.randrange(1 << 30)
         r = random.Random(run_seed)
-        case = CASES[i % len(CASES)] if replay is None else r.choice(CASES)
+        case = CASES[run_seed % len(CASES)]
         run = make_run("rl", case, run_seed, [])
         print(f"[chaos] rl seed={run_seed}: {case}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
