@@ -9,14 +9,13 @@ needs none of the HTTP extras.
 
 Every server gets the same limits against slow or greedy clients, whatever its app does:
 - at most `max_connections` open at once (uvicorn answers 503 beyond);
-- a request head (request line and headers) must be complete within `head_timeout_s` of the
-  connection opening, or of its first byte on a kept-alive connection, and is at most 64 KiB
-  (431 beyond); a body within `body_timeout_s` of its head (a pipelined request's: of its
-  turn, once the responses before it are sent). Otherwise the server answers 408 (only when no
-  response is being sent) and closes the connection, however the client paces its bytes:
-  a client that connects and says nothing, or trickles a byte at a time, holds a slot for a
-  bounded time only, so such clients cannot fill the cap and turn every later request away;
-- an idle keep-alive connection is closed after `keep_alive_s`.
+- a request's head and body have deadlines (`head_timeout_s`, `body_timeout_s`: 408, see
+  `connection`), however the client paces its bytes: a client that connects and says nothing,
+  or trickles a byte at a time, holds a slot for a bounded time only, so such clients cannot
+  fill the cap and turn every later request away;
+- an idle keep-alive connection is closed after `keep_alive_s`;
+- an answer given before the body was read (413, 429) reaches a client still sending it
+  (`connection`'s lingering close).
 Bound beyond loopback without a token, or with one over plain HTTP, it logs a warning once
 (`exposure`). Bound to loopback without a token (`authenticated=False`), it answers only
 requests whose `Host` is localhost, 127.0.0.1 or [::1] (any port: an SSH tunnel's port
@@ -36,14 +35,14 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from raymesh._common.http_error import HTTPError, RefusalLog, error_json
+from raymesh._common.connection import MAX_HEAD_BYTES, protocol_class
+from raymesh._common.http_error import HTTPError, RefusalLog
 from raymesh._common.tls import Tls
 
 __all__ = ["ServerThread", "exposure", "free_port", "is_loopback", "url_of"]
 
 logger = logging.getLogger("raymesh")
 
-MAX_HEAD_BYTES = 64 * 1024  # a request line and headers past this are refused (431)
 # The names a loopback server without a token answers to (DNS rebinding: see the docstring).
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
@@ -140,7 +139,7 @@ class ServerThread:
             "limit_concurrency": max_connections,
             "timeout_keep_alive": keep_alive_s,
             "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
-            "http": _with_deadlines(head_timeout_s, body_timeout_s),
+            "http": protocol_class(head_timeout_s, body_timeout_s),
         }
         if tls is not None:
             self._limits.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
@@ -255,140 +254,3 @@ class LoopbackHosts:
                     await error.send(send)
                 return
         await self.app(scope, receive, send)
-
-
-_PROTOCOLS: dict[tuple[float, float], type[asyncio.Protocol]] = {}
-
-
-def _with_deadlines(head_s: float, body_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools when installed, else h11, as uvicorn's "auto")
-    with the head and body deadlines of the module docstring. uvicorn has none of its own:
-    its keep-alive timer runs only between requests."""
-    key = (head_s, body_s)
-    if key not in _PROTOCOLS:
-        try:
-            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-        except ImportError:
-            from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
-        _PROTOCOLS[key] = type(
-            "Deadlined" + base.__name__,
-            (_Deadlines, base),
-            {"head_timeout_s": head_s, "body_timeout_s": body_s},
-        )
-    return _PROTOCOLS[key]
-
-
-_408 = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n%s"
-)
-_431 = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-)
-
-
-class _Deadlines:
-    """Mixed into uvicorn's protocol class: one timer per connection, armed for the head when
-    the connection opens (or a kept-alive one receives its next byte), re-armed for the body
-    once the head is in, disarmed once the app has the whole request or has answered; with
-    pipelined requests the phase is the oldest unfinished one's. Only uvicorn's per-connection
-    attributes are read (`cycle`, `transport`, `loop`; httptools' `pipeline`, its queue of
-    pipelined requests, where it has one)."""
-
-    head_timeout_s: float
-    body_timeout_s: float
-    cycle: Any
-    transport: Any
-    loop: asyncio.AbstractEventLoop
-    _deadline: asyncio.TimerHandle | None = None
-    _phase: str | None = None
-    _head_bytes = 0  # of the head being received
-    _head_tail = b""  # its last 3 bytes: a CRLFCRLF may straddle two reads
-
-    def _waiting_for(self) -> str | None:
-        """'head', 'body', or None: what the oldest unfinished request waits for (None: the
-        app has it, or is answering it)."""
-        if getattr(self, "pipeline", None):
-            # httptools has queued a pipelined request (`cycle` is already that one): the one
-            # being answered came in whole before it, and the queued one's clock starts when
-            # its turn comes (`on_response_complete`).
-            return None
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete:
-            return "head"
-        return "body" if cycle.more_body and not cycle.response_started else None
-
-    def _answering(self) -> bool:
-        """Whether a response is being sent: bytes of our own may not go between its bytes."""
-        cycle = self.cycle
-        return bool(getattr(self, "pipeline", None)) or (
-            cycle is not None and cycle.response_started and not cycle.response_complete
-        )
-
-    def _arm(self, phase: str | None) -> None:
-        if phase == self._phase:
-            return
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        self._phase = phase
-        if phase is not None:
-            seconds = self.head_timeout_s if phase == "head" else self.body_timeout_s
-            self._deadline = self.loop.call_later(seconds, self._expired)
-
-    def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
-        self._arm("head")
-
-    def data_received(self, data: bytes) -> None:
-        if self._waiting_for() == "head":
-            self._arm("head")  # a kept-alive connection's next request starts its clock
-            # The head must end within MAX_HEAD_BYTES (h11 bounds it too; httptools does not).
-            room = MAX_HEAD_BYTES - self._head_bytes
-            if len(data) > room and b"\r\n\r\n" not in self._head_tail + data[:room]:
-                self._refuse(_431, 431, f"the request head is over {MAX_HEAD_BYTES} bytes")
-                return
-            self._head_bytes += len(data)
-            self._head_tail = data[-3:]
-        super().data_received(data)  # type: ignore[misc]
-        if self.transport.is_closing():
-            return
-        phase = self._waiting_for()
-        if phase != "head":
-            self._head_bytes, self._head_tail = 0, b""
-        self._arm(phase)
-
-    def on_response_complete(self) -> None:
-        answered, queued = self.cycle, bool(getattr(self, "pipeline", None))
-        super().on_response_complete()  # type: ignore[misc]
-        if queued or self.cycle is not answered:
-            # uvicorn started a pipelined request (httptools: from its queue; h11: parsed
-            # from its buffer just now), and arms no keep-alive timer: its body, if not all
-            # in, gets its deadline from now.
-            self._arm(self._waiting_for())
-        else:
-            self._arm(None)  # idle until the next byte: uvicorn's keep-alive timer
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._arm(None)
-        super().connection_lost(exc)  # type: ignore[misc]
-
-    def _expired(self) -> None:
-        phase, self._deadline, self._phase = self._waiting_for(), None, None
-        if phase is None or self.transport.is_closing():
-            return
-        field = "head_timeout_s" if phase == "head" else "body_timeout_s"
-        seconds = self.head_timeout_s if phase == "head" else self.body_timeout_s
-        self._refuse(_408, 408, f"the request's {phase} did not arrive within {field}={seconds:g}")
-
-    def _refuse(self, template: bytes, status: int, message: str) -> None:
-        # Written straight to the socket when no response is being sent (the phases say
-        # none is; checked again, since bytes of ours inside a response would corrupt it:
-        # then the connection only closes), and the connection ends with it, so the
-        # protocol's own state no longer matters. The app, if it waits for the body, sees a
-        # disconnect.
-        if not self._answering():
-            data = error_json(HTTPError(status, None, message))
-            self.transport.write(template % (len(data), data))
-        self.transport.close()

@@ -216,10 +216,14 @@ def test_three_kills_in_one_run_each_healed_by_a_warm_spare_that_is_then_refille
         assert (now["mesh"], now["pid"]) == (spare["mesh"], spare["pid"]), after
         used.append(label)
     assert len(set(used)) == 3, used
-    # The spares ready, per step: 1, taken by a heal (0), refilled (1), three times.
+    # The spares ready, as the "mesh" events tell them: 1, taken by a heal (0), refilled (1),
+    # three times. (A step's own figure is sampled when it is recorded: the step after a heal
+    # may already see the refill, so the per-step runs are not a fixed sequence.)
+    told = [len(e["spares"]) for e in events if e["event"] == "mesh"]
+    runs = [n for i, n in enumerate(told) if i == 0 or told[i - 1] != n]
+    assert runs == [1, 0, 1, 0, 1, 0, 1], told
     spares = [r["spares"] for r in _lines(tmp_path / "metrics.jsonl")]
-    runs = [n for i, n in enumerate(spares) if i == 0 or spares[i - 1] != n]
-    assert runs == [1, 0, 1, 0, 1, 0, 1], spares
+    assert set(spares) <= {0, 1} and spares[-1] == 1, spares
     assert [h["step"] for h in result.history] == list(range(1, 13))
     assert equal(reference[4], result.state_dict())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import http.client
 import json
 import logging
 import socket
@@ -321,6 +322,53 @@ def test_a_pipelined_request_meets_its_deadline_in_its_turn_and_never_inside_an_
             assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n0\r\n\r\n"), answer
             assert path == b"/" or b"three" in first, answer
             assert b"body_timeout_s=0.5" in second, answer
+    finally:
+        server.stop()
+
+
+async def _capped(scope, receive, send):
+    """An app that reads at most 64 KiB of a body, then refuses it (413, the body unread), as
+    raymesh's servers do at a body limit."""
+    size, more = 0, True
+    while more and size <= 64 << 10:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    error = HTTPError(413, None, "over 64 KiB", headers={"Connection": "close"})
+    await error.send(send)
+
+
+def test_a_client_still_sending_a_body_too_large_reads_its_413_and_a_flood_is_cut_off():
+    """The server answers 413 while the body is still arriving: it keeps reading (and dropping)
+    the rest, so the client is never reset before it reads the answer; but not forever."""
+    from raymesh._common.connection import LINGER_BYTES
+
+    server = ServerThread(_capped, host="127.0.0.1", port=0, name="test-linger")
+    try:
+        for attempt in range(8):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                if attempt % 2:  # chunked, as a streaming client sends
+                    chunks = (b"a" * (64 << 10) for _ in range(32))
+                    conn.request("POST", "/", chunks, encode_chunked=True)
+                else:  # 2 MiB with a Content-Length, in one write
+                    conn.request("POST", "/", b"a" * (2 << 20))
+                response = conn.getresponse()
+                assert response.status == 413 and b"over 64 KiB" in response.read()
+            finally:
+                conn.close()
+        # A client that keeps sending is cut off once it has sent LINGER_BYTES more.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999999\r\n\r\n")
+            sent, cut = 0, False
+            try:
+                while sent < 4 * LINGER_BYTES:
+                    sent += s.send(b"a" * (1 << 20))
+            except OSError:
+                cut = True
+            assert cut, f"{sent} bytes sent, the connection still open"
     finally:
         server.stop()
 
