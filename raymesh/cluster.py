@@ -3,7 +3,8 @@ discovery): connect to it, list its nodes, probe them. A facade: the core's `_sr
 private, and nothing above the core imports it (tests/unit/test_layers.py checks).
 
     from raymesh import cluster
-    cluster.ensure_ray()        # RAYMESH_ADDRESS / RAY_ADDRESS, else a local Ray of our own
+    cluster.ensure_ray()        # RAYMESH_ADDRESS / RAY_ADDRESS, the local runtime, else a
+                                # local Ray of our own
     for node in cluster.nodes():
         print(node.hostname, node.cpus, node.gpus)
 """
@@ -12,6 +13,7 @@ from raymesh._src.backend import (
     NodeInfo,
     ProbeReport,
     address,
+    attached,
     current_node_id,
     ensure_ray,
     nodes,
@@ -19,17 +21,26 @@ from raymesh._src.backend import (
     ray_version,
     started_local,
 )
+from raymesh._src.backend.local_runtime import RuntimeStartError, down, status, up
+from raymesh._src.backend.runtime_file import RuntimeDirError, RuntimeRecord
 from raymesh._src.host_mesh import RankPlacement
 
 __all__ = [
     "NodeInfo",
     "ProbeReport",
     "RankPlacement",
+    "RuntimeDirError",
+    "RuntimeRecord",
+    "RuntimeStartError",
     "address",
+    "attached",
     "current_node_id",
+    "down",
     "ensure_ray",
     "nodes",
     "probe",
     "ray_version",
     "started_local",
+    "status",
+    "up",
 ]

@@ -1,6 +1,9 @@
 """`raymesh`: the command line.
 
     raymesh --version
+    raymesh up [--cpus N] [--warm N] / raymesh status [--json] / raymesh down
+                               the local runtime: a Ray head and warm procs that programs on
+                               this machine attach to (each starts in about a second)
     raymesh info [--json]      Ray address, hosts with their CPUs/GPUs, versions
     raymesh topology [--json] [--probe-timeout S]
                                hosts, GPUs, the GPU link matrix, measured network figures
@@ -22,8 +25,9 @@
     raymesh rl JOB.toml [--steps N]
                                post-train a policy with GRPO (a line per step)
 
-`info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else it
-starts the embedded local Ray (and stops it again on exit).
+`info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else to
+the local runtime when one is up, else it starts the embedded local Ray (and stops it again on
+exit); it says which.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from raymesh.cli import dashboard as dashboard_cli
 from raymesh.cli import export as export_cli
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import rl as rl_cli
+from raymesh.cli import runtime as runtime_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
 from raymesh.cli import train as train_cli
@@ -57,7 +62,7 @@ def _info() -> dict[str, Any]:
         "ray": cluster.ray_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "address": "local (started by raymesh)" if cluster.started_local() else cluster.address(),
+        "address": _where(cluster),
         "hosts": [
             {
                 "node_id": n.node_id,
@@ -73,6 +78,16 @@ def _info() -> dict[str, Any]:
             for n in cluster.nodes()
         ],
     }
+
+
+def _where(cluster: Any) -> str:
+    """Where this program attached: the embedded Ray, the local runtime, or an address."""
+    if cluster.started_local():
+        return "local (the embedded Ray, started by raymesh for this program)"
+    record = cluster.attached()
+    if record is not None:
+        return f"{record.address} (the local runtime, `raymesh up`, pid {record.pid})"
+    return cluster.address()
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -97,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="show the Ray cluster raymesh would use, and versions")
     info.add_argument("--json", action="store_true", help="print JSON for machines")
+    runtime_cli.add_parsers(sub)
     train_cli.add_parser(sub)
     topology_cli.add_parser(sub)
     tune_cli.add_parser(sub)
@@ -106,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     rl_cli.add_parser(sub)
     dashboard_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command in ("up", "status", "down"):
+        return runtime_cli.run(args)
     if args.command == "topology":
         return topology_cli.run(args)
     if args.command == "tune":

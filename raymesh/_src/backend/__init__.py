@@ -38,6 +38,7 @@ from raymesh._src.backend.registry import update as registry_update
 from raymesh._src.backend.runtime import (
     NodeInfo,
     address,
+    attached,
     before_shutdown,
     connected,
     current_node_id,
@@ -59,6 +60,7 @@ __all__ = [
     "RayProc",
     "address",
     "arrivals",
+    "attached",
     "before_shutdown",
     "connected",
     "create_procs",

@@ -42,7 +42,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymesh._src.backend import runtime
+from raymesh._src.backend import runtime, shared_pool
 from raymesh._src.backend.proc_host import ProcHost
 
 DEFAULT_SIZE = 8
@@ -58,6 +58,7 @@ _imports: list[str] = []  # what warm procs import beyond proc_host.PRELOAD (see
 class WarmProc:
     handle: Any
     info: Any  # the ref of handle.info(): resolved once the proc is ready
+    origin: Any = None  # a `shared_pool.Origin` to adopt it with: the local runtime's proc
 
 
 def size() -> int:
@@ -81,6 +82,12 @@ def preload(modules: tuple[str, ...]) -> None:
         _imports.extend(m for m in modules if m not in _imports)
 
 
+def imports() -> tuple[str, ...]:
+    """What warm procs import beyond `proc_host.PRELOAD` (see `preload`)."""
+    with _lock:
+        return tuple(_imports)
+
+
 def _in_controller() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
 
@@ -94,8 +101,8 @@ def fill(counts: Mapping[str, int], after: Any = None, *, untouched_only: bool =
     procs cold and tops the pool up itself once they are up; warm procs started beside them
     would only slow them down)."""
     limit = size()
-    if limit == 0 or not _in_controller():
-        return
+    if limit == 0 or not _in_controller() or runtime.attached() is not None:
+        return  # (attached to the local runtime: it keeps the warm procs)
     if after is not None:
         ready = after.future()  # resolved by Ray; this thread never calls into Ray to wait
 
@@ -125,7 +132,7 @@ def fill(counts: Mapping[str, int], after: Any = None, *, untouched_only: bool =
 def reserve(node_id: str) -> None:
     """Start one warm proc on `node_id` now if it has none left (without raising its target):
     the replacement a self-healing job will ask for next, even while its host stays busy."""
-    if size() == 0 or not _in_controller():
+    if size() == 0 or not _in_controller() or runtime.attached() is not None:
         return
     with _lock:
         _start(node_id, 1)
@@ -146,6 +153,9 @@ def take(node_id: str, n: int) -> list[WarmProc]:
     """Up to `n` warm procs of `node_id`, the ready ones first (none while the pool is off)."""
     if n <= 0 or size() == 0 or not _in_controller():
         return []
+    if runtime.attached() is not None:  # the local runtime's, adopted as this program's
+        origin = shared_pool.Origin.here()
+        return [WarmProc(h, h.info.remote(), origin) for h in shared_pool.claim(n)]
     with _lock:
         warm = _warm.setdefault(node_id, deque())  # a spawn has asked here (see `fill`)
         if not warm:

@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -137,12 +138,21 @@ class _ProcHost:
 
     @ray.method(concurrency_group="control")
     def adopt(
-        self, proc_mesh_name: str, point: Point, start_runtime: StartRuntime, threads: int | None
+        self,
+        proc_mesh_name: str,
+        point: Point,
+        start_runtime: StartRuntime,
+        threads: int | None,
+        origin: Any = None,
     ) -> None:
         """Make this warm proc the proc at `point` of `proc_mesh_name` (once). `threads`: the
-        OMP_NUM_THREADS Ray would have given a proc of its CPUs (None: leave it as it is)."""
+        OMP_NUM_THREADS Ray would have given a proc of its CPUs (None: leave it as it is).
+        `origin` (a `shared_pool.Origin`): the program adopting a proc of the local runtime,
+        whose path, directory and environment it takes, and with whose process it ends."""
         if hasattr(self, "runtime"):
             raise RuntimeError(f"{self._name} already belongs to a mesh")
+        if origin is not None:
+            _take_origin(origin)
         if self._preloading is not None and self._preloading.is_alive():
             # The mesh waits for it now: back to normal priority, where the OS allows it.
             _set_idle(self._preloading, False)
@@ -190,6 +200,27 @@ def _preload(modules: tuple[str, ...]) -> None:
             importlib.import_module(module)
         except Exception:  # a warm proc must start anyway: the module fails again, visibly, on use
             pass
+
+
+def _take_origin(origin: Any) -> None:
+    sys.path[:0] = [p for p in origin.sys_path if p not in sys.path]
+    os.environ.update(origin.env)
+    try:
+        os.chdir(origin.cwd)
+    except OSError:
+        pass  # as a proc of a remote host would, it runs from where it is
+
+    def outlive_never() -> None:
+        # Ray ends the procs a program owns with it; this proc is the runtime's, so it ends
+        # itself once its program is gone (exit status 0: nobody is left to tell).
+        while origin.alive():
+            time.sleep(_OWNER_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=outlive_never, name="raymesh-owner", daemon=True).start()
+
+
+_OWNER_POLL_S = 0.5
 
 
 def _fmt(point: Point) -> str:

@@ -163,7 +163,10 @@ def create_procs(
         if warm.get(node_ids[i]):
             w = warm[node_ids[i]].popleft()
             handles.append(w.handle)
-            readiness += [w.info, w.handle.adopt.remote(mesh_name, point, start_runtime, threads)]
+            readiness += [
+                w.info,
+                w.handle.adopt.remote(mesh_name, point, start_runtime, threads, w.origin),
+            ]
             continue
         handle = ProcHost.options(
             num_cpus=resources.get("CPU", 0),

@@ -5,7 +5,10 @@ Order of preference, first match wins:
    inside a Ray worker, e.g. an actor spawning a nested mesh): use it as it is.
 2. `RAYMESH_ADDRESS` is set: `ray.init(address=RAYMESH_ADDRESS)`.
 3. `RAY_ADDRESS` is set (as under `ray job submit`): `ray.init()` connects to it.
-4. Otherwise start a local Ray on loopback (the embedded default), with
+4. A local runtime started by `raymesh up` is up on this machine (`runtime_file`) and runs
+   what this program runs: attach to it, and take its warm procs (`shared_pool`).
+   `RAYMESH_RUNTIME=0` skips this step.
+5. Otherwise start a local Ray on loopback (the embedded default), with
    `RAYMESH_NUM_CPUS` logical CPUs (default max(64, cores)): a proc reserves one logical CPU,
    so a small machine can still gang-schedule a mesh of many CPU procs, which then share cores.
 """
@@ -23,6 +26,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raymesh._src.backend import runtime_file
+from raymesh._src.backend.runtime_file import RuntimeRecord
+
 logger = logging.getLogger("raymesh")
 
 # Ray reads these when it builds a worker's serialisation context; the controller's is built in
@@ -31,6 +37,7 @@ ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 _init_lock = threading.Lock()
 _started_local = False
 _connected = False  # raymesh called ray.init (not the user, not a Ray worker)
+_attached: RuntimeRecord | None = None  # the local runtime this process attached to
 _quiescers: list[Callable[[], None]] = []
 _connect_hooks: list[Callable[[], None]] = []
 _shutdown_hooks: list[Callable[[], None]] = []
@@ -136,6 +143,19 @@ def _loopback_only() -> None:
 _INIT_TIMEOUT_S = 300.0
 
 
+def attach(address: str, *, log_to_driver: bool = True, level: int = logging.WARNING) -> None:
+    """`ray.init` to the local runtime's head at `address` (on loopback: Ray would otherwise
+    dial the machine's routable address instead of 127.0.0.1)."""
+    _loopback_only()
+    if "RAY_AUTH_MODE" not in os.environ:
+        # The runtime's Ray, as every new local Ray, checks Ray's token (~/.ray/auth_token,
+        # this user's); a program attaching to an address does not send it unless told.
+        from ray._private.authentication import authentication_token_setup as auth
+
+        auth._enable_token_auth()
+    ray.init(address=address, log_to_driver=log_to_driver, logging_level=level)
+
+
 def _init_local(**kwargs: object) -> None:
     """`ray.init(**kwargs)` starting a local node, from a thread that lives as long as the
     process. Ray starts the node's processes with PR_SET_PDEATHSIG, which fires when the
@@ -166,7 +186,7 @@ def _init_local(**kwargs: object) -> None:
 
 def ensure_ray() -> None:
     """Make sure this process is connected to Ray (see the module docstring for which Ray)."""
-    global _started_local, _connected
+    global _started_local, _connected, _attached
     if ray.is_initialized():
         if not _exit_hook_after_init:  # the user's ray.init, or a Ray worker's
             with _init_lock:
@@ -184,6 +204,17 @@ def ensure_ray() -> None:
             ray.init(address=address, log_to_driver=forward_logs, logging_level=logging.WARNING)
         elif os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=forward_logs, logging_level=logging.WARNING)
+        elif (record := runtime_file.find()) is not None:
+            attach(record.address, log_to_driver=forward_logs)
+            _attached = record
+            logger.info(
+                "raymesh: attached to the local runtime at %s (`raymesh up`, pid %d, up %s, "
+                "%d logical CPUs); `raymesh down` stops it",
+                record.address,
+                record.pid,
+                runtime_file.uptime(record.started),
+                record.cpus,
+            )
         else:
             cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
             _loopback_only()
@@ -209,6 +240,11 @@ def ensure_ray() -> None:
         _run_quiesce_before_rays_exit_hook()
         for fn in list(_connect_hooks):
             fn()
+
+
+def attached() -> RuntimeRecord | None:
+    """The local runtime this process attached to (None: it did not attach to one)."""
+    return _attached if ray.is_initialized() else None
 
 
 _WORKER_DIED = "A worker died or was killed while executing a task"
@@ -278,13 +314,14 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected, _exit_hook_after_init
+    global _started_local, _connected, _exit_hook_after_init, _attached
     if ray.is_initialized():
         _quiesce()
         for fn in list(_shutdown_hooks):
             fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
+    _attached = None
 
 
 @dataclass(frozen=True)
