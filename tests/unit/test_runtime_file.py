@@ -7,6 +7,8 @@ import dataclasses
 import json
 import logging
 import os
+import random
+import string
 import subprocess
 import sys
 import time
@@ -114,3 +116,31 @@ def test_runtime_0_skips_even_a_live_runtime(folder, monkeypatch):
     monkeypatch.setenv("RAYMESH_RUNTIME", "0")
     runtime_file.write(_record(os.getpid()))
     assert runtime_file.find() is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "WARNING: 12 PYTHON worker processes have been started on node: abc with address: "
+        "127.0.0.1. This could be a result of using a large number of actors",
+        "A worker died or was killed while executing a task by an unexpected system error.",
+    ],
+)
+def test_the_raylets_noise_goes_to_the_raymesh_ray_logger_and_other_messages_print(
+    line, capsys, caplog
+):
+    from ray._private import worker as ray_worker
+
+    from raymesh._src.backend import runtime
+
+    runtime._quiet_raylet_noise()
+    # Unique letters: Ray prints a line again only once it differs in more than digits.
+    other = "the raylet says " + "".join(random.choice(string.ascii_letters) for _ in range(16))
+    with caplog.at_level(logging.DEBUG, logger="raymesh.ray"):
+        ray_worker.print_to_stdstream({"lines": [line], "pid": "raylet", "is_err": False}, False)
+        ray_worker.print_to_stdstream({"lines": [other], "pid": "raylet", "is_err": False}, False)
+    out = capsys.readouterr()
+    assert line not in out.out + out.err and other in out.out + out.err
+    assert [r.getMessage() for r in caplog.records if r.name == "raymesh.ray"] == [
+        f"(raylet) {line}"
+    ]

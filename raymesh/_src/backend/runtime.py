@@ -236,7 +236,7 @@ def ensure_ray() -> None:
                 os.cpu_count() or 1,
             )
         _connected = True
-        _quiet_worker_deaths()
+        _quiet_raylet_noise()
         _run_quiesce_before_rays_exit_hook()
         for fn in list(_connect_hooks):
             fn()
@@ -247,17 +247,29 @@ def attached() -> RuntimeRecord | None:
     return _attached if ray.is_initialized() else None
 
 
-_WORKER_DIED = "A worker died or was killed while executing a task"
+# The raylet's messages raymesh tells better, or that are no news in a raymesh program: a
+# worker's death (supervision names the mesh, the rank and the signal), and the count of
+# worker processes once a node has more than it has cores (every proc, warm or not, is one).
+_RAYLET_NOISE = (
+    "A worker died or was killed while executing a task",
+    "worker processes have been started on node",
+)
 ray_logger = logging.getLogger("raymesh.ray")  # Ray's messages that raymesh tells better
 
 
-def _quiet_worker_deaths() -> None:
+def _is_noise(line: str) -> bool:
+    return any(marker in line for marker in _RAYLET_NOISE)
+
+
+def _quiet_raylet_noise() -> None:
     """Ray's driver prints a paragraph to stdout for every worker process that dies ("A worker
     died or was killed while executing a task by an unexpected system error ... (1) the
     process was killed by the OOM killer ..."), in the middle of the user's progress bar,
     while raymesh's supervision reports the same death in one line that names the mesh, the
-    rank and the signal. Those paragraphs go to the `raymesh.ray` logger at DEBUG instead
-    (`raymesh train --verbose` shows them); Ray's other messages print as Ray prints them.
+    rank and the signal; and it warns of "N PYTHON worker processes have been started" once
+    a node runs more processes than cores, which a raymesh program (a proc is one, warm or
+    not) does by design. Those go to the `raymesh.ray` logger at DEBUG instead (`raymesh
+    train --verbose` shows them); Ray's other messages print as Ray prints them.
     Ray calls its module's `print_to_stdstream` for each; where a Ray release has no such
     function, nothing changes."""
     from ray._private import worker as ray_worker
@@ -268,7 +280,7 @@ def _quiet_worker_deaths() -> None:
 
     def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
         lines = data.get("lines") or []
-        if data.get("pid") == "raylet" and lines and all(_WORKER_DIED in x for x in lines):
+        if data.get("pid") == "raylet" and lines and all(_is_noise(x) for x in lines):
             for line in lines:
                 ray_logger.debug("(raylet) %s", line)
             return
