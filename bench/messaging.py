@@ -25,6 +25,7 @@ Progress goes to stderr; exactly one JSON object goes to stdout at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -33,9 +34,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,9 @@ MONARCH_LIMITS = {  # raymesh may take at most this many times torchmonarch's fi
     "call_all_16_ms": 1.0,
 }
 PUBLISHED = "published anchor (torchmonarch 0.7.0); not installed here"
+# torchmonarch 0.7.0's whole process to 4 replies, median of 3, measured by this bench on this
+# project's 2-core machine (docs/benchmarks.md): the anchor when it is not installed.
+MONARCH_WHOLE_PUBLISHED_S = 0.817
 
 
 def log(msg: str) -> None:
@@ -170,6 +175,7 @@ def spawn_monarch(n: int) -> tuple[Ops, float]:
 
 WHOLE = {
     "raymesh": "from raymesh import Actor, endpoint, this_host",
+    "raymesh_runtime_up": "from raymesh import Actor, endpoint, this_host",
     "monarch": "from monarch.actor import Actor, endpoint, this_host",
 }
 WHOLE_SCRIPT = """
@@ -184,28 +190,67 @@ replies = [v for _, v in procs.spawn("a", A).ping.call(1).get().items()]
 assert replies == [1] * 4, replies
 print("REPLIED", time.time(), flush=True)
 """
+RUNTIME_WARM = 8  # the local runtime's warm procs in the "runtime up" rows
+
+
+@contextlib.contextmanager
+def local_runtime() -> Iterator[Callable[[], dict[str, str]]]:
+    """`raymesh up` in a directory of its own, then `raymesh down`: yields a function that
+    waits until the runtime's warm procs are all ready again (a user rerunning a script a few
+    seconds later finds them so) and returns the environment a program attaches with."""
+    folder = tempfile.mkdtemp(prefix="raymesh-bench-rt-")
+    env = dict(os.environ, RAYMESH_RUNTIME_DIR=folder)
+    cli = [sys.executable, "-m", "raymesh.cli.main"]
+    t0 = time.perf_counter()
+    subprocess.run([*cli, "up", "--warm", str(RUNTIME_WARM)], env=env, check=True, timeout=300)
+    log(f"raymesh up in {time.perf_counter() - t0:.1f}s")
+
+    def ready() -> dict[str, str]:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [*cli, "status", "--json"], env=env, capture_output=True, text=True
+            )
+            warm = (json.loads(out.stdout) or {}).get("warm_procs") or {}
+            if warm.get("ready") == RUNTIME_WARM:
+                return env
+            time.sleep(1.0)
+        raise RuntimeError("the runtime's warm procs were not ready within 300 s")
+
+    try:
+        yield ready
+    finally:
+        subprocess.run([*cli, "down"], env=env, timeout=120)
 
 
 def whole_process(runs: int) -> dict[str, Any]:
     """Per system, seconds from launching a fresh python to 4 procs' replies (the process's
     own start, imports, runtime start and spawn; its exit is not timed): the systems take turns,
-    `runs` times each, and each gets the summary of its runs."""
+    `runs` times each, and each gets the summary of its runs. "raymesh" starts the embedded
+    Ray (RAYMESH_RUNTIME=0); "raymesh_runtime_up" attaches to a local runtime (`raymesh up`)
+    whose warm procs are ready."""
     systems = [s for s in WHOLE if s != "monarch" or importlib.util.find_spec("monarch")]
     secs: dict[str, list[float]] = {s: [] for s in systems}
-    for i in range(runs):
-        for system in systems if i % 2 == 0 else reversed(systems):
-            t0 = time.time()
-            p = subprocess.run(
-                [sys.executable, "-c", WHOLE_SCRIPT.format(imp=WHOLE[system])],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                timeout=300,
-            )
-            done = [ln for ln in p.stdout.splitlines() if ln.startswith("REPLIED ")]
-            check(p.returncode == 0 and bool(done), f"{system} whole process: {p.returncode}")
-            secs[system].append(float(done[0].split()[1]) - t0)
-            log(f"{system}: whole process to 4 replies in {secs[system][-1]:.2f}s")
+    with local_runtime() as runtime_ready:
+        for i in range(runs):
+            for system in systems if i % 2 == 0 else reversed(systems):
+                if system == "raymesh_runtime_up":
+                    env = runtime_ready()
+                else:
+                    env = dict(os.environ, RAYMESH_RUNTIME="0")
+                t0 = time.time()
+                p = subprocess.run(
+                    [sys.executable, "-c", WHOLE_SCRIPT.format(imp=WHOLE[system])],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    timeout=300,
+                    env=env,
+                )
+                done = [ln for ln in p.stdout.splitlines() if ln.startswith("REPLIED ")]
+                check(p.returncode == 0 and bool(done), f"{system} whole process: {p.returncode}")
+                secs[system].append(float(done[0].split()[1]) - t0)
+                log(f"{system}: whole process to 4 replies in {secs[system][-1]:.2f}s")
     return {s: summary(xs, 1.0) for s, xs in secs.items()}
 
 
@@ -400,6 +445,10 @@ def main() -> None:
     ap.add_argument(
         "--sigkill", action="store_true", help="only SIGKILL -> SupervisionError, for raymesh"
     )
+    ap.add_argument(
+        "--whole", action="store_true", help="only the whole-process rows (embedded, runtime up)"
+    )
+    ap.add_argument("--runs", type=int, default=3, help="whole-process runs per system")
     ap.add_argument("--monarch", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = ap.parse_args()
     it = {"one": 1000, "all": 300, "tensor": 25, "warmup": 50}
@@ -418,8 +467,24 @@ def main() -> None:
     if args.sigkill:
         print(json.dumps(sigkill_only(loadavg)), file=out, flush=True)
         return
+    if args.whole:
+        whole = whole_process(args.runs)
+        report = {"bench": "messaging", "only": "whole_process", "cpus": os.cpu_count()}
+        report.update(loadavg_start_end=[loadavg, os.getloadavg()], whole_process_4_s=whole)
+        published = MONARCH_WHOLE_PUBLISHED_S
+        report["targets"] = {
+            f"runtime_up_within_{MONARCH_LIMITS['whole_process_4_s']}x_monarch": {
+                "monarch_s": whole.get("monarch", {}).get("median", published),
+                "ratio": ratio(
+                    whole["raymesh_runtime_up"]["median"],
+                    whole.get("monarch", {}).get("median", published),
+                ),
+            }
+        }
+        print(json.dumps(report), file=out, flush=True)
+        return
     os.environ.setdefault("RAYMESH_WARM_PROCS", "16")
-    whole = whole_process(1 if args.quick else 3)
+    whole = whole_process(1 if args.quick else args.runs)
     monarch = run_monarch(args.quick)  # before Ray starts: it never shares the machine's Ray
     from raymesh._src.backend import ensure_ray, shutdown
 
@@ -430,7 +495,10 @@ def main() -> None:
     res["raymesh"]["sigkill_to_supervision_error_ms"] = sigkill_to_supervision_error(SIGKILLS)
     shutdown()  # the procs and actors are stopped already; this ends the local Ray
     for system, figure in whole.items():
-        (monarch if system == "monarch" else res["raymesh"])["whole_process_4_s"] = figure
+        if system == "raymesh_runtime_up":
+            res["raymesh"]["whole_process_4_runtime_up_s"] = figure
+        else:
+            (monarch if system == "monarch" else res["raymesh"])["whole_process_4_s"] = figure
     report = {
         "bench": "messaging",
         "quick": args.quick,

@@ -164,3 +164,96 @@ print("RESULT " + json.dumps({"echo": got}))
 
 def test_the_embedded_ray_outlives_the_thread_that_started_it(tmp_path):
     assert run_cluster_script(tmp_path / "thread.py", FROM_A_THREAD, timeout=120) == {"echo": 7}
+
+
+JOB = """
+import json, logging
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from raymesh import Actor, cluster, endpoint, this_host
+
+class Plus(Actor):
+    @endpoint
+    def plus(self, x):
+        return x + 1
+
+procs = this_host().spawn_procs(per_host={"procs": 2})
+replies = list(procs.spawn("plus", Plus).plus.call(1).get(timeout=120).values())
+print("RESULT " + json.dumps({"replies": replies, "address": cluster.address()}), flush=True)
+procs.stop()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_program_submitted_with_ray_job_submit_runs_on_that_cluster(tmp_path):
+    """`ray job submit -- python job.py` against a head started here (loopback only, Ray's
+    token auth on): the job attaches to that cluster (RAY_ADDRESS), spawns and answers."""
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    import psutil
+
+    from raymesh._common import free_port
+
+    from ..waiting import wait_for
+
+    gcs, dashboard, agent = (free_port("127.0.0.1") for _ in range(3))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAYMESH_"))}
+    # No warm procs: the job spawns 2, and 8 more starting beside them would only slow it.
+    env.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAYMESH_WARM_PROCS="0")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen(
+        [
+            ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+            f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", "--include-dashboard=true",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "job.py").write_text(JOB)
+    submit = [
+        ray_cli, "job", "submit", f"--address=http://127.0.0.1:{dashboard}",
+        f"--working-dir={work}", "--", "python", "job.py",
+    ]  # fmt: skip
+    try:
+
+        def dashboard_up() -> bool:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=5)
+            except urllib.error.HTTPError:
+                return True  # it answers (401: Ray's token is asked for)
+            except OSError:
+                return False
+            return True
+
+        wait_for(dashboard_up, 120, what="the head's dashboard", interval=0.5)
+
+        def submitted() -> subprocess.CompletedProcess | None:
+            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+            # Until the head's job agent is up, the submission is refused: try again.
+            return None if "No available agent" in out.stderr + out.stdout else out
+
+        out = wait_for(submitted, 240, what="the job submitted", interval=2)
+        assert out.returncode == 0, out.stdout + out.stderr
+        [line] = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        result = json.loads(line[len("RESULT ") :])
+        assert result == {"replies": [2, 2], "address": f"127.0.0.1:{gcs}"}, result
+    finally:
+        root = psutil.Process(head.pid)
+        tree = [root, *root.children(recursive=True)]
+        for p in tree:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(tree, timeout=30)
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

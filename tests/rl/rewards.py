@@ -117,5 +117,5 @@ def slow_lines(prompt: bytes, completion: bytes) -> float:
     from raymesh.examples.rewards import python_lines
 
     if prompt in (b"class ", b"for i in ", b"return ", b"with open("):
-        time.sleep(0.05)
+        time.sleep(0.1)
     return python_lines(prompt, completion)
