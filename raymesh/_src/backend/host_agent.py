@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from raymesh._src.backend import runtime
+from raymesh._src.backend import runtime, runtime_file
 
 
 def _read_wait_status(pid: int) -> int | None:
@@ -183,18 +183,45 @@ class _HostAgent:
                 os.close(fd)
                 with self._lock:
                     self._exits[pid] = describe_status(status)
+                    while len(self._exits) > _EXITS_KEPT:  # a runtime's agent lives for days
+                        del self._exits[next(iter(self._exits))]
                     self._lock.notify_all()
 
 
+_EXITS_KEPT = 100_000  # how many ended procs an agent remembers how they ended, newest first
+
 # Ray's stubs omit actor options such as max_concurrency.
 HostAgent: Any = ray.remote(num_cpus=0, max_concurrency=64)(_HostAgent)  # type: ignore[call-overload]
-_agents: dict[str, Any] = {}
+_agents: dict[str, Any] = {}  # node id -> the agent that watches procs there
+_own_agents: dict[str, Any] = {}  # node id -> this job's own agent there
 _agents_lock = threading.Lock()
+PREFIX = "raymesh-host"
 
 
 def host_agent(node_id: str) -> Any:
-    """The host agent of a node, created on first use (see `runtime.node_actor`)."""
-    return runtime.node_actor(HostAgent, "raymesh-host", node_id, _agents, _agents_lock)
+    """The agent that watches procs on a node: on a local runtime (`raymesh up`) the
+    runtime's, which its programs share (it starts with the runtime, so no program waits for
+    one to start); elsewhere this job's own (`own_agent`)."""
+    with _agents_lock:
+        agent = _agents.get(node_id)
+    if agent is None:
+        try:
+            agent = ray.get_actor(name(node_id), namespace=runtime_file.NAMESPACE)
+        except ValueError:  # not a local runtime's node
+            agent = own_agent(node_id)
+        with _agents_lock:
+            agent = _agents.setdefault(node_id, agent)
+    return agent
+
+
+def own_agent(node_id: str) -> Any:
+    """This job's agent of a node, created on first use (see `runtime.node_actor`): what it
+    creates (`own`) lives as long as the job's driver, where the driver asked for it first."""
+    return runtime.node_actor(HostAgent, PREFIX, node_id, _own_agents, _agents_lock)
+
+
+def name(node_id: str) -> str:
+    return f"{PREFIX}-{node_id[:16]}"
 
 
 def _cpu_times() -> list[int]:

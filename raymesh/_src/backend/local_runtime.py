@@ -224,7 +224,11 @@ def _tail(path: Any, lines: int = 20) -> str:
 
 def _serve(warm: int, log: str, preload: list[str]) -> None:
     """The daemon: start the embedded Ray and the broker, write the file, wait for SIGTERM."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from raymesh._src.backend import pool, runtime, shared_pool
+    from raymesh._src.backend.host_agent import HostAgent
+    from raymesh._src.backend.host_agent import name as agent_name
     from raymesh._src.backend.proc_host import PRELOAD
 
     stop = threading.Event()
@@ -237,6 +241,13 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
         importlib.import_module(module)
     imports = PRELOAD + pool.imports()
     # Held until the end: Ray ends an actor, named or not, once no handle to it is left.
+    node = runtime.current_node_id()
+    agent = HostAgent.options(
+        name=agent_name(node),
+        namespace=runtime_file.NAMESPACE,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote()
+    ray.get(agent.info.remote(), timeout=START_TIMEOUT_S)
     broker = shared_pool.start_broker(warm, imports) if warm > 0 else None
     record = RuntimeRecord(
         address=runtime.address(),
@@ -254,7 +265,7 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
     while not stop.wait(1.0):
         pass
     runtime_file.remove_if(record)
-    del broker
+    del broker, agent
     runtime.shutdown()
     print("raymesh runtime down", flush=True)
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import ray
 from ray._private import ray_constants
 
-from raymesh._src.backend import channel, runtime
+from raymesh._src.backend import channel, zero_copy
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.shape import Point
 
@@ -79,7 +79,7 @@ class _ProcHost:
         """A proc of `proc_mesh_name` at `point`, running `start_runtime`'s runtime; or, with
         None for all three, a warm proc that imports what a proc will need (PRELOAD, then
         `imports`) and waits to be adopted (see `backend.pool`)."""
-        runtime.quiet_zero_copy_warnings()
+        zero_copy.quiet_warnings()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
         self._preloading: threading.Thread | None = None

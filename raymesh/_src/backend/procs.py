@@ -13,7 +13,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymesh._src.backend import channel, pool, runtime
-from raymesh._src.backend.host_agent import host_agent
+from raymesh._src.backend.host_agent import host_agent, own_agent
 from raymesh._src.backend.proc_host import ProcHost, StartRuntime
 from raymesh._src.shape import Point
 
@@ -33,7 +33,12 @@ def prepare(node_id: str) -> None:
     """Start what spawns on `node_id` will need, without waiting: its host agent (every spawn
     waits for it), then, once the agent is up, its warm procs. In that order because Ray starts
     worker processes a few at a time, in no particular order: an agent behind eight warm procs
-    would hold up the first spawn."""
+    would hold up the first spawn. Attached to the local runtime, whose agent and warm procs
+    are up already, only this job's own agent starts, in the background (what an actor asks
+    the driver's agent to own, `registry`, must not be the runtime's)."""
+    if runtime.attached() is not None:
+        own_agent(node_id)
+        return
     pool.fill({node_id: pool.size()}, after=host_agent(node_id).info.remote(), untouched_only=True)
 
 

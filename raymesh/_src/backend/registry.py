@@ -29,7 +29,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymesh._src.backend import runtime
-from raymesh._src.backend.host_agent import host_agent
+from raymesh._src.backend.host_agent import own_agent
 
 # Threads of the registry: each `make` that spawns holds one for seconds.
 _THREADS = 64
@@ -94,7 +94,7 @@ def registry() -> Any:
                 try:
                     handle = ray.get_actor(name)
                 except ValueError:  # none yet: the driver's agent of this host creates it
-                    agent = host_agent(ctx.get_node_id())
+                    agent = own_agent(ctx.get_node_id())
                     handle = ray.get(agent.own.remote(create, name), timeout=_CREATE_TIMEOUT_S)
             _handles[job] = handle
         return handle

@@ -26,14 +26,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymesh._src.backend import runtime_file
+from raymesh._src.backend import runtime_file, zero_copy
 from raymesh._src.backend.runtime_file import RuntimeRecord
 
 logger = logging.getLogger("raymesh")
 
-# Ray reads these when it builds a worker's serialisation context; the controller's is built in
-# ray.init, the procs' from the environment below.
-ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 _init_lock = threading.Lock()
 _started_local = False
 _connected = False  # raymesh called ray.init (not the user, not a Ray worker)
@@ -113,23 +110,6 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
-def _enable_zero_copy() -> None:
-    os.environ.update(ZERO_COPY_ENV)
-    from ray._private import ray_constants
-
-    ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS = True
-    quiet_zero_copy_warnings()
-
-
-def quiet_zero_copy_warnings() -> None:
-    """Ray warns on every tensor it sends zero-copy, and torch on every read-only tensor it
-    receives; raymesh documents that received tensors are read-only views instead."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-
 def _loopback_only() -> None:
     """Make the embedded local Ray use 127.0.0.1 as its node address. Ray otherwise resolves
     even an explicit 127.0.0.1 to the machine's routable address; its single-machine mode (the
@@ -196,7 +176,7 @@ def ensure_ray() -> None:
         if ray.is_initialized():
             _run_quiesce_before_rays_exit_hook()
             return
-        _enable_zero_copy()
+        zero_copy.enable()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
         forward_logs = _env_flag("RAYMESH_FORWARD_LOGS", True)
         address = os.environ.get("RAYMESH_ADDRESS")

@@ -30,6 +30,7 @@ import raymesh
 MAX_FILE_BYTES = 64 * 1024
 # The daemon's module: a pid is the runtime's only while its command line names it.
 DAEMON_MODULE = "raymesh._src.backend.local_runtime"
+NAMESPACE = "raymesh-runtime"  # the Ray namespace of the runtime's named actors
 logger = logging.getLogger("raymesh")
 
 

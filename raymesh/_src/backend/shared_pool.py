@@ -25,8 +25,8 @@ import psutil
 import ray
 
 from raymesh._src.backend.proc_host import ProcHost
+from raymesh._src.backend.runtime_file import NAMESPACE
 
-NAMESPACE = "raymesh-runtime"
 BROKER = "warm-broker"
 CLAIM_TIMEOUT_S = 30.0
 # Not carried to a proc: Ray's own settings for the process it started, and the shell's.
