@@ -48,11 +48,11 @@ def _run(args: argparse.Namespace) -> int:
             )
         return 0
     if args.command == "down":
-        r = cluster.down()
-        if r is None:
+        stopped = cluster.down()
+        if stopped is None:
             print("raymesh: no runtime is up; nothing to stop")
         else:
-            print(f"raymesh: stopped the runtime at {r.address} (pid {r.pid})")
+            print(f"raymesh: stopped the runtime at {stopped.address} (pid {stopped.pid})")
         return 0
     info = cluster.status()
     if args.json:

@@ -34,6 +34,9 @@ NAMESPACE = "raymesh-runtime"  # the Ray namespace of the runtime's named actors
 logger = logging.getLogger("raymesh")
 
 
+_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+
+
 class RuntimeDirError(RuntimeError):
     """The runtime directory cannot be trusted (another owner, or writable by others)."""
 
@@ -60,7 +63,7 @@ class RuntimeRecord:
             raise ValueError(f"not a runtime record: {what}")
         record = cls(**data)
         for name, f in fields.items():
-            want = {"int": int, "float": (int, float), "str": str}[str(f.type)]
+            want = _TYPES[str(f.type)]
             value = getattr(record, name)
             if not isinstance(value, want) or isinstance(value, bool):
                 raise ValueError(f"runtime record field {name}={value!r} is not a {f.type}")
