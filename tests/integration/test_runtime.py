@@ -141,3 +141,16 @@ def test_programs_attach_adopt_its_warm_procs_and_leave_it_healthy_and_down_stop
     finally:
         bystander.kill()
         _raymesh(env, "down")
+
+
+def test_a_runtime_that_cannot_start_says_why_and_bad_sizes_are_refused(tmp_path, monkeypatch):
+    from raymesh import cluster
+
+    env = _env(tmp_path / "rt")
+    bad = _raymesh(env, "up", "--cpus", "0")
+    assert bad.returncode == 2 and "cpus=0: give Ray's logical CPUs" in bad.stderr, bad
+    assert not (tmp_path / "rt" / "runtime.json").exists()
+    monkeypatch.setenv("RAYMESH_RUNTIME_DIR", str(tmp_path / "rt"))
+    with pytest.raises(cluster.RuntimeStartError, match="No module named 'no_such_module'"):
+        cluster.up(preload=("no_such_module",), warm=0)
+    assert cluster.status() is None  # nothing left up, no file

@@ -63,6 +63,10 @@ def up(
     (default as the embedded Ray's); `warm`: warm procs it keeps (default `RAYMESH_WARM_PROCS`,
     else 8); `preload`: modules the daemon imports first, each adding what its procs import
     to what the warm procs import (`raymesh.preload`; the CLI passes raymesh.train)."""
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
+        raise ValueError(f"cpus={cpus!r}: give Ray's logical CPUs as an int >= 1 (--cpus 8)")
+    if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
+        raise ValueError(f"warm={warm!r}: give the warm procs to keep as an int >= 0 (--warm 8)")
     record = current()
     if record is not None:
         return Up(record, False)
