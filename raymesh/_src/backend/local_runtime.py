@@ -257,7 +257,7 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
         address=runtime.address(),
         pid=os.getpid(),
         started=time.time(),
-        raymesh=runtime_file.raymesh.__version__,
+        raymesh=runtime_file.__version__,
         ray=ray.__version__,
         code=runtime_file.code_fingerprint(),
         cpus=int(ray.cluster_resources().get("CPU", 0)),

@@ -75,10 +75,15 @@ class _ProcHost:
         point: Point | None,
         start_runtime: StartRuntime | None,
         imports: tuple[str, ...] = (),
+        origin: Any = None,
     ) -> None:
         """A proc of `proc_mesh_name` at `point`, running `start_runtime`'s runtime; or, with
         None for all three, a warm proc that imports what a proc will need (PRELOAD, then
-        `imports`) and waits to be adopted (see `backend.pool`)."""
+        `imports`) and waits to be adopted (see `backend.pool`). `origin`: the program the
+        proc that spawns this one was adopted by (`inherited_origin`), whose path, directory
+        and environment it takes too (it is that proc's, and ends with it)."""
+        if origin is not None:
+            _take_origin(origin, watch=False)
         zero_copy.quiet_warnings()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
@@ -152,7 +157,7 @@ class _ProcHost:
         if hasattr(self, "runtime"):
             raise RuntimeError(f"{self._name} already belongs to a mesh")
         if origin is not None:
-            _take_origin(origin)
+            _take_origin(origin, watch=True)
         if self._preloading is not None and self._preloading.is_alive():
             # The mesh waits for it now: back to normal priority, where the OS allows it.
             _set_idle(self._preloading, False)
@@ -202,7 +207,17 @@ def _preload(modules: tuple[str, ...]) -> None:
             pass
 
 
-def _take_origin(origin: Any) -> None:
+_origin: Any = None  # the program this proc was adopted by (see `adopt`), if any
+
+
+def inherited_origin() -> Any:
+    """The origin that procs this one spawns take (None: this proc is its program's own)."""
+    return _origin
+
+
+def _take_origin(origin: Any, *, watch: bool) -> None:
+    global _origin
+    _origin = origin
     sys.path[:0] = [p for p in origin.sys_path if p not in sys.path]
     os.environ.update(origin.env)
     try:
@@ -217,7 +232,8 @@ def _take_origin(origin: Any) -> None:
             time.sleep(_OWNER_POLL_S)
         os._exit(0)
 
-    threading.Thread(target=outlive_never, name="raymesh-owner", daemon=True).start()
+    if watch:
+        threading.Thread(target=outlive_never, name="raymesh-owner", daemon=True).start()
 
 
 _OWNER_POLL_S = 0.5

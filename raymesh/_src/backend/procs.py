@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymesh._src.backend import channel, pool, runtime
 from raymesh._src.backend.host_agent import host_agent, own_agent
-from raymesh._src.backend.proc_host import ProcHost, StartRuntime
+from raymesh._src.backend.proc_host import ProcHost, StartRuntime, inherited_origin
 from raymesh._src.shape import Point
 
 _RUNTIME_ENV: dict | None = None
@@ -33,11 +33,12 @@ def prepare(node_id: str) -> None:
     """Start what spawns on `node_id` will need, without waiting: its host agent (every spawn
     waits for it), then, once the agent is up, its warm procs. In that order because Ray starts
     worker processes a few at a time, in no particular order: an agent behind eight warm procs
-    would hold up the first spawn. Attached to the local runtime, whose agent and warm procs
-    are up already, only this job's own agent starts, in the background (what an actor asks
-    the driver's agent to own, `registry`, must not be the runtime's)."""
+    would hold up the first spawn. On a local runtime, whose agent watches procs, this job's
+    own agent starts too, in the background: what an actor asks the driver's agent to own
+    (`registry`) must live with this driver, not with the runtime nor with that actor.
+    Attached to the runtime, its warm procs are this job's: no pool of its own starts."""
+    own_agent(node_id)
     if runtime.attached() is not None:
-        own_agent(node_id)
         return
     pool.fill({node_id: pool.size()}, after=host_agent(node_id).info.remote(), untouched_only=True)
 
@@ -163,11 +164,14 @@ def create_procs(
     warm = {} if gpu else {n: deque(pool.take(n, k)) for n, k in per_node.items()}
     # Ray sets OMP_NUM_THREADS to a proc's whole CPUs unless the driver set it; likewise here.
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, int(resources.get("CPU", 0)))
-    handles, readiness = [], []
+    handles, readiness, shared = [], [], []  # shared: indices of the runtime's procs
+    origin = inherited_origin()  # spawned by a proc of the local runtime's: its program's
     for i, point in enumerate(points):
         if warm.get(node_ids[i]):
             w = warm[node_ids[i]].popleft()
             handles.append(w.handle)
+            if w.origin is not None:
+                shared.append(i)
             readiness += [
                 w.info,
                 w.handle.adopt.remote(mesh_name, point, start_runtime, threads, w.origin),
@@ -180,7 +184,7 @@ def create_procs(
                 pg, placement_group_bundle_index=i
             ),
             runtime_env=_RUNTIME_ENV,
-        ).remote(mesh_name, point, start_runtime)
+        ).remote(mesh_name, point, start_runtime, (), origin)
         handles.append(handle)
         readiness.append(handle.info.remote())
     # Ray starts worker processes a few at a time (about one per core), each importing Python,
@@ -205,6 +209,8 @@ def create_procs(
             pool.reserve(n)
             pool.fill({n: k}, after=agents[n].wait_idle.remote(*REFILL_IDLE, REFILL_WAIT_S))
     procs = [RayProc(h, i["pid"], i["node_id"], i["channel"]) for h, i in zip(handles, infos)]
+    if adopted := [procs[i].pid for i in shared]:
+        runtime.forward_output_of(adopted)  # the runtime's procs print here, as our own do
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
     ray.get(
         [agents[n].watch.remote([p.pid for p in procs if p.node_id == n]) for n in agents],

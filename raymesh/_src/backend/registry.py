@@ -22,6 +22,7 @@ belongs to the actor that spawned there first.) It runs on the host of its creat
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymesh._src.backend import runtime
+from raymesh._src.backend.host_agent import name as agent_name
 from raymesh._src.backend.host_agent import own_agent
+from raymesh._src.backend.proc_host import inherited_origin
 
 # Threads of the registry: each `make` that spawns holds one for seconds.
 _THREADS = 64
@@ -83,7 +86,11 @@ def registry() -> Any:
     """The handle of this job's registry (see the module docstring for who creates it)."""
     runtime.ensure_ray()
     ctx = ray.get_runtime_context()
-    job = ctx.get_job_id()
+    # A proc of the local runtime is a worker of the runtime's job: its program's registry is
+    # the one of the job (and namespace) that adopted it.
+    origin = inherited_origin()
+    job = ctx.get_job_id() if origin is None else origin.job
+    namespace = None if origin is None else origin.namespace
     with _handles_lock:
         handle = _handles.get(job)
         if handle is None:
@@ -92,12 +99,27 @@ def registry() -> Any:
                 handle = create(name)
             else:
                 try:
-                    handle = ray.get_actor(name)
+                    handle = ray.get_actor(name, namespace=namespace)
                 except ValueError:  # none yet: the driver's agent of this host creates it
-                    agent = own_agent(ctx.get_node_id())
+                    agent = _drivers_agent(ctx.get_node_id(), namespace)
                     handle = ray.get(agent.own.remote(create, name), timeout=_CREATE_TIMEOUT_S)
             _handles[job] = handle
         return handle
+
+
+def _drivers_agent(node_id: str, namespace: str | None) -> Any:
+    """The driver's own agent of this host; in another job's namespace (a proc of the local
+    runtime's), the one its program started as it attached (`procs.prepare`)."""
+    if namespace is None:
+        return own_agent(node_id)
+    deadline = time.monotonic() + _CREATE_TIMEOUT_S
+    while True:
+        try:
+            return ray.get_actor(agent_name(node_id), namespace=namespace)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # it is starting in the background
 
 
 def update(name: str, make: Make) -> Any:

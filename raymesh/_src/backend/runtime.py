@@ -237,6 +237,31 @@ _RAYLET_NOISE = (
 ray_logger = logging.getLogger("raymesh.ray")  # Ray's messages that raymesh tells better
 
 
+# The local runtime's procs this program adopted: they are workers of the runtime's Ray job,
+# not of this program's, so Ray would not forward their output here (see `forward_output_of`).
+_adopted: set[int] = set()
+_job_hex = ""
+
+
+def forward_output_of(pids: list[int]) -> None:
+    """Print the output of these procs (adopted from the local runtime) as Ray prints that of
+    this program's own workers: attached, Ray's driver receives every job's lines, and keeps
+    its own job's and these (`_ours`)."""
+    global _job_hex
+    from ray._private import worker as ray_worker
+
+    with _init_lock:
+        _adopted.update(pids)
+        if not _job_hex:
+            _job_hex = ray.get_runtime_context().get_job_id()
+            ray_worker.global_worker._filter_logs_by_job = False
+
+
+def _ours(data: dict) -> bool:
+    job = data.get("job")
+    return not _job_hex or not job or job == _job_hex or data.get("pid") in _adopted
+
+
 def _is_noise(line: str) -> bool:
     return any(marker in line for marker in _RAYLET_NOISE)
 
@@ -263,6 +288,8 @@ def _quiet_raylet_noise() -> None:
         if data.get("pid") == "raylet" and lines and all(_is_noise(x) for x in lines):
             for line in lines:
                 ray_logger.debug("(raylet) %s", line)
+            return
+        if not _ours(data):
             return
         original(data, ignore_prefix)
 
@@ -306,14 +333,15 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected, _exit_hook_after_init, _attached
+    global _started_local, _connected, _exit_hook_after_init, _attached, _job_hex
     if ray.is_initialized():
         _quiesce()
         for fn in list(_shutdown_hooks):
             fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
-    _attached = None
+    _attached, _job_hex = None, ""
+    _adopted.clear()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import raymesh
+from raymesh._version import __version__
 
 MAX_FILE_BYTES = 64 * 1024
 # The daemon's module: a pid is the runtime's only while its command line names it.
@@ -177,9 +177,9 @@ def code_fingerprint() -> str:
     changed (an editable install being worked on) would run the old code."""
     import ray
 
-    package = Path(raymesh.__file__).parent
+    package = Path(__file__).resolve().parents[2]  # raymesh/
     newest = max((p.stat().st_mtime_ns for p in package.rglob("*.py")), default=0)
-    text = f"{raymesh.__version__}|{ray.__version__}|{newest}"
+    text = f"{__version__}|{ray.__version__}|{newest}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -189,8 +189,8 @@ def mismatch(record: RuntimeRecord) -> str | None:
 
     if record.ray != ray.__version__:
         return f"it runs Ray {record.ray}, this program Ray {ray.__version__}"
-    if record.raymesh != raymesh.__version__:
-        return f"it runs raymesh {record.raymesh}, this program raymesh {raymesh.__version__}"
+    if record.raymesh != __version__:
+        return f"it runs raymesh {record.raymesh}, this program raymesh {__version__}"
     if record.code != code_fingerprint():
         return "raymesh's code changed since it started (its warm procs hold the old code)"
     return None

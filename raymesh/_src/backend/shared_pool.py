@@ -36,19 +36,30 @@ _NOT_CARRIED = ("RAY_", "_", "PWD", "OLDPWD", "SHLVL")
 @dataclass(frozen=True)
 class Origin:
     """The program a shared warm proc is adopted by: who to outlive never (pid and start
-    time), and what its procs would have seen had it started them (sys.path, cwd, env)."""
+    time), what its procs would have seen had it started them (sys.path, cwd, env), and its
+    Ray job (the proc itself is a worker of the runtime's job)."""
 
     pid: int
     started: float
     sys_path: tuple[str, ...]
     cwd: str
+    job: str  # its Ray job's id and namespace: where its named actors are (`registry`)
+    namespace: str
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def here(cls) -> Origin:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_CARRIED)}
-        me = psutil.Process()
-        return cls(me.pid, me.create_time(), tuple(sys.path), os.getcwd(), env)
+        me, ctx = psutil.Process(), ray.get_runtime_context()
+        return cls(
+            me.pid,
+            me.create_time(),
+            tuple(sys.path),
+            os.getcwd(),
+            ctx.get_job_id(),
+            ctx.namespace,
+            env,
+        )
 
     def alive(self) -> bool:
         try:
