@@ -1,35 +1,27 @@
-"""One Ray for the whole test session: a local runtime (`raymesh up`) in a directory of the
-session's own, started before the first test (so no test can start another Ray first),
-which this process and every raymesh program the tests start attach to (a
-command run in a subprocess finds it as a user's would), so that none of them starts a Ray, a
-host agent or cold procs of its own unless it tests exactly that (`RAYMESH_RUNTIME=0`). The
-session ends it. Every test has a timeout (pytest-timeout, see pyproject)."""
+"""One Ray cluster per test session: raymesh starts its embedded local Ray on first use, and the
+session ends it. Every test has a timeout (pytest-timeout, see pyproject).
+
+`RAYMESH_RUNTIME=0`: the session, and every program its tests start, never attaches to a local
+runtime a developer may have up (`raymesh up`); the runtime's own tests start theirs, each in a
+directory of its own, and say which programs attach to it."""
 
 from __future__ import annotations
 
 import functools
 import os
-import tempfile
 
 import pytest
 
+os.environ["RAYMESH_RUNTIME"] = "0"
 
-@pytest.fixture(scope="session", autouse=True)
+
+@pytest.fixture(scope="session")
 def ray_cluster():
-    from raymesh import cluster
     from raymesh._src import backend
 
-    folder = tempfile.mkdtemp(prefix="raymesh-tests-runtime-")  # mode 0700
-    os.environ["RAYMESH_RUNTIME_DIR"] = folder
-    os.environ.pop("RAYMESH_RUNTIME", None)
-    up = cluster.up(preload=("raymesh.train",))
-    try:
-        backend.ensure_ray()
-        assert backend.attached() == up.record, "the session did not attach to its runtime"
-        yield
-    finally:
-        backend.shutdown()
-        cluster.down()
+    backend.ensure_ray()
+    yield
+    backend.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,10 @@ def run_python(args: list[str], env: dict[str, str], timeout: float = 180) -> st
 
 
 def run_cluster_script(path: Path, text: str, timeout: float) -> Any:
-    """Write `text` to `path` and run it without this session's Ray address or runtime (so its
-    own cluster is the one it joins) and without warm procs; returns the JSON of its RESULT
-    line."""
+    """Write `text` to `path` and run it without this session's Ray address (so its own cluster
+    is the one it joins) and without warm procs; returns the JSON of its RESULT line."""
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
-    env["RAYMESH_RUNTIME"] = "0"  # nor the session's runtime
     # No warm procs: a script's cluster is small and short-lived, its ranks mostly on nodes
     # the pool has not reached yet, and 8 procs importing torch would compete for the CPUs.
     env.setdefault("RAYMESH_WARM_PROCS", "0")

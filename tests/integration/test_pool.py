@@ -15,26 +15,7 @@ import raymesh
 from raymesh import Actor, current_rank, endpoint, this_host
 from raymesh._src.backend import current_node_id, pool
 
-pytestmark = pytest.mark.usefixtures("own_pool")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_pool(ray_cluster):
-    """These tests check a program's own pool, which a program keeps on the embedded Ray or a
-    cluster it reaches by address; attached to the local runtime (as the session is), it adopts
-    the runtime's procs instead (tests/integration/test_runtime.py). So this module runs on an
-    embedded Ray of its own, and the session attaches again after it."""
-    from raymesh._src import backend
-
-    backend.shutdown()
-    os.environ["RAYMESH_RUNTIME"] = "0"
-    try:
-        backend.ensure_ray()
-        yield
-    finally:
-        backend.shutdown()
-        del os.environ["RAYMESH_RUNTIME"]
-        backend.ensure_ray()
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 class Probe(Actor):

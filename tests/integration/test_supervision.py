@@ -288,9 +288,7 @@ def test_worker_output_is_prefixed_and_procs_die_with_a_crashed_controller(tmp_p
     script.write_text(CONTROLLER)
     # One warm proc is enough to see that warm procs die too (the default 8, each importing
     # torch on 2 cores, took ~20 s to get ready).
-    # A program's own pool: on its embedded Ray (the session's runtime's procs end with the
-    # program that adopted them: tests/integration/test_runtime.py).
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RAYMESH_WARM_PROCS="1", RAYMESH_RUNTIME="0")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAYMESH_WARM_PROCS="1")
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,

@@ -218,9 +218,8 @@ def test_the_readmes_main_job_heals_and_the_terminal_tells_each_event_once(tmp_p
     and what it prints is raymesh's: one line for the failure with its root cause, none of
     Ray's paragraphs on a dead worker or its token warning, no gloo error text."""
     job = Path(__file__).resolve().parents[2] / "examples" / "tinygpt.toml"
-    unset = ("RAY_ADDRESS", "RAYMESH_ADDRESS", "RAY_AUTH_MODE", "RAYMESH_RUNTIME_DIR")
+    unset = ("RAY_ADDRESS", "RAYMESH_ADDRESS", "RAY_AUTH_MODE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    env["RAYMESH_RUNTIME"] = "0"  # a fresh machine: not the session's runtime
     argv = ["train", str(job), "--steps", "60", "--inject", "kill:rank=1:step=30"]
     out = subprocess.run(
         [sys.executable, "-m", "raymesh.cli.main", *argv],
