@@ -195,6 +195,7 @@ def test_a_program_submitted_with_ray_job_submit_runs_on_that_cluster(tmp_path):
     import psutil
 
     from raymesh._common import free_port
+    from raymesh._src.backend.local_runtime import stop_tree
 
     from ..waiting import wait_for
 
@@ -244,16 +245,4 @@ def test_a_program_submitted_with_ray_job_submit_runs_on_that_cluster(tmp_path):
         result = json.loads(line[len("RESULT ") :])
         assert result == {"replies": [2, 2], "address": f"127.0.0.1:{gcs}"}, result
     finally:
-        root = psutil.Process(head.pid)
-        tree = [root, *root.children(recursive=True)]
-        for p in tree:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(tree, timeout=30)
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        stop_tree(psutil.Process(head.pid), 30)

@@ -104,7 +104,7 @@ def up(
         if record is not None and record.pid == daemon.pid:
             return Up(record, True)
         time.sleep(0.1)
-    _stop_tree(psutil.Process(daemon.pid), STOP_TIMEOUT_S)
+    stop_tree(psutil.Process(daemon.pid), STOP_TIMEOUT_S)
     raise RuntimeStartError(
         f"the local runtime did not start within {timeout:g}s (stopped again); its log "
         f"({log_path}) ends:\n{_tail(log_path)}"
@@ -138,7 +138,7 @@ def down(timeout: float = STOP_TIMEOUT_S) -> RuntimeRecord | None:
     except psutil.NoSuchProcess:
         runtime_file.remove_if(record)
         return record
-    _stop_tree(daemon, timeout)
+    stop_tree(daemon, timeout)
     runtime_file.remove_if(record)
     return record
 
@@ -200,8 +200,9 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
         return [root]
 
 
-def _stop_tree(daemon: psutil.Process, timeout: float) -> None:
-    """SIGTERM the daemon (it stops its Ray), then SIGKILL whatever of its tree is left."""
+def stop_tree(daemon: psutil.Process, timeout: float) -> None:
+    """SIGTERM `daemon` (a runtime's daemon, or `ray start --block`, stops its Ray), then
+    SIGKILL whatever of its tree is left after `timeout`."""
     tree = _tree(daemon)  # taken first: once the daemon ends, its orphans are nobody's children
     try:
         daemon.send_signal(signal.SIGTERM)
