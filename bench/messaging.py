@@ -213,7 +213,8 @@ def local_runtime() -> Iterator[Callable[[], dict[str, str]]]:
     env = dict(os.environ, RAYMESH_RUNTIME_DIR=folder)
     cli = [sys.executable, "-m", "raymesh.cli.main"]
     t0 = time.perf_counter()
-    subprocess.run([*cli, "up", "--warm", str(RUNTIME_WARM)], env=env, check=True, timeout=300)
+    up = [*cli, "up", "--warm", str(RUNTIME_WARM)]  # what it says goes to stderr, as all progress
+    subprocess.run(up, env=env, check=True, timeout=300, stdout=sys.stderr)
     log(f"raymesh up in {time.perf_counter() - t0:.1f}s")
 
     def ready() -> dict[str, str]:
@@ -231,7 +232,7 @@ def local_runtime() -> Iterator[Callable[[], dict[str, str]]]:
     try:
         yield ready
     finally:
-        subprocess.run([*cli, "down"], env=env, timeout=120)
+        subprocess.run([*cli, "down"], env=env, timeout=120, stdout=sys.stderr)
 
 
 def whole_process(runs: int) -> dict[str, Any]:
