@@ -206,7 +206,9 @@ def host_agent(node_id: str) -> Any:
         agent = _agents.get(node_id)
     if agent is None:
         try:
-            agent = ray.get_actor(name(node_id), namespace=runtime_file.NAMESPACE)
+            agent = ray.get_actor(
+                runtime.node_actor_name(PREFIX, node_id), namespace=runtime_file.NAMESPACE
+            )
         except ValueError:  # not a local runtime's node
             agent = own_agent(node_id)
         with _agents_lock:
@@ -214,14 +216,17 @@ def host_agent(node_id: str) -> Any:
     return agent
 
 
+def runtime_agent(node_id: str) -> Any:
+    """The local runtime's agent of its node, which its daemon starts and holds."""
+    return runtime.node_actor(
+        HostAgent, PREFIX, node_id, _agents, _agents_lock, namespace=runtime_file.NAMESPACE
+    )
+
+
 def own_agent(node_id: str) -> Any:
     """This job's agent of a node, created on first use (see `runtime.node_actor`): what it
     creates (`own`) lives as long as the job's driver, where the driver asked for it first."""
     return runtime.node_actor(HostAgent, PREFIX, node_id, _own_agents, _agents_lock)
-
-
-def name(node_id: str) -> str:
-    return f"{PREFIX}-{node_id[:16]}"
 
 
 def _cpu_times() -> list[int]:

@@ -33,6 +33,7 @@ import psutil
 
 from raymesh._src.backend import runtime_file
 from raymesh._src.backend.runtime_file import DAEMON_MODULE, RuntimeRecord
+from raymesh._version import __version__
 
 logger = logging.getLogger("raymesh")
 
@@ -67,7 +68,7 @@ def up(
         raise ValueError(f"cpus={cpus!r}: give Ray's logical CPUs as an int >= 1 (--cpus 8)")
     if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
         raise ValueError(f"warm={warm!r}: give the warm procs to keep as an int >= 0 (--warm 8)")
-    record = current()
+    record = runtime_file.current()
     if record is not None:
         return Up(record, False)
     from raymesh._src.backend import pool
@@ -111,26 +112,10 @@ def up(
     )
 
 
-def current() -> RuntimeRecord | None:
-    """The runtime that is up, if any (a stale file is removed, saying so)."""
-    record = runtime_file.read()
-    if record is None:
-        return None
-    if runtime_file.alive(record):
-        return record
-    runtime_file.remove_if(record)
-    logger.warning(
-        "raymesh: removed the stale file of a runtime that is gone (pid %d, %s)",
-        record.pid,
-        record.address,
-    )
-    return None
-
-
 def down(timeout: float = STOP_TIMEOUT_S) -> RuntimeRecord | None:
     """Stop the local runtime: the daemon, which stops its Ray; its processes by pid if they
     outlive it. The record it stopped, or None when none was up."""
-    record = current()
+    record = runtime_file.current()
     if record is None:
         return None
     try:
@@ -147,7 +132,7 @@ def status() -> dict[str, Any] | None:
     """The runtime that is up, as plain data (None when none is): its record, uptime, memory
     (resident, the daemon and every process under it: Ray's and the procs'), warm procs and
     the programs attached now."""
-    record = current()
+    record = runtime_file.current()
     if record is None:
         return None
     tree = _tree(psutil.Process(record.pid))
@@ -229,11 +214,8 @@ def _tail(path: Any, lines: int = 20) -> str:
 
 def _serve(warm: int, log: str, preload: list[str]) -> None:
     """The daemon: start the embedded Ray and the broker, write the file, wait for SIGTERM."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from raymesh._src.backend import pool, runtime, shared_pool
-    from raymesh._src.backend.host_agent import HostAgent
-    from raymesh._src.backend.host_agent import name as agent_name
+    from raymesh._src.backend.host_agent import runtime_agent
     from raymesh._src.backend.proc_host import PRELOAD
 
     stop = threading.Event()
@@ -245,20 +227,16 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
     for module in preload:  # each adds what its procs import (`raymesh.preload`)
         importlib.import_module(module)
     imports = PRELOAD + pool.imports()
-    # Held until the end: Ray ends an actor, named or not, once no handle to it is left.
-    node = runtime.current_node_id()
-    agent = HostAgent.options(
-        name=agent_name(node),
-        namespace=runtime_file.NAMESPACE,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote()
+    # Both held until the end (the agent by host_agent's cache): Ray ends an actor, named or
+    # not, once no handle to it is left.
+    agent = runtime_agent(runtime.current_node_id())
     ray.get(agent.info.remote(), timeout=START_TIMEOUT_S)
     broker = shared_pool.start_broker(warm, imports) if warm > 0 else None
     record = RuntimeRecord(
         address=runtime.address(),
         pid=os.getpid(),
         started=time.time(),
-        raymesh=runtime_file.__version__,
+        raymesh=__version__,
         ray=ray.__version__,
         code=runtime_file.code_fingerprint(),
         cpus=int(ray.cluster_resources().get("CPU", 0)),
@@ -270,7 +248,7 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
     while not stop.wait(1.0):
         pass
     runtime_file.remove_if(record)
-    del broker, agent
+    del broker
     runtime.shutdown()
     print("raymesh runtime down", flush=True)
 

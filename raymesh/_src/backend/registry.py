@@ -30,7 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymesh._src.backend import runtime
-from raymesh._src.backend.host_agent import name as agent_name
+from raymesh._src.backend.host_agent import PREFIX as AGENT_PREFIX
 from raymesh._src.backend.host_agent import own_agent
 from raymesh._src.backend.proc_host import inherited_origin
 
@@ -115,7 +115,9 @@ def _drivers_agent(node_id: str, namespace: str | None) -> Any:
     deadline = time.monotonic() + _CREATE_TIMEOUT_S
     while True:
         try:
-            return ray.get_actor(agent_name(node_id), namespace=namespace)
+            return ray.get_actor(
+                runtime.node_actor_name(AGENT_PREFIX, node_id), namespace=namespace
+            )
         except ValueError:
             if time.monotonic() > deadline:
                 raise

@@ -70,19 +70,27 @@ def _add(hooks: list[Callable[[], None]], fn: Callable[[], None]) -> None:
             hooks.append(fn)
 
 
-def node_actor(cls: Any, prefix: str, node_id: str, cache: dict, lock: Any) -> Any:
+def node_actor(
+    cls: Any, prefix: str, node_id: str, cache: dict, lock: Any, namespace: str | None = None
+) -> Any:
     """The actor `cls` of a node, pinned there and created on first use; named
-    `{prefix}-{node id}`, so every process of the cluster shares the one actor."""
+    `node_actor_name(prefix, node_id)` (in `namespace`, else this job's), so every process of
+    the cluster (of the job) shares the one actor."""
     with lock:
         actor = cache.get(node_id)
         if actor is None:
             actor = cls.options(
-                name=f"{prefix}-{node_id[:16]}",
+                name=node_actor_name(prefix, node_id),
+                namespace=namespace,
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote()
             cache[node_id] = actor
         return actor
+
+
+def node_actor_name(prefix: str, node_id: str) -> str:
+    return f"{prefix}-{node_id[:16]}"
 
 
 def _quiesce() -> None:

@@ -196,26 +196,33 @@ def mismatch(record: RuntimeRecord) -> str | None:
     return None
 
 
+def current() -> RuntimeRecord | None:
+    """The record of the runtime that is up, if any: a stale file (its daemon gone) is
+    removed, saying so. ValueError / RuntimeDirError as `read` and `runtime_dir`."""
+    record = read()
+    if record is None or alive(record):
+        return record
+    remove_if(record)
+    logger.warning(
+        "raymesh: the local runtime of %s (pid %d) is gone; its stale file is removed "
+        "(`raymesh up` starts a runtime again)",
+        record.address,
+        record.pid,
+    )
+    return None
+
+
 def find() -> RuntimeRecord | None:
     """The local runtime to attach to, if one is up and runs what this program runs; anything
     else about it is said in one line, with its fix (the caller then starts the embedded Ray)."""
     if os.environ.get("RAYMESH_RUNTIME", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        record = read()
+        record = current()
     except (ValueError, RuntimeDirError) as e:
         logger.warning("raymesh: %s; starting the embedded Ray", e)
         return None
     if record is None:
-        return None
-    if not alive(record):
-        remove_if(record)
-        logger.warning(
-            "raymesh: the local runtime of %s (pid %d) is gone; its stale file is removed and "
-            "the embedded Ray starts (`raymesh up` starts a runtime again)",
-            record.address,
-            record.pid,
-        )
         return None
     if not answers(record):
         logger.warning(
