@@ -20,6 +20,15 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 class Probe(Actor):
     @endpoint
+    def tensors_zero_copy(self) -> bool:
+        """Imports torch, then says whether Ray sends this proc's tensors zero-copy."""
+        import torch  # noqa: F401
+        from ray._private import worker
+
+        contexts = worker.global_worker.serialization_context_map.values()
+        return bool(contexts) and all(c._zero_copy_tensors_enabled for c in contexts)
+
+    @endpoint
     def facts(self) -> dict:
         return {
             "pid": os.getpid(),
@@ -71,13 +80,18 @@ def test_an_adopted_proc_gets_the_threads_ray_would_give_its_cpus():
         procs.stop()
 
 
-def test_with_the_pool_off_procs_start_cold(monkeypatch):
+def test_with_the_pool_off_procs_start_cold_without_torch_and_get_zero_copy_once_they_use_it(
+    monkeypatch,
+):
     warm = _warm_pids()
     monkeypatch.setenv("RAYMESH_WARM_PROCS", "0")
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
-        [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
-        assert facts["pid"] not in warm
+        probe = procs.spawn("p", Probe)
+        [facts] = probe.facts.call().get(timeout=60).values()
+        # A cold proc does not pay torch's import (most of its start) before it uses torch.
+        assert facts["pid"] not in warm and not facts["torch_loaded"]
+        assert probe.tensors_zero_copy.call_one().get(timeout=60)
     finally:
         procs.stop()
     monkeypatch.delenv("RAYMESH_WARM_PROCS")

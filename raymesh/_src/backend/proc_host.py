@@ -84,7 +84,7 @@ class _ProcHost:
         and environment it takes too (it is that proc's, and ends with it)."""
         if origin is not None:
             _take_origin(origin, watch=False)
-        zero_copy.quiet_warnings()
+        zero_copy.enable()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
         self._preloading: threading.Thread | None = None
