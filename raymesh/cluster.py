@@ -22,7 +22,7 @@ from raymesh._src.backend import (
     started_local,
 )
 from raymesh._src.backend.local_runtime import RuntimeStartError, down, status, up
-from raymesh._src.backend.runtime_file import RuntimeDirError, RuntimeRecord
+from raymesh._src.backend.runtime_file import RuntimeDirError, RuntimeLostError, RuntimeRecord
 from raymesh._src.host_mesh import RankPlacement
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "ProbeReport",
     "RankPlacement",
     "RuntimeDirError",
+    "RuntimeLostError",
     "RuntimeRecord",
     "RuntimeStartError",
     "address",

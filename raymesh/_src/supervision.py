@@ -160,6 +160,8 @@ class Supervisor:
                 events: Any = backend.get([ref], timeout=5.0)[0]
             except backend.ProcGone as gone:
                 events = gone
+            except backend.RuntimeLostError:  # the program's waits raise it: nothing to watch
+                return None
             except Exception:
                 logger.exception("raymesh: watch on %s rank %d failed", entry[0].name, entry[1])
                 continue

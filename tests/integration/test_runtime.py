@@ -154,3 +154,60 @@ def test_a_runtime_that_cannot_start_says_why_and_bad_sizes_are_refused(tmp_path
     with pytest.raises(cluster.RuntimeStartError, match="No module named 'no_such_module'"):
         cluster.up(preload=("no_such_module",), warm=0)
     assert cluster.status() is None  # nothing left up, no file
+
+
+NAPPER = """
+import json, os, time
+from raymesh import Actor, cluster, endpoint, this_host
+
+class Napper(Actor):
+    @endpoint
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+procs = this_host().spawn_procs(per_host={"procs": 1})
+napper = procs.spawn("n", Napper)
+napper.nap.call_one(0).get(timeout=120)
+print("RESULT " + json.dumps({"daemon": cluster.attached().pid}), flush=True)
+try:
+    napper.nap.call_one(600).get(timeout=900)
+except cluster.RuntimeLostError as e:
+    print("LOST", type(e).__name__, flush=True)
+    raise
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_program_whose_runtime_is_sigkilled_fails_with_a_typed_error_and_ends(tmp_path):
+    env = _env(tmp_path / "rt")
+    (tmp_path / "napper.py").write_text(NAPPER)
+    up = _raymesh(env, "up", "--warm", "1")
+    assert up.returncode == 0, up
+    daemon = psutil.Process(json.loads((tmp_path / "rt" / "runtime.json").read_text())["pid"])
+    tree = [daemon, *daemon.children(recursive=True)]
+    program = subprocess.Popen(
+        [sys.executable, str(tmp_path / "napper.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = wait_for(program.stdout.readline, 180, what="the program's first answer")
+        assert _result(line)["daemon"] == daemon.pid, line
+        daemon.kill()  # mid-call, the program blocked in get() for up to 900 s
+        # Ray alone would block it 60 s on the dead GCS, then end it without an exception.
+        out, err = program.communicate(timeout=30)
+    finally:
+        program.kill()
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert program.returncode == 1, err
+    assert out.splitlines() == ["LOST RuntimeLostError"], out + err
+    assert f"(`raymesh up`, pid {daemon.pid}) this program attached to is gone" in err, err
+    assert "start it again with `raymesh up`" in err
+    assert "Traceback" in err and "Failed to connect to GCS" not in err, err

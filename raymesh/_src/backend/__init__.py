@@ -50,6 +50,7 @@ from raymesh._src.backend.runtime import (
     shutdown,
     started_local,
 )
+from raymesh._src.backend.runtime_file import RuntimeLostError
 
 __all__ = [
     "NodeInfo",
@@ -58,6 +59,7 @@ __all__ = [
     "ProcGone",
     "ProcGroup",
     "RayProc",
+    "RuntimeLostError",
     "address",
     "arrivals",
     "attached",

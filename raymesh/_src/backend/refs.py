@@ -11,12 +11,14 @@ import functools
 import itertools
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from raymesh._src.backend import runtime
 from raymesh._src.backend.channel import ChannelFailed
 
 
@@ -38,11 +40,12 @@ def put(value: Any) -> Any:
 
 
 def get(refs: list, timeout: float | None) -> list:
-    """All results, in order. Raises ProcGone for the first item whose proc died, TimeoutError."""
+    """All results, in order. Raises ProcGone for the first item whose proc died, TimeoutError,
+    and `RuntimeLostError` once the local runtime this program attached to is gone."""
     if not all(isinstance(r, ray.ObjectRef) for r in refs):
         return _get_futures(refs, timeout)
     try:
-        return ray.get(refs, timeout=timeout)
+        return _in_slices(lambda t: ray.get(refs, timeout=t), timeout)
     except GetTimeoutError:
         raise TimeoutError from None
     except (RayActorError, RayTaskError):
@@ -60,11 +63,41 @@ def get(refs: list, timeout: float | None) -> list:
     raise AssertionError("ray.get failed, yet every ref resolves")
 
 
+_SLICE_S = 1.0  # attached to a runtime, a wait looks at it this often
+
+
+def _in_slices(wait: Callable[[float | None], Any], timeout: float | None) -> Any:
+    """`wait(timeout)`; attached to a local runtime, as waits of at most `_SLICE_S` that check
+    the runtime between them: with the runtime gone, Ray's own wait would not return (its GCS
+    client blocks for 60 s, then ends the process). `wait` raises GetTimeoutError."""
+    if not runtime.watching_runtime():
+        return wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        runtime.check_runtime()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return wait(_SLICE_S if left is None else min(left, _SLICE_S))
+        except GetTimeoutError:
+            if left is not None and left <= _SLICE_S:
+                raise
+
+
 def _get_futures(items: list, timeout: float | None) -> list:
     futures = [_future(x) for x in items]
-    _, pending = concurrent.futures.wait(
-        futures, timeout, return_when=concurrent.futures.FIRST_EXCEPTION
-    )
+
+    def wait(t: float | None) -> set:
+        done, pending = concurrent.futures.wait(
+            futures, t, return_when=concurrent.futures.FIRST_EXCEPTION
+        )
+        if pending and not any(f.exception() for f in done):
+            raise GetTimeoutError
+        return pending
+
+    try:
+        pending = _in_slices(wait, timeout)
+    except GetTimeoutError:
+        pending = {f for f in futures if not f.done()}
     for i, f in enumerate(futures):  # a dead proc first, even while others are pending
         error = f.exception() if f.done() else None
         if isinstance(error, (RayActorError, RayTaskError, ChannelFailed)):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymesh._src.backend import runtime_file, zero_copy
-from raymesh._src.backend.runtime_file import RuntimeRecord
+from raymesh._src.backend.runtime_file import RuntimeLostError, RuntimeRecord
 
 logger = logging.getLogger("raymesh")
 
@@ -35,10 +37,11 @@ _init_lock = threading.Lock()
 _started_local = False
 _connected = False  # raymesh called ray.init (not the user, not a Ray worker)
 _attached: RuntimeRecord | None = None  # the local runtime this process attached to
+_lost: RuntimeLostError | None = None  # set by the watcher once that runtime is gone
 _quiescers: list[Callable[[], None]] = []
 _connect_hooks: list[Callable[[], None]] = []
 _shutdown_hooks: list[Callable[[], None]] = []
-_exit_hook_after_init = False  # _quiesce is registered to run before Ray's own exit hook
+_exit_hook_after_init = False  # _at_exit is registered to run before Ray's own exit hook
 
 
 def before_shutdown(fn: Callable[[], None]) -> None:
@@ -101,13 +104,24 @@ def _quiesce() -> None:
             logger.warning("raymesh: stopping %r before Ray's shutdown failed", fn, exc_info=True)
 
 
+def _at_exit() -> None:
+    if _lost is not None:
+        # The runtime is gone: every Ray call would block on its dead GCS, and the interpreter's
+        # own end, with Ray's threads still waiting on it, blocks 60 s and then crashes. The
+        # program's exception is printed by now; end it with a failure status at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    _quiesce()
+
+
 def _run_quiesce_before_rays_exit_hook() -> None:
     # atexit runs hooks last-registered first, and ray.init registers ray.shutdown each time:
     # registering after it (moving ours to the end) makes ours run first.
     global _exit_hook_after_init
     if not _exit_hook_after_init:
-        atexit.unregister(_quiesce)
-        atexit.register(_quiesce)
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
         _exit_hook_after_init = True
 
 
@@ -195,6 +209,7 @@ def ensure_ray() -> None:
         elif (record := runtime_file.find()) is not None:
             attach(record.address, log_to_driver=forward_logs)
             _attached = record
+            _watch(record)
             logger.info(
                 "raymesh: attached to the local runtime at %s (`raymesh up`, pid %d, up %s, "
                 "%d logical CPUs); `raymesh down` stops it",
@@ -233,6 +248,47 @@ def ensure_ray() -> None:
 def attached() -> RuntimeRecord | None:
     """The local runtime this process attached to (None: it did not attach to one)."""
     return _attached if ray.is_initialized() else None
+
+
+_WATCH_S = 0.5  # how often an attached program looks at its runtime's daemon
+
+
+def _watch(record: RuntimeRecord) -> None:
+    """Watch the runtime's daemon from a thread: once it is gone, every wait of this program
+    raises `RuntimeLostError` (`check_runtime`) within about a second. Ray alone would leave
+    the program blocked until its GCS client gives up, 60 s later, and then end the process
+    without a Python exception."""
+
+    def watch() -> None:
+        global _lost
+        while _attached is record:
+            if not runtime_file.alive(record):
+                _lost = RuntimeLostError(
+                    f"the local runtime at {record.address} (`raymesh up`, pid {record.pid}) "
+                    "this program attached to is gone, and its procs with it; fix: start it "
+                    "again with `raymesh up` and rerun the program (or run it with "
+                    "RAYMESH_RUNTIME=0 on a Ray of its own)"
+                )
+                logger.error("raymesh: %s", _lost)
+                # Ray's hook for an uncaught exception records it in the dead GCS: it would
+                # block 60 s, and Ray would then end the process (see `_at_exit`).
+                if getattr(sys.excepthook, "__module__", "").startswith("ray."):
+                    sys.excepthook = sys.__excepthook__
+                return
+            time.sleep(_WATCH_S)
+
+    threading.Thread(target=watch, name="raymesh-runtime-watch", daemon=True).start()
+
+
+def check_runtime() -> None:
+    """Raise `RuntimeLostError` if the local runtime this program attached to is gone."""
+    if _lost is not None:
+        raise _lost
+
+
+def watching_runtime() -> bool:
+    """Whether waits must look at the runtime now and then (`check_runtime`): attached."""
+    return _attached is not None
 
 
 # The raylet's messages raymesh tells better, or that are no news in a raymesh program: a
@@ -341,14 +397,14 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected, _exit_hook_after_init, _attached, _job_hex
+    global _started_local, _connected, _exit_hook_after_init, _attached, _lost, _job_hex
     if ray.is_initialized():
         _quiesce()
         for fn in list(_shutdown_hooks):
             fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
-    _attached, _job_hex = None, ""
+    _attached, _lost, _job_hex = None, None, ""
     _adopted.clear()
 
 

@@ -41,6 +41,12 @@ class RuntimeDirError(RuntimeError):
     """The runtime directory cannot be trusted (another owner, or writable by others)."""
 
 
+class RuntimeLostError(RuntimeError):
+    """The local runtime this program attached to is gone (stopped or killed) while the
+    program waited on it: its procs, its Ray and its object store went with it. Raised by every
+    wait of the program from then on; the program cannot go on, and ends as it chooses."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RuntimeRecord:
     """What `runtime.json` says of a runtime."""
