@@ -144,21 +144,8 @@ class _HostAgent:
                 pass
 
     def wait_idle(self, cores: float, seconds: float, timeout: float) -> bool:
-        """Return once this host has had `cores` CPUs idle for `seconds` in a row (True), or
-        after `timeout` seconds (False)."""
-        deadline = time.monotonic() + timeout
-        before, idle_since = _cpu_times(), time.monotonic()
-        while time.monotonic() < deadline:
-            time.sleep(0.25)
-            now = _cpu_times()
-            total = sum(now) - sum(before)
-            idle = (now[3] + now[4]) - (before[3] + before[4])  # idle + iowait
-            if total > 0 and idle / total * (os.cpu_count() or 1) < cores:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= seconds:
-                return True
-            before = now
-        return False
+        """`wait_idle` (below), on this agent's host."""
+        return wait_idle(cores, seconds, timeout)
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
@@ -189,6 +176,31 @@ class _HostAgent:
 
 
 _EXITS_KEPT = 100_000  # how many ended procs an agent remembers how they ended, newest first
+
+# Warm procs are refilled on a host once it has had a core idle for 2 s in a row (not in the gap
+# between two jobs), or after 60 s anyway: warm procs starting beside a job's ranks (Ray's worker
+# start, then imports) cut a 2-rank CPU job's steps/s by a quarter to a half here.
+REFILL_IDLE = (1.0, 2.0)  # (cores, seconds)
+REFILL_WAIT_S = 60.0
+
+
+def wait_idle(cores: float, seconds: float, timeout: float) -> bool:
+    """Return once this host has had `cores` CPUs idle for `seconds` in a row (True), or after
+    `timeout` seconds (False)."""
+    deadline = time.monotonic() + timeout
+    before, idle_since = _cpu_times(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = _cpu_times()
+        total = sum(now) - sum(before)
+        idle = (now[3] + now[4]) - (before[3] + before[4])  # idle + iowait
+        if total > 0 and idle / total * (os.cpu_count() or 1) < cores:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= seconds:
+            return True
+        before = now
+    return False
+
 
 # Ray's stubs omit actor options such as max_concurrency.
 HostAgent: Any = ray.remote(num_cpus=0, max_concurrency=64)(_HostAgent)  # type: ignore[call-overload]

@@ -22,7 +22,7 @@ keeps on one node: that many on its own node from the moment it connects to Ray,
 node as many as the largest spawn there has asked for (so a job that puts one rank per node
 keeps one warm proc per node). A spawn takes the ready ones first, then ones still starting
 (never slower than starting a new one), starts the rest cold, and, once its procs are up and
-their host has had a core idle for a while (`procs.REFILL_IDLE`, or after `REFILL_WAIT_S`
+their host has had a core idle for a while (`host_agent.REFILL_IDLE`, or after `REFILL_WAIT_S`
 regardless), tops the pool up; a host left with no warm proc gets one back at once (`reserve`: a
 self-healing job's next replacement). Warm procs import at the lowest CPU priority (see
 `proc_host._preload`), so a refill beside a running job slows it less.

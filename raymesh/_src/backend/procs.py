@@ -13,16 +13,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymesh._src.backend import channel, pool, runtime
-from raymesh._src.backend.host_agent import host_agent, own_agent
+from raymesh._src.backend.host_agent import REFILL_IDLE, REFILL_WAIT_S, host_agent, own_agent
 from raymesh._src.backend.proc_host import ProcHost, StartRuntime, inherited_origin
 from raymesh._src.shape import Point
 
 _RUNTIME_ENV: dict | None = None
-# The pool refills a host once it has had a core idle for 2 s in a row (not in the gap between two
-# jobs), or after 60 s anyway: warm procs starting beside a job's ranks (Ray's worker start, then
-# imports) cut a 2-rank CPU job's steps/s by a quarter to a half here.
-REFILL_IDLE = (1.0, 2.0)  # (cores, seconds)
-REFILL_WAIT_S = 60.0
 
 
 def node_alive(node_id: str) -> bool:

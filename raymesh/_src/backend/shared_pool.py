@@ -9,14 +9,17 @@ its own. What stays true for such a proc, beyond `pool`'s guarantees:
   and start time, and exits once it is gone: a SIGKILLed program leaves no proc behind).
 - It runs the program's code as the program's own procs would: adopted with the program's
   `sys.path`, working directory and environment (`Origin`).
-- The runtime refills the pool after each claim, its procs importing at the lowest CPU priority
-  as `pool`'s do.
+- The runtime refills the pool after each claim once its host has had a core idle for a while
+  (`host_agent.REFILL_IDLE`, or after `REFILL_WAIT_S`), as `pool` does: new procs started at once
+  would take the CPUs of the program that just claimed (a training job's first step came 1.5 s
+  later on 2 cores). Its procs import at the lowest CPU priority as `pool`'s do.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import psutil
 import ray
 
+from raymesh._src.backend.host_agent import REFILL_IDLE, REFILL_WAIT_S, wait_idle
 from raymesh._src.backend.proc_host import ProcHost
 from raymesh._src.backend.runtime_file import NAMESPACE
 
@@ -76,7 +80,15 @@ class _Broker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.warm: deque[tuple[Any, Any]] = deque()  # (handle, ref of handle.info())
         self.claimed = 0
+        self._lock = threading.Lock()
+        self._refilling = False
         self._fill()
+
+    def _refill_when_idle(self) -> None:
+        wait_idle(*REFILL_IDLE, REFILL_WAIT_S)
+        with self._lock:
+            self._refilling = False
+            self._fill()
 
     def _fill(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -89,19 +101,24 @@ class _Broker:
             self.warm.append((handle, handle.info.remote()))
 
     def claim(self, n: int) -> list[Any]:
-        """Up to `n` warm procs (handles), the ready ones first; the pool is refilled."""
-        infos = [info for _, info in self.warm]
-        ready, _ = ray.wait(infos, num_returns=len(infos), timeout=0, fetch_local=False)
-        ready_set = set(ready)
-        ordered = sorted(self.warm, key=lambda w: w[1] not in ready_set)
-        taken = ordered[: max(0, n)]
-        self.warm = deque(ordered[len(taken) :])
-        self.claimed += len(taken)
-        self._fill()
+        """Up to `n` warm procs (handles), the ready ones first; the pool is refilled once the
+        host is idle."""
+        with self._lock:
+            infos = [info for _, info in self.warm]
+            ready, _ = ray.wait(infos, num_returns=len(infos), timeout=0, fetch_local=False)
+            ready_set = set(ready)
+            ordered = sorted(self.warm, key=lambda w: w[1] not in ready_set)
+            taken = ordered[: max(0, n)]
+            self.warm = deque(ordered[len(taken) :])
+            self.claimed += len(taken)
+            if taken and not self._refilling:
+                self._refilling = True
+                threading.Thread(target=self._refill_when_idle, daemon=True).start()
         return [handle for handle, _ in taken]
 
     def status(self) -> dict[str, Any]:
-        infos = [info for _, info in self.warm]
+        with self._lock:
+            infos = [info for _, info in self.warm]
         ready, _ = ray.wait(infos, num_returns=len(infos), timeout=0, fetch_local=False)
         return {"size": self.size, "ready": len(ready), "warm": len(infos), "claimed": self.claimed}
 
