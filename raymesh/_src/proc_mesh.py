@@ -107,9 +107,12 @@ def shutdown_context() -> Future[None]:
     actors' `__cleanup__` runs, each proc ends and is waited for), then in the controller
     disconnects from Ray if raymesh connected (the local Ray raymesh started stops with it; a
     `ray.init` of the user's own is left as it is). Idempotent; a later spawn connects again.
-    Returns a resolved Future (it has waited)."""
+    Returns a resolved Future (it has waited). With the local runtime this program attached to
+    gone (`RuntimeLostError`), there is nothing left to stop: it returns at once."""
     from raymesh._src.proc import current_runtime
 
+    if backend.runtime_lost():
+        return Future.resolved(None, "shutdown_context")
     for state in list(_owned):
         try:
             _stop(state, wait=True)

@@ -158,7 +158,7 @@ def test_a_runtime_that_cannot_start_says_why_and_bad_sizes_are_refused(tmp_path
 
 NAPPER = """
 import json, os, time
-from raymesh import Actor, cluster, endpoint, this_host
+from raymesh import Actor, cluster, endpoint, shutdown_context, this_host
 
 class Napper(Actor):
     @endpoint
@@ -174,6 +174,8 @@ try:
     napper.nap.call_one(600).get(timeout=900)
 except cluster.RuntimeLostError as e:
     print("LOST", type(e).__name__, flush=True)
+    shutdown_context().get(timeout=10)  # nothing is left to stop: returns at once
+    print("SHUT DOWN", flush=True)
     raise
 """
 
@@ -207,7 +209,7 @@ def test_a_program_whose_runtime_is_sigkilled_fails_with_a_typed_error_and_ends(
             except psutil.NoSuchProcess:
                 pass
     assert program.returncode == 1, err
-    assert out.splitlines() == ["LOST RuntimeLostError"], out + err
+    assert out.splitlines() == ["LOST RuntimeLostError", "SHUT DOWN"], out + err
     assert f"(`raymesh up`, pid {daemon.pid}) this program attached to is gone" in err, err
     assert "start it again with `raymesh up`" in err
     assert "Traceback" in err and "Failed to connect to GCS" not in err, err

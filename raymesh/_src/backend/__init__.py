@@ -47,6 +47,7 @@ from raymesh._src.backend.runtime import (
     node_ip,
     nodes,
     ray_version,
+    runtime_lost,
     shutdown,
     started_local,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "ray_version",
     "registry_update",
     "roundtrip",
+    "runtime_lost",
     "self_proc",
     "shutdown",
     "started_local",

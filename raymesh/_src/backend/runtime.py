@@ -286,6 +286,11 @@ def check_runtime() -> None:
         raise _lost
 
 
+def runtime_lost() -> bool:
+    """Whether the local runtime this program attached to is gone (see `_watch`)."""
+    return _lost is not None
+
+
 def watching_runtime() -> bool:
     """Whether waits must look at the runtime now and then (`check_runtime`): attached."""
     return _attached is not None
@@ -397,14 +402,16 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected, _exit_hook_after_init, _attached, _lost, _job_hex
+    global _started_local, _connected, _exit_hook_after_init, _attached, _job_hex
+    if _lost is not None:  # nothing is left to stop, and Ray's calls would block on its GCS:
+        return  # the program ends at its exit (`_at_exit`)
     if ray.is_initialized():
         _quiesce()
         for fn in list(_shutdown_hooks):
             fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
-    _attached, _lost, _job_hex = None, None, ""
+    _attached, _job_hex = None, ""
     _adopted.clear()
 
 
