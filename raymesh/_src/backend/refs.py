@@ -70,7 +70,7 @@ def _in_slices(wait: Callable[[float | None], Any], timeout: float | None) -> An
     """`wait(timeout)`; attached to a local runtime, as waits of at most `_SLICE_S` that check
     the runtime between them: with the runtime gone, Ray's own wait would not return (its GCS
     client blocks for 60 s, then ends the process). `wait` raises GetTimeoutError."""
-    if not runtime.watching_runtime():
+    if runtime.attached() is None:
         return wait(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:

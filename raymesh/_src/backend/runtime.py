@@ -291,11 +291,6 @@ def runtime_lost() -> bool:
     return _lost is not None
 
 
-def watching_runtime() -> bool:
-    """Whether waits must look at the runtime now and then (`check_runtime`): attached."""
-    return _attached is not None
-
-
 # The raylet's messages raymesh tells better, or that are no news in a raymesh program: a
 # worker's death (supervision names the mesh, the rank and the signal), and the count of
 # worker processes once a node has more than it has cores (every proc, warm or not, is one).

@@ -4,7 +4,7 @@ Ray sends torch tensors zero-copy when its `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS` 
 imports torch as soon as a process builds its serialisation context (its first remote call, or
 a worker's first task): 1.4 s of CPU on this project's machines, paid by a controller that never
 touches a tensor and by every cold proc, most of a proc's start (8 cold procs took 7.9 s with it
-and 3.3 s without, 2 cores). So no raymesh process turns it on in the environment: the
+and 3.2 s without, 2 cores). So no raymesh process turns it on in the environment: the
 controller (`enable`, before `ray.init`) and every proc (`ProcHost`'s constructor) build their
 context without it, and Ray's tensor reducer is registered on it the moment torch is imported,
 by anyone (an import hook, removed once it has run); a process that imported torch first gets
