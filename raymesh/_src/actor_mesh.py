@@ -32,9 +32,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from raymesh._src import backend, ownership
+from raymesh._src import backend, ownership, supervision
 from raymesh._src.context import actor_label, current_actor_context
-from raymesh._src.endpoint import Port, endpoint_names
+from raymesh._src.endpoint import Port, check_one_kind, endpoint_names
 from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
 from raymesh._src.shape import MeshTrait, Shape
@@ -88,6 +88,7 @@ def spawn_actors(
         raise ValueError(f"spawn(name={name!r}): give the actor mesh a non-empty name")
     if not isinstance(cls, type):
         raise TypeError(f"spawn({name!r}, {cls!r}): pass the actor class, not an instance")
+    check_one_kind(cls)
     pstate, shape = proc_mesh._state, proc_mesh._shape
     error = pstate.check(shape.ranks, None)
     if error is not None:
@@ -96,11 +97,18 @@ def spawn_actors(
     class_name = f"{cls.__module__}.{cls.__qualname__}"
     with pstate.lock:
         pstate.actors[state.key] = (class_name, name, shape)
+    supervision.register(state)
+    # On procs this process does not own, the actors' events are kept for this process (their
+    # owner is here), and watched from here.
+    routed = not pstate.owned and not getattr(pstate.procs[0], "in_process", False)
+    route = supervision.ROUTE if routed else None
     payload = _payload(args, kwargs)
     pending = [
-        pstate.procs[rank].spawn(state.key, name, point, cls, payload)
+        pstate.procs[rank].spawn(state.key, name, point, cls, payload, route)
         for point, rank in shape.points()
     ]
+    if routed:
+        supervision.supervisor().watch_routed(pstate, list(shape.ranks))
     mesh: ActorMesh = ActorMesh(state, shape)
     if owned:
         ownership.own(state.owner_key, state, name, mesh.stop)

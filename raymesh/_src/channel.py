@@ -23,7 +23,6 @@ until its `get(timeout)`.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import uuid
@@ -32,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from raymesh._src.actor import Actor
 from raymesh._src.context import current_actor_context
-from raymesh._src.endpoint import Port, concurrent_endpoint, endpoint
+from raymesh._src.endpoint import Port, endpoint
 from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
 
@@ -86,13 +85,16 @@ class Mailbox(Actor):
         with self._lock:
             return self._inboxes.setdefault(channel, _Inbox())
 
+    # Both sync (an actor's endpoints are one kind), so that it never needs the proc's event
+    # loop: a channel opened inside an async endpoint spawns the mailbox on that proc while
+    # the endpoint holds the loop. `take` replies through its port once a value is there.
     @endpoint
     def put(self, channel: str, item: _Item) -> None:
         self.inbox(channel).put(item)
 
-    @concurrent_endpoint
-    async def take(self, channel: str) -> _Item:
-        return await asyncio.wrap_future(self.inbox(channel).take())
+    @endpoint(explicit_response_port=True)
+    def take(self, port: Port[_Item], channel: str) -> None:
+        self.inbox(channel).take().add_done_callback(lambda f: port.send(f.result()))
 
 
 class _Mailboxes:

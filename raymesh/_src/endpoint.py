@@ -381,3 +381,27 @@ def endpoint_names(cls: type) -> frozenset[str]:
 def endpoints_of(cls: type) -> dict[str, Endpoint]:
     """Each endpoint of a class (and its bases), by name."""
     return {name: getattr(cls, name) for name in endpoint_names(cls)}
+
+
+def check_one_kind(cls: type) -> None:
+    """Refuse an actor class whose endpoints mix `def` and `async def` (or whose `__cleanup__`
+    is async beside sync endpoints), as Monarch does at spawn: raymesh runs an actor's sync
+    endpoints on the actor's own thread and its async ones on the proc's event loop, so state
+    an endpoint leaves in its thread (torch's grad mode, a CUDA device, a `threading.local`)
+    would hold for one kind and not the other, and a sync endpoint that waits on the loop
+    deadlocks it in Monarch. Raises ValueError naming both lists and the fix."""
+    eps = endpoints_of(cls)
+    sync = sorted(n for n, e in eps.items() if not e.is_async)
+    async_ = sorted(n for n, e in eps.items() if e.is_async)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if sync and async_:
+        raise ValueError(
+            f"{name} mixes both async and sync endpoints (sync: {sync}, async: {async_}): an "
+            "actor's endpoints are all `def` or all `async def`, as in Monarch. Make them all "
+            "`async def` (run blocking work with `await asyncio.to_thread(...)`), or all `def`"
+        )
+    if sync and inspect.iscoroutinefunction(getattr(cls, "__cleanup__", None)):
+        raise ValueError(
+            f"{name} has sync endpoints ({sync}) but an async __cleanup__: make __cleanup__ a "
+            "plain `def` too, as in Monarch"
+        )

@@ -25,7 +25,8 @@ class MeshFailure:
       - "proc_died": the processes at `ranks` are gone; `exit_code` or `signal` say how when the
         host agent saw the exit (a SIGKILL gives `signal=9`).
       - "endpoint_error": a `broadcast` (fire-and-forget) message raised at `ranks`; nobody
-        was waiting on a result, so the failure went to supervision instead.
+        was waiting on a result, so, as in Monarch, the actor failed and the failure went to
+        supervision instead.
       - "actor_failed": an actor at `ranks` ended on a BaseException that is not an
         Exception (SystemExit, KeyboardInterrupt), an escaped explicit-port error, or
         `context().actor_instance.abort()`.
@@ -59,7 +60,12 @@ class MeshFailure:
             return f"signal {self.signal}"
 
     def __str__(self) -> str:
-        text = self._line()
+        """Monarch's form, `MeshFailure(mesh_name=..., crashed_ranks=[...], event=...)`, which
+        programs and people search for; then ` <- ` and the child's, down the chain."""
+        text = (
+            f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={list(self.ranks)}, "
+            f"event={self.kind}: {self.cause})"
+        )
         if self.child is not None:
             text += f" <- {self.child}"
         return text

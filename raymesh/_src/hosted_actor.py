@@ -60,6 +60,7 @@ class HostedActor:
         self.supervising = threading.Lock()  # one __supervise__ at a time
         self.tasks: set[asyncio.Task] = set()  # async endpoints started as tasks (loop thread)
         self.cleaned = False  # __cleanup__ ran (or was started): it runs once
+        self.route: str | None = None  # who watches its failures (`ProcRuntime.spawn`)
 
     def context(self, message_point: Any = None) -> _ctx.ActorContext:
         """The context its code runs in; `message_point`: the point a message was sent to

@@ -30,6 +30,7 @@ class LocalProc:
 
     pid = -1
     node_id = ""
+    in_process = True  # its events reach this process's supervision without a watch
 
     def __init__(self) -> None:
         self._state: ProcMeshState | None = None
@@ -67,7 +68,15 @@ class LocalProc:
             reply,
         )
 
-    def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
+    def spawn(
+        self,
+        actor_key: str,
+        mesh_name: str,
+        point: Point,
+        cls: type,
+        payload: Any,
+        route: str | None = None,
+    ) -> Any:
         args, kwargs = _copy(payload)
         return self._pool.submit(self.runtime.spawn, actor_key, mesh_name, point, cls, args, kwargs)
 

@@ -25,9 +25,13 @@ the transport's ordering:
 - `__supervise__` does not take the turn: it runs while an endpoint is running (which may be
   waiting for it), one `__supervise__` at a time per actor;
 - an endpoint that raises an `Exception` replies with it (`ActorError`) and the actor serves
-  on; one that raises any other `BaseException` (SystemExit, KeyboardInterrupt, a
-  cancellation), or calls `context().actor_instance.abort()`, fails the actor: its owner gets
-  an "actor_failed" supervision event, and messages it has not started are refused;
+  on. Everything else that escapes an endpoint fails the actor, as in Monarch: any other
+  `BaseException` (SystemExit, KeyboardInterrupt, a cancellation), an exception from a
+  `broadcast` (nobody holds a reply to carry it: "endpoint_error") or from an
+  `explicit_response_port` endpoint (its replies can no longer be trusted), and
+  `context().actor_instance.abort()`. A failed actor's owner gets the supervision event, the
+  call that failed it and every later one raise `SupervisionError`, and messages it has not
+  started are refused;
 - stopping an actor (`stop_actor`, or `stop_all` before its proc is ended) refuses the
   messages it has not started, cancels its running async endpoints and waits for them, stops
   the meshes it owns (`ownership`), then runs its `__cleanup__(None)`, each step bounded. A
@@ -75,7 +79,8 @@ class ProcRuntime:
         # (the controller's `this_proc()`) hands them straight to its supervision instead.
         self._on_event = on_event
         self._slots: dict[str, HostedActor] = {}
-        self._events: list[tuple[str | None, MeshFailure]] = []
+        # Events not yet watched, by route (None: the proc's owner's; see `spawn`).
+        self._events: dict[str | None, list[tuple[str | None, MeshFailure]]] = {}
         self._events_cv = threading.Condition()
         self._loop = ProcLoop()
         name_actors_in_records()
@@ -89,8 +94,11 @@ class ProcRuntime:
         cls: type,
         args: tuple,
         kwargs: dict,
+        route: str | None = None,
     ) -> RemoteFailure | None:
-        """Construct an actor, on its own thread. Returns the constructor's failure, or None."""
+        """Construct an actor, on its own thread. Returns the constructor's failure, or None.
+        `route`: who watches its failures (`watch(route=)`), when not the proc's owner: the
+        process whose actor spawned it on procs that process does not own."""
         actor_id = _ctx.ActorId(
             _ctx.proc_id(self.proc_mesh_name, self.point), mesh_name, actor_key, point.rank
         )
@@ -98,6 +106,7 @@ class ProcRuntime:
         slot = HostedActor(
             actor_key, mesh_name, point, info, f"raymesh-actor-{actor_key}", self.proc_mesh_name
         )
+        slot.route = route
         info._abort = lambda reason: self._fail(slot, f"aborted: {reason or 'no reason provided'}")
         ctx = slot.context()
         endpoints = endpoints_of(cls)
@@ -212,10 +221,13 @@ class ProcRuntime:
             if isinstance(value, asyncio.CancelledError) and slot.stopped:
                 box.settle(stopped(slot.key))
                 return
-            box.settle(RemoteFailure.from_exception(value))  # unless it replied already
-            if explicit or not isinstance(value, Exception):
+            failure = RemoteFailure.from_exception(value)
+            if explicit or not isinstance(value, Exception):  # the actor dies (module docstring)
                 kind = "escaped its explicit response port" if explicit else "raised"
-                self._fail(slot, f"{spec.name} {kind}: {type(value).__name__}: {value}")
+                self._fail(slot, f"{spec.name} {kind}: {failure.remote_type}: {value}")
+                if slot.failed is not None:
+                    failure = refused(slot)  # its caller gets SupervisionError
+            box.settle(failure)  # unless it replied already
 
         if not spec.is_async:  # explicit-port sync endpoint: on the actor's thread
 
@@ -255,26 +267,19 @@ class ProcRuntime:
         if isinstance(exc, ActorStopped):
             return stopped(slot.key)
         failure = RemoteFailure.from_exception(exc)
-        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, ...: the actor dies
-            self._fail(slot, f"{endpoint} raised {failure.remote_type}: {failure.remote_message}")
-        elif not reply:
-            self._broadcast_failed(slot, endpoint, failure)
-        return failure
+        if isinstance(exc, Exception):
+            if not reply:  # a broadcast's: the actor dies
+                self._broadcast_failed(slot, endpoint, failure)
+            return failure  # ActorError at the caller; the actor serves on
+        # SystemExit, KeyboardInterrupt, ...: the actor dies, and its caller hears so
+        self._fail(slot, f"{endpoint} raised {failure.remote_type}: {failure.remote_message}")
+        return refused(slot) if slot.failed is not None else failure
 
     def _broadcast_failed(self, slot: HostedActor, endpoint: str, failure: RemoteFailure) -> None:
-        self.post(
-            slot.key,
-            MeshFailure(
-                mesh_name=slot.mesh_name,
-                ranks=(slot.point.rank,),
-                kind="endpoint_error",
-                cause=f"broadcast to {endpoint} raised {failure.remote_type}: "
-                f"{failure.remote_message}",
-                actor=repr(slot.info),
-            ),
-        )
+        what = f"{failure.remote_type}: {failure.remote_message}"
+        self._fail(slot, f"broadcast to {endpoint} raised {what}", kind="endpoint_error")
 
-    def _fail(self, slot: HostedActor, cause: str) -> None:
+    def _fail(self, slot: HostedActor, cause: str, kind: str = "actor_failed") -> None:
         """Mark the actor failed (once) and tell its owner."""
         with slot.cv:
             if slot.failed is not None or slot.stopped:
@@ -282,7 +287,7 @@ class ProcRuntime:
             slot.failed = failure = MeshFailure(
                 mesh_name=slot.mesh_name,
                 ranks=(slot.point.rank,),
-                kind="actor_failed",
+                kind=kind,
                 cause=f"actor {slot.key} failed: {cause}",
                 actor=repr(slot.info),
             )
@@ -337,20 +342,24 @@ class ProcRuntime:
 
     # ---- supervision events ---------------------------------------------------------------
     def post(self, actor_key: str | None, failure: MeshFailure) -> None:
-        """Report a failure of `actor_key` (None: of the proc itself) to the proc's owner."""
+        """Report a failure of `actor_key` (None: of the proc itself) to whoever watches it:
+        the actor's route, else the proc's owner."""
         if self._on_event is not None:
             self._on_event(actor_key, failure)
             return
+        slot = self._slots.get(actor_key) if actor_key is not None else None
+        route = slot.route if slot is not None else None
         with self._events_cv:
-            self._events.append((actor_key, failure))
+            self._events.setdefault(route, []).append((actor_key, failure))
             self._events_cv.notify_all()
 
-    def watch(self, timeout: float) -> list[tuple[str | None, MeshFailure]]:
-        """Block until there are events (or `timeout`), then hand them all over."""
+    def watch(
+        self, timeout: float, route: str | None = None
+    ) -> list[tuple[str | None, MeshFailure]]:
+        """Block until there are events for `route` (or `timeout`), then hand them all over."""
         with self._events_cv:
-            self._events_cv.wait_for(lambda: bool(self._events), timeout=timeout)
-            events, self._events = self._events, []
-        return events
+            self._events_cv.wait_for(lambda: bool(self._events.get(route)), timeout=timeout)
+            return self._events.pop(route, [])
 
 
 _current_runtime: ProcRuntime | None = None

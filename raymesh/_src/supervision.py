@@ -7,9 +7,13 @@ left a child's failure unhandled) and fails the moment the proc dies, since Ray 
 pending call of a dead actor. So a death reaches the owner in milliseconds even when nobody is
 calling the mesh, at the cost of one idle pending call per proc.
 
-Who handles a failure: the mesh's owner actor's `__supervise__` (run as a message, in turn with
-its endpoints); True stops it there, anything else makes it the owner's own failure, reported up
-to *its* owner. At the controller, the unhandled-fault hook runs. The mesh itself is marked failed
+Who handles a failure: the owner of the actor mesh it happened in (the actor that spawned it,
+as in Monarch), else the proc mesh's owner: that actor's `__supervise__` (run beside its
+endpoints, see `proc`); True stops it there, anything else makes it the owner's own failure,
+reported up to *its* owner. At the controller, the unhandled-fault hook runs. An actor mesh
+spawned on procs this process does not own (a proc mesh it was handed) is spawned with this
+process's route: its proc keeps that mesh's events for this process, whose supervisor keeps a
+watch of its own on those procs (`watch_routed`). The mesh itself is marked failed
 first (a dead proc cannot come back), so later calls raise `SupervisionError` without waiting.
 A mesh spawned with `escalate=False` is marked failed the same way but handed to nobody: its
 owner reads `ProcMesh.failure` instead (raymesh.train's controller, which heals its ranks).
@@ -17,14 +21,18 @@ owner reads `ProcMesh.failure` instead (raymesh.train's controller, which heals 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import threading
 import types
+import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from raymesh._src import backend
+from raymesh._src.context import actor_label
 from raymesh._src.errors import MeshFailure
 from raymesh._src.mesh_state import ProcMeshState
 from raymesh._src.proc import current_runtime
@@ -35,6 +43,18 @@ __all__ = ["FrontModule", "set_unhandled_fault_hook"]
 
 # How long one watch call stays pending before it is re-armed (bounds an idle proc's cost).
 WATCH_S = 30.0
+# This process's route: procs keep the events of actor meshes it spawned on procs it does not
+# own for it (see the module docstring).
+ROUTE = uuid.uuid4().hex[:16]
+# The actor meshes spawned in this process, by key (while a handle to one is alive): who owns
+# each, and the proc mesh view its calls check.
+_meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def register(mesh_state: Any) -> None:
+    """An actor mesh was spawned here: its failures go to its owner (`owner_key`, `proc_state`,
+    `shape` and `key` are read)."""
+    _meshes[mesh_state.key] = mesh_state
 
 
 def default_unhandled_fault_hook(failure: MeshFailure) -> None:
@@ -77,8 +97,13 @@ class FrontModule(types.ModuleType):
 
 
 def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) -> None:
-    """Record `failure` on its mesh and hand it to the mesh's owner (in a thread of its own,
-    so that one slow `__supervise__` never delays the next failure)."""
+    """Record `failure` on its mesh and hand it to the owner of its actor mesh, else of its
+    proc mesh (in a thread of its own, so that one slow `__supervise__` never delays the
+    next failure)."""
+    owner_key = state.owner_key
+    mesh = _meshes.get(actor_key) if actor_key is not None else None
+    if mesh is not None:
+        state, owner_key = mesh.proc_state, mesh.owner_key
     if not state.record(actor_key, failure):
         return  # the mesh was stopped, or this failure is already known
 
@@ -87,8 +112,8 @@ def dispatch(state: ProcMeshState, actor_key: str | None, failure: MeshFailure) 
 
     def deliver() -> None:
         runtime = current_runtime()
-        if state.owner_key is not None and runtime is not None:
-            runtime.supervise(state.owner_key, failure)
+        if owner_key is not None and runtime is not None:
+            runtime.supervise(owner_key, failure)
         else:
             try:
                 _hook(failure)
@@ -103,7 +128,9 @@ class Supervisor:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._watches: dict[Any, tuple[ProcMeshState, int]] = {}
+        # pending watch -> (the mesh, the rank, whether it is a routed watch)
+        self._watches: dict[Any, tuple[ProcMeshState, int, bool]] = {}
+        self._routed: set[tuple[str, int]] = set()  # (proc mesh, rank) watched for ROUTE
         self._changed = threading.Event()
         self._in_ray = threading.Lock()  # held while this watcher calls into Ray (see quiesce)
         self._thread = threading.Thread(target=self._loop, name="raymesh-supervisor", daemon=True)
@@ -113,12 +140,22 @@ class Supervisor:
     def watch(self, state: ProcMeshState) -> None:
         with self._lock:
             for rank, proc in enumerate(state.procs):
-                self._watches[proc.watch(WATCH_S)] = (state, rank)
+                self._watches[proc.watch(WATCH_S)] = (state, rank, False)
+        self._changed.set()
+
+    def watch_routed(self, state: ProcMeshState, ranks: list[int]) -> None:
+        """Watch procs `ranks` of a proc mesh this process does not own, for the events of
+        the actor meshes it spawned there (once per proc)."""
+        with self._lock:
+            for rank in ranks:
+                if (state.name, rank) not in self._routed:
+                    self._routed.add((state.name, rank))
+                    self._watches[state.procs[rank].watch(WATCH_S, ROUTE)] = (state, rank, True)
         self._changed.set()
 
     def forget(self, state: ProcMeshState) -> None:
         with self._lock:
-            for ref in [r for r, (s, _) in self._watches.items() if s is state]:
+            for ref in [r for r, (s, _, _) in self._watches.items() if s is state]:
                 del self._watches[ref]
 
     def quiesce(self) -> None:
@@ -126,6 +163,7 @@ class Supervisor:
         to shut down, and a thread inside a Ray call then can crash the process."""
         with self._in_ray, self._lock:
             self._watches.clear()
+            self._routed.clear()
 
     def _loop(self) -> None:
         while True:
@@ -140,10 +178,13 @@ class Supervisor:
             if arrived is None:  # Ray is shutting down
                 self._changed.wait(timeout=1.0)
                 continue
-            for state, rank, events in arrived:
-                self._handle(state, rank, events)
+            for state, rank, routed, events in arrived:
+                if routed:
+                    self._handle_routed(state, rank, events)
+                else:
+                    self._handle(state, rank, events)
 
-    def _arrivals(self, refs: list[Any]) -> list[tuple[ProcMeshState, int, Any]] | None:
+    def _arrivals(self, refs: list[Any]) -> list[tuple[ProcMeshState, int, bool, Any]] | None:
         """The watches that fired within a short wait, each with its events (or the ProcGone
         that ended it); None if Ray failed. Called holding `_in_ray`."""
         try:
@@ -175,7 +216,38 @@ class Supervisor:
         if state.stopped:
             return
         with self._in_ray, self._lock:  # watch() sends the proc a call
-            self._watches[state.procs[rank].watch(WATCH_S)] = (state, rank)
+            self._watches[state.procs[rank].watch(WATCH_S)] = (state, rank, False)
+        for actor_key, failure in events:
+            dispatch(state, actor_key, failure)
+
+    def _handle_routed(self, state: ProcMeshState, rank: int, events: Any) -> None:
+        """Events a proc kept for this process: each goes to its actor mesh's owner. A dead
+        proc fails each actor mesh this process spawned on it."""
+        here = [
+            m
+            for m in list(_meshes.values())
+            if m.proc_state.name == state.name and rank in m.shape.ranks and not m.proc_state.owned
+        ]
+        if isinstance(events, backend.ProcGone):
+            with self._lock:
+                self._routed.discard((state.name, rank))
+            if here:
+                failure = state.proc_gone(rank, events.detail)
+                for mesh in here:  # the failure of that actor mesh, as its owner knows it
+                    [point] = [p for p, r in mesh.shape.points() if r == rank]
+                    label = actor_label(
+                        f"{mesh.cls.__module__}.{mesh.cls.__qualname__}", mesh.name, point
+                    )
+                    mine = dataclasses.replace(
+                        failure, mesh_name=mesh.name, ranks=(point.rank,), actor=label
+                    )
+                    dispatch(mesh.proc_state, mesh.key, mine)
+            return
+        with self._in_ray, self._lock:
+            if here:  # while an actor mesh of this process runs there
+                self._watches[state.procs[rank].watch(WATCH_S, ROUTE)] = (state, rank, True)
+            else:
+                self._routed.discard((state.name, rank))
         for actor_key, failure in events:
             dispatch(state, actor_key, failure)
 

@@ -34,17 +34,21 @@ class Replica(Actor):
         self.model = LoadedModel(spec, device)
         self.streams: dict[str, threading.Event] = {}  # a running stream's stop flag, by id
 
+    # Every endpoint is async (an actor's endpoints are one kind, as in Monarch); the blocking
+    # ones (a batch, a reload) run on a worker thread so that the proc's loop stays free.
     @endpoint
-    def info(self) -> tuple[ModelInfo, int]:
+    async def info(self) -> tuple[ModelInfo, int]:
         return self.model.info, os.getpid()
 
     @endpoint
-    def predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, tuple[str, str]], float]:
+    async def predict(
+        self, inputs: list[Any]
+    ) -> tuple[list[Any], dict[int, tuple[str, str]], float]:
         """One output per input (None where the model failed on it), the failures as
         {index: (exception type, message)}, and the seconds the model took. Plain lists, not
         objects: this is the reply of every batch."""
         started = time.perf_counter()
-        values, errors = self.model.predict(inputs)
+        values, errors = await asyncio.to_thread(self.model.predict, inputs)
         return values, errors, time.perf_counter() - started
 
     @concurrent_endpoint
@@ -99,7 +103,7 @@ class Replica(Actor):
             self.streams.pop(stream_id, None)
 
     @endpoint
-    def cancel(self, stream_id: str) -> bool:
+    async def cancel(self, stream_id: str) -> bool:
         """Stop stream `stream_id` before its next token; False if it is not running."""
         stop = self.streams.get(stream_id)
         if stop is not None:
@@ -107,9 +111,9 @@ class Replica(Actor):
         return stop is not None
 
     @endpoint
-    def reload(self, spec: ModelSpec) -> ModelInfo:
+    async def reload(self, spec: ModelSpec) -> ModelInfo:
         """Load `spec` and swap it in; if loading fails, the old model keeps serving."""
-        self.model = LoadedModel(spec, self.model.device)
+        self.model = await asyncio.to_thread(LoadedModel, spec, self.model.device)
         return self.model.info
 
 

@@ -116,7 +116,7 @@ class AsyncWorker(Actor):
         return current_rank().rank
 
     @endpoint
-    def overlap(self) -> int:
+    async def overlap(self) -> int:
         return self.max_active
 
 

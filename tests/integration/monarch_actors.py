@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ class Gate(Actor):
         return "released"
 
     @endpoint
-    def ping(self) -> str:
+    async def ping(self) -> str:
         return "pong"
 
     @concurrent_endpoint
@@ -53,7 +54,7 @@ class Gate(Actor):
         return i
 
     @endpoint
-    def log(self) -> list[int]:
+    async def log(self) -> list[int]:
         return list(self.started)
 
     @concurrent_endpoint
@@ -70,11 +71,11 @@ class Options(Actor):
         self.ports: list[Port] = []
 
     @endpoint(propagate="inspect", instrument=False)
-    def plain(self, x: int) -> int:
+    async def plain(self, x: int) -> int:
         return x + 1
 
     @endpoint(explicit_response_port=True)
-    def later(self, port: Port[str], seconds: float) -> None:
+    async def later(self, port: Port[str], seconds: float) -> None:
         def reply() -> None:
             time.sleep(seconds)
             port.send(f"from {threading.current_thread().name}")
@@ -88,20 +89,20 @@ class Options(Actor):
         self.log.append("body")
 
     @endpoint
-    def ping(self) -> str:
+    async def ping(self) -> str:
         self.log.append("ping")
         return "pong"
 
     @endpoint
-    def seen(self) -> list[str]:
+    async def seen(self) -> list[str]:
         return list(self.log)
 
     @endpoint(explicit_response_port=True)
-    def refuse(self, port: Port[int], message: str) -> None:
+    async def refuse(self, port: Port[int], message: str) -> None:
         port.exception(KeyError(message))
 
     @endpoint(explicit_response_port=True)
-    def drop(self, port: Port[int]) -> None:
+    async def drop(self, port: Port[int]) -> None:
         pass
 
     @endpoint(explicit_response_port=True)
@@ -175,13 +176,25 @@ class Exiter(Actor):
         sys.exit(code)
 
     @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def fail(self) -> None:
+        raise ValueError("the child broke")
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class AsyncExiter(Actor):
+    """The same, async."""
+
+    @endpoint
     async def interrupt(self) -> None:
         await asyncio.sleep(0)
         raise KeyboardInterrupt
-
-    @endpoint
-    def ping(self) -> str:
-        return "pong"
 
     @endpoint
     async def aping(self) -> str:
@@ -199,8 +212,7 @@ class Watcher(Actor):
         self.procs = None
         self.children = None
 
-    @endpoint
-    def spawn_children(self, exits: bool) -> int:
+    def _spawn_children(self, exits: bool) -> int:
         self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="watched")
         self.children = self.procs.spawn("kid", Exiter)
         if exits:
@@ -208,9 +220,8 @@ class Watcher(Actor):
         return self.procs.pids[0]
 
     @endpoint
-    async def wait_async(self, timeout: float) -> str:
-        await asyncio.wait_for(self.failed.wait(), timeout)
-        return self.failures[0].kind
+    def spawn_children(self, exits: bool) -> int:
+        return self._spawn_children(exits)
 
     @endpoint
     def wait_sync(self, timeout: float) -> str:
@@ -231,12 +242,57 @@ class Watcher(Actor):
         return True
 
 
-class AsyncWatcher(Watcher):
+class AsyncWatcher(Actor):
+    """The same with async endpoints (and a sync `__supervise__`, which Monarch allows)."""
+
+    __init__ = Watcher.__init__
+    _spawn_children = Watcher._spawn_children
+    __supervise__ = Watcher.__supervise__
+
+    @endpoint
+    async def spawn_children(self, exits: bool) -> int:
+        return await asyncio.to_thread(self._spawn_children, exits)
+
+    @endpoint
+    async def wait_async(self, timeout: float) -> str:
+        await asyncio.wait_for(self.failed.wait(), timeout)
+        return self.failures[0].kind
+
+
+class Adopter(Actor):
+    """Spawns a child on procs it was handed (their owner is the controller) and waits, inside
+    an endpoint, for its own `__supervise__` to hear of the child's failure (Monarch's
+    SuperviseExceptionParent): the actor mesh's owner is who spawned it."""
+
+    def __init__(self) -> None:
+        self.failures: list[MeshFailure] = []
+        self.failed = asyncio.Event()
+
+    @endpoint
+    async def fail_child(self, procs, how: str, timeout: float) -> list[MeshFailure]:
+        child = procs.spawn("adopted", Exiter)
+        pid = await child.pid.call_one()
+        if how == "raise":
+            child.fail.broadcast()
+        elif how == "exit":
+            child.exit.broadcast(3)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(self.failed.wait(), timeout)
+        return self.failures
+
+    def __supervise__(self, failure: MeshFailure) -> bool:
+        self.failures.append(failure)
+        self.failed.set()
+        return True
+
+
+class AsyncSuperviseWatcher(AsyncWatcher):
     """The same, with an async `__supervise__`."""
 
     async def __supervise__(self, failure: MeshFailure) -> bool:  # type: ignore[override]
         await asyncio.sleep(0)
-        return super().__supervise__(failure)
+        return Watcher.__supervise__(self, failure)
 
 
 class Log(Actor):
@@ -313,7 +369,7 @@ class Producer(Actor):
     """Sends values to a channel's port it was given (Monarch's cookbook fan-in)."""
 
     @endpoint
-    def produce(self, port: Port[int], n: int) -> None:
+    async def produce(self, port: Port[int], n: int) -> None:
         rank = context().actor_instance.rank.rank
         for step in range(n):
             port.send(rank * 10 + step)
@@ -329,7 +385,7 @@ class Producer(Actor):
         self.task = asyncio.create_task(stream())  # sends after the endpoint returned
 
     @endpoint
-    def fail(self, port: Port[int]) -> None:
+    async def fail(self, port: Port[int]) -> None:
         port.exception(ValueError("no data"))
 
     @endpoint

@@ -90,13 +90,17 @@ class Asker(Actor):
         )
 
     @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class AsyncAsker(Actor):
+    """The same, awaiting."""
+
+    @endpoint
     async def visit_async(self, name: str) -> int:
         controller = await get_or_spawn_controller(name, Registry)
         return await controller.visit.call_one()
-
-    @endpoint
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class Talker(Actor):

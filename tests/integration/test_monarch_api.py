@@ -29,6 +29,7 @@ from ..scripts import run_python
 from ..waiting import alive
 from .monarch_api_actors import (
     Asker,
+    AsyncAsker,
     OtherRegistry,
     Registry,
     StartsOnSecondTry,
@@ -174,7 +175,8 @@ def test_actors_and_the_controller_script_get_the_same_controller(procs):
     visits = askers.visit.call("shared").get(timeout=60).values()
     assert {p for p, _ in visits} == {pid}
     assert sorted(n for _, n in visits) == [1, 2, 3, 4]
-    assert askers.slice(procs=0).visit_async.call_one("shared").get(timeout=60) == 5
+    async_asker = procs.slice(procs=0).spawn("async-asker", AsyncAsker)
+    assert async_asker.visit_async.call_one("shared").get(timeout=60) == 5
     assert mine.visit.call_one().get(timeout=30) == 6
 
 

@@ -30,7 +30,10 @@ from raymesh.actor import Port
 
 from ..waiting import wait_for
 from .monarch_actors import (
+    Adopter,
     AsyncCleaned,
+    AsyncExiter,
+    AsyncSuperviseWatcher,
     AsyncWatcher,
     Cleaned,
     Exiter,
@@ -209,7 +212,7 @@ def test_port_exception_returns_as_actor_error_and_a_dropped_port_never_hangs(pr
 @pytest.mark.timeout(30)
 def test_an_exception_that_escapes_an_explicit_port_endpoint_fails_the_actor(procs, hook_calls):
     options = procs.slice(procs=1).spawn("escaper", Options)
-    with pytest.raises(ActorError, match="escaped the port"):
+    with pytest.raises(SupervisionError, match="escaped the port"):  # as in Monarch
         options.escape.call_one().get(timeout=10)
     [failure] = wait_for(lambda: _failures_of(hook_calls, "escaper"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and "escaped the port" in failure.cause
@@ -260,9 +263,9 @@ def test_a_sync_actors_constructor_and_endpoints_share_its_thread_and_thread_loc
 def test_system_exit_in_an_endpoint_fails_the_actor_and_supervision_runs(procs, hook_calls):
     exiter = procs.slice(procs=0).spawn("exiter", Exiter)
     neighbour = procs.slice(procs=0).spawn("neighbour", Exiter)
-    with pytest.raises(ActorError) as info:
+    with pytest.raises(SupervisionError, match="SystemExit") as info:  # as in Monarch
         exiter.exit.call_one(3).get(timeout=10)
-    assert info.value.remote_type == "SystemExit"
+    assert info.value.failure.kind == "actor_failed"
     [failure] = wait_for(lambda: _failures_of(hook_calls, "exiter"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed" and "SystemExit" in failure.cause
     with pytest.raises(SupervisionError, match="SystemExit"):
@@ -274,11 +277,10 @@ def test_system_exit_in_an_endpoint_fails_the_actor_and_supervision_runs(procs, 
 def test_keyboard_interrupt_in_an_async_endpoint_fails_the_actor_but_not_the_event_loop(
     procs, hook_calls
 ):
-    exiter = procs.slice(procs=1).spawn("interrupted", Exiter)
-    neighbour = procs.slice(procs=1).spawn("async-neighbour", Exiter)
-    with pytest.raises(ActorError) as info:
+    exiter = procs.slice(procs=1).spawn("interrupted", AsyncExiter)
+    neighbour = procs.slice(procs=1).spawn("async-neighbour", AsyncExiter)
+    with pytest.raises(SupervisionError, match="KeyboardInterrupt"):
         exiter.interrupt.call_one().get(timeout=10)
-    assert info.value.remote_type == "KeyboardInterrupt"
     [failure] = wait_for(lambda: _failures_of(hook_calls, "interrupted"), 8.0, interval=0.02)
     assert failure.kind == "actor_failed"
     assert neighbour.aping.call_one().get(timeout=10) == "apong"  # the loop still runs
@@ -299,7 +301,7 @@ def test_an_owner_actor_sees_its_childs_system_exit_in_supervise(procs):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("watcher_cls", "waits"),
-    [(Watcher, "wait_async"), (AsyncWatcher, "wait_async"), (Watcher, "wait_sync")],
+    [(AsyncWatcher, "wait_async"), (AsyncSuperviseWatcher, "wait_async"), (Watcher, "wait_sync")],
 )
 def test_supervise_runs_while_an_endpoint_of_its_owner_waits_for_it(procs, watcher_cls, waits):
     watcher = procs.slice(procs=1).spawn(f"waiter-{watcher_cls.__name__}-{waits}", watcher_cls)
@@ -308,6 +310,26 @@ def test_supervise_runs_while_an_endpoint_of_its_owner_waits_for_it(procs, watch
     time.sleep(0.2)
     os.kill(child_pid, signal.SIGKILL)
     assert waiting.get(timeout=10) == "proc_died"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["raise", "exit", "sigkill"])
+def test_the_actor_that_spawned_a_mesh_on_procs_it_was_handed_supervises_it(procs, hook_calls, how):
+    # Monarch's test_no_reply_port_exception_delivered_to_supervisor: the controller owns the
+    # procs, the adopter owns the actor mesh it spawned there, so the failure is the adopter's.
+    given = procs.slice(procs=1)
+    if how == "sigkill":  # a proc of its own to kill
+        given = this_host().spawn_procs(per_host={"procs": 1}, name=f"given-{how}")
+    adopter = procs.slice(procs=0).spawn(f"adopter-{how}", Adopter)
+    [failure] = adopter.fail_child.call_one(given, how, 20.0).get(timeout=40)
+    assert failure.mesh_name == "adopted"
+    assert failure.kind == {"raise": "endpoint_error", "exit": "actor_failed"}.get(how, "proc_died")
+    if how == "raise":
+        assert "the child broke" in failure.cause
+    time.sleep(0.5)  # a late delivery to the controller's hook would show now
+    assert _failures_of(hook_calls, "adopted") == []
+    if how == "sigkill":
+        given.stop()
 
 
 # ---- 7. stopping: __cleanup__, and what an actor owns stops with it ------------------------

@@ -268,7 +268,8 @@ def test_the_counters_example_runs_as_a_user_runs_it_with_every_adverb_and_a_sup
         r"stream    -> (\[.*\])",
         r"after broadcast -> \[16, 16, 17, 16\]",
         r"SIGKILL proc 1 \(pid (\d+)\) \.\.\.",
-        r"supervision -> mesh 'procs' rank\(s\) 1: proc \(pid (\d+)\) killed by SIGKILL",
+        r"supervision -> MeshFailure\(mesh_name=procs, crashed_ranks=\[1\], event=proc_died: "
+        r"proc \(pid (\d+)\) killed by SIGKILL\)",
         r"stopped: no procs left",
     ]
     found = []

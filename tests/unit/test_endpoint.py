@@ -245,9 +245,13 @@ def test_mesh_failure_signal_name_of_an_unknown_signal_is_descriptive():
 def test_mesh_failure_str_names_the_mesh_ranks_cause_and_child():
     child = _failure(mesh_name="inner", ranks=(0,), cause="exit code 1")
     parent = _failure(kind="child_failed", cause="child mesh failed", child=child)
-    assert str(child) == "mesh 'inner' rank(s) 0: exit code 1"
+    assert (
+        str(child)
+        == "MeshFailure(mesh_name=inner, crashed_ranks=[0], event=proc_died: exit code 1)"
+    )
     assert str(parent) == (
-        "mesh 'workers' rank(s) 1,2: child mesh failed <- mesh 'inner' rank(s) 0: exit code 1"
+        "MeshFailure(mesh_name=workers, crashed_ranks=[1, 2], event=child_failed: child mesh "
+        "failed) <- MeshFailure(mesh_name=inner, crashed_ranks=[0], event=proc_died: exit code 1)"
     )
 
 
@@ -352,6 +356,7 @@ def test_a_mesh_failure_reports_where_it_started_in_monarchs_words_then_its_chai
     raised = MeshFailure("a", (0,), "endpoint_error", "broadcast to run raised ValueError: x")
     assert raised.report().splitlines()[1] == "  broadcast to run raised ValueError: x"
     assert str(failure) == (
-        "mesh 'outer' rank(s) 1,2: a mesh it owns failed <- "
-        "mesh 'inner' rank(s) 0: proc (pid 7) killed by SIGKILL"
+        "MeshFailure(mesh_name=outer, crashed_ranks=[1, 2], event=child_failed: a mesh it owns "
+        "failed) <- MeshFailure(mesh_name=inner, crashed_ranks=[0], event=proc_died: proc (pid 7) "
+        "killed by SIGKILL)"
     )

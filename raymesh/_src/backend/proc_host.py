@@ -53,14 +53,24 @@ class HostedRuntime(Protocol):
     ) -> Any: ...
 
     def spawn(
-        self, actor_key: str, mesh_name: str, point: Point, cls: type, args: tuple, kwargs: dict, /
+        self,
+        actor_key: str,
+        mesh_name: str,
+        point: Point,
+        cls: type,
+        args: tuple,
+        kwargs: dict,
+        route: str | None,
+        /,
     ) -> RemoteFailure | None: ...
 
     def stop_actor(self, actor_key: str, /) -> None: ...
 
     def stop_all(self, timeout: float, /) -> None: ...
 
-    def watch(self, timeout: float, /) -> list[tuple[str | None, MeshFailure]]: ...
+    def watch(
+        self, timeout: float, route: str | None, /
+    ) -> list[tuple[str | None, MeshFailure]]: ...
 
 
 # Makes the calling process the proc at a point of a mesh (mesh name, point): sets its rank and
@@ -123,11 +133,19 @@ class _ProcHost:
         return self._channel.take_reply(msgid)
 
     @ray.method(concurrency_group="control")
-    def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
+    def spawn(
+        self,
+        actor_key: str,
+        mesh_name: str,
+        point: Point,
+        cls: type,
+        payload: Any,
+        route: str | None = None,
+    ) -> Any:
         if type(payload) is list:
             payload = ray.get(payload[0])
         args, kwargs = payload
-        return self.runtime.spawn(actor_key, mesh_name, point, cls, args, kwargs)
+        return self.runtime.spawn(actor_key, mesh_name, point, cls, args, kwargs, route)
 
     @ray.method(concurrency_group="control")
     def stop_actor(self, actor_key: str) -> None:
@@ -138,8 +156,8 @@ class _ProcHost:
         self.runtime.stop_all(timeout)
 
     @ray.method(concurrency_group="control")
-    def watch(self, timeout: float) -> list:
-        return self.runtime.watch(timeout)
+    def watch(self, timeout: float, route: str | None = None) -> list:
+        return self.runtime.watch(timeout, route)
 
     @ray.method(concurrency_group="control")
     def adopt(

@@ -83,11 +83,19 @@ class RayProc:
             (actor_key, sender, seq, endpoint, payload, message_point, reply)
         )
 
-    def spawn(self, actor_key: str, mesh_name: str, point: Point, cls: type, payload: Any) -> Any:
-        return self.handle.spawn.remote(actor_key, mesh_name, point, cls, payload)
+    def spawn(
+        self,
+        actor_key: str,
+        mesh_name: str,
+        point: Point,
+        cls: type,
+        payload: Any,
+        route: str | None = None,
+    ) -> Any:
+        return self.handle.spawn.remote(actor_key, mesh_name, point, cls, payload, route)
 
-    def watch(self, timeout: float) -> Any:
-        return self.handle.watch.remote(timeout)
+    def watch(self, timeout: float, route: str | None = None) -> Any:
+        return self.handle.watch.remote(timeout, route)
 
     def stop_actor(self, actor_key: str) -> Any:
         return self.handle.stop_actor.remote(actor_key)
