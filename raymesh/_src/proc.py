@@ -82,6 +82,7 @@ class ProcRuntime:
         # Events not yet watched, by route (None: the proc's owner's; see `spawn`).
         self._events: dict[str | None, list[tuple[str | None, MeshFailure]]] = {}
         self._events_cv = threading.Condition()
+        self._closing = False  # its actors are stopped and the proc is about to exit
         self._loop = ProcLoop()
         name_actors_in_records()
 
@@ -142,9 +143,13 @@ class ProcRuntime:
         slot.thread.close()
 
     def stop_all(self, timeout: float = CLEANUP_TIMEOUT_S) -> None:
-        """Stop every actor of this proc, the newest first, before the proc is ended."""
+        """Stop every actor of this proc, the newest first, before the proc is ended; then
+        end the pending `watch` calls (the proc exits once its calls have returned)."""
         for key in reversed(list(self._slots)):
             self.stop_actor(key, timeout)
+        with self._events_cv:
+            self._closing = True
+            self._events_cv.notify_all()
 
     def handle(
         self,
@@ -355,10 +360,15 @@ class ProcRuntime:
 
     def watch(
         self, timeout: float, route: str | None = None
-    ) -> list[tuple[str | None, MeshFailure]]:
-        """Block until there are events for `route` (or `timeout`), then hand them all over."""
+    ) -> list[tuple[str | None, MeshFailure]] | None:
+        """Block until there are events for `route` (or `timeout`), then hand them all over.
+        None once the proc is closing (`stop_all`): there is nothing left to watch."""
         with self._events_cv:
-            self._events_cv.wait_for(lambda: bool(self._events.get(route)), timeout=timeout)
+            self._events_cv.wait_for(
+                lambda: self._closing or bool(self._events.get(route)), timeout=timeout
+            )
+            if self._closing and not self._events.get(route):
+                return None
             return self._events.pop(route, [])
 
 

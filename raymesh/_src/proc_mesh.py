@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 _STOP_TIMEOUT_S = 30.0
+# How long a stopped proc gets to exit as Python exits (its finalizers, `atexit`) once its
+# actors have stopped, before it is killed.
+_GRACE_S = 5.0
 
 
 def proc_resources(cpus_per_proc: float, gpu: bool) -> dict[str, float]:
@@ -145,9 +148,11 @@ def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S)
     ownership.disown(state.owner_key, state)
     if state.group is None:
         return
-    if wait:  # the actors stop first: their __cleanup__ runs, the meshes they own stop
-        _stop_actors(state, timeout)
-    backend.kill(state.group)
+    if wait:  # the actors stop first: their __cleanup__ runs, the meshes they own stop; then
+        _stop_actors(state, timeout)  # each proc exits gracefully, as in Monarch
+        backend.end(state.group, min(_GRACE_S, timeout / 3))
+    else:
+        backend.kill(state.group)
     if wait:
         alive = backend.wait_exited(state.group.procs, timeout)
         if alive:

@@ -213,7 +213,7 @@ class Supervisor:
         if isinstance(events, backend.ProcGone):
             dispatch(state, None, state.proc_gone(rank, events.detail))
             return
-        if state.stopped:
+        if state.stopped or events is None:  # None: the proc is closing (it was stopped)
             return
         with self._in_ray, self._lock:  # watch() sends the proc a call
             self._watches[state.procs[rank].watch(WATCH_S)] = (state, rank, False)
@@ -244,11 +244,11 @@ class Supervisor:
                     dispatch(mesh.proc_state, mesh.key, mine)
             return
         with self._in_ray, self._lock:
-            if here:  # while an actor mesh of this process runs there
+            if here and events is not None:  # while an actor mesh of this process runs there
                 self._watches[state.procs[rank].watch(WATCH_S, ROUTE)] = (state, rank, True)
             else:
                 self._routed.discard((state.name, rank))
-        for actor_key, failure in events:
+        for actor_key, failure in events or ():
             dispatch(state, actor_key, failure)
 
 

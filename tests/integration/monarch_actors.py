@@ -351,6 +351,36 @@ class AsyncCleaned(Actor):
         await self.log.add.call_one(f"cleanup exc={exc}")
 
 
+class _WritesWhenFinalized:
+    def __init__(self, path: str) -> None:
+        # opened now: `open` is gone at interpreter finalization
+        self.file = open(path, "w")  # noqa: SIM115
+
+    def __del__(self) -> None:
+        self.file.write("finalized")
+        self.file.close()
+
+
+_finalized_at_exit: _WritesWhenFinalized | None = None
+
+
+class Finalized(Actor):
+    """Leaves a module global whose `__del__` writes `path` and an `atexit` handler that writes
+    `path.atexit`: both run only if the proc exits as Python exits (Monarch's
+    test_del_runs_on_proc_mesh_stop)."""
+
+    def __init__(self, path: str) -> None:
+        global _finalized_at_exit
+        import atexit
+
+        _finalized_at_exit = _WritesWhenFinalized(path)
+        atexit.register(lambda: open(path + ".atexit", "w").close())
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
 class Owner(Actor):
     """Owns a proc mesh of its own and an actor mesh on procs it was given (Monarch's
     WrapperActor); defines no __cleanup__: what it owns is stopped anyway."""

@@ -37,6 +37,7 @@ from .monarch_actors import (
     AsyncWatcher,
     Cleaned,
     Exiter,
+    Finalized,
     Gate,
     Identity,
     Log,
@@ -67,6 +68,14 @@ def hook_calls():
     raymesh.actor.unhandled_fault_hook = calls.append
     yield calls
     raymesh.actor.unhandled_fault_hook = saved
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _failures_of(calls: list[MeshFailure], mesh_name: str) -> list[MeshFailure]:
@@ -333,6 +342,17 @@ def test_the_actor_that_spawned_a_mesh_on_procs_it_was_handed_supervises_it(proc
 
 
 # ---- 7. stopping: __cleanup__, and what an actor owns stops with it ------------------------
+
+
+@pytest.mark.timeout(60)
+def test_stopping_a_proc_mesh_lets_its_procs_exit_as_python_does(tmp_path):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="finalized")
+    path = tmp_path / "marker"
+    pid = procs.spawn("finalized", Finalized, str(path)).pid.call_one().get(timeout=30)
+    procs.stop()  # returns once the process has exited (a zombie until Ray reaps it)
+    assert _exited(pid)
+    assert path.read_text() == "finalized"  # a module global's __del__ ran
+    assert (tmp_path / "marker.atexit").exists()  # and the proc's atexit handlers
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import ray
 from ray._private import ray_constants
 
-from raymesh._src.backend import channel, zero_copy
+from raymesh._src.backend import channel, proc_exit, zero_copy
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.shape import Point
 
@@ -70,7 +70,7 @@ class HostedRuntime(Protocol):
 
     def watch(
         self, timeout: float, route: str | None, /
-    ) -> list[tuple[str | None, MeshFailure]]: ...
+    ) -> list[tuple[str | None, MeshFailure]] | None: ...
 
 
 # Makes the calling process the proc at a point of a mesh (mesh name, point): sets its rank and
@@ -95,6 +95,7 @@ class _ProcHost:
         if origin is not None:
             _take_origin(origin, watch=False)
         zero_copy.enable()
+        proc_exit.install()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
         self._preloading: threading.Thread | None = None
@@ -156,8 +157,16 @@ class _ProcHost:
         self.runtime.stop_all(timeout)
 
     @ray.method(concurrency_group="control")
-    def watch(self, timeout: float, route: str | None = None) -> list:
+    def watch(self, timeout: float, route: str | None = None) -> list | None:
         return self.runtime.watch(timeout, route)
+
+    @ray.method(concurrency_group="control")
+    def exit(self) -> None:
+        """End this process as a Python program ends (see `proc_exit`): Ray lets its calls in
+        flight return, then the `atexit` handlers run and the program's module globals are
+        finalized."""
+        proc_exit.begin()
+        ray.actor.exit_actor()
 
     @ray.method(concurrency_group="control")
     def adopt(

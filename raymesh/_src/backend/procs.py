@@ -281,6 +281,23 @@ def _fmt_res(res: dict[str, float]) -> str:
     return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
 
 
+def end(group: ProcGroup, grace: float) -> None:
+    """End every proc of the group gracefully (as Monarch stops procs: each exits as Python
+    exits, running its finalizers), waiting at most `grace` seconds; then `kill` what is left."""
+    if not ray.is_initialized():
+        return
+    for p in group.procs:
+        try:
+            p.handle.exit.remote()
+        except Exception:  # gone already
+            pass
+    try:
+        wait_exited(group.procs, grace)
+    except Exception:  # an agent that did not answer: the kill below ends them anyway
+        pass
+    kill(group)
+
+
 def kill(group: ProcGroup) -> None:
     """End every proc of the group and release its placement group. Does not wait."""
     if not ray.is_initialized():  # Ray already ended them (and must not be restarted here)
