@@ -26,6 +26,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import os
 import random
 import threading
 import uuid
@@ -48,6 +49,8 @@ logger = logging.getLogger("raymesh")
 __all__ = ["ActorMesh", "EndpointRef", "send"]
 
 _LARGE_BYTES = 1 << 20
+# How long `spawn` waits for the constructors (a model loaded in `__init__` may take long).
+SPAWN_TIMEOUT_ENV = "RAYMESH_SPAWN_TIMEOUT_S"
 _SPAWN_TIMEOUT_S = 300.0
 
 
@@ -112,7 +115,22 @@ def spawn_actors(
     mesh: ActorMesh = ActorMesh(state, shape)
     if owned:
         ownership.own(state.owner_key, state, name, mesh.stop)
-    replies = Future(pending, list, mesh._gone, f"spawn of {name!r}").get(_SPAWN_TIMEOUT_S)
+    timeout = _spawn_timeout()
+    try:
+        replies = Future(pending, list, mesh._gone, f"spawn of {name!r}").get(timeout)
+    except TimeoutError:
+        # A constructor that never returns: the mesh is failed (its calls raise), and the
+        # spawn says which actor and what to do, rather than a bare wait that timed out.
+        cause = (
+            f"{cls.__name__}.__init__ did not return within {timeout:g}s; its procs still run "
+            f"it. Stop them (ProcMesh.stop()), or give slow constructors longer with "
+            f"{SPAWN_TIMEOUT_ENV}"
+        )
+        failure = MeshFailure(
+            name, tuple(shape.ranks), "init_error", cause, actor=f"<{class_name} {name}>"
+        )
+        dispatch(pstate, state.key, failure)
+        raise SupervisionError(failure) from None
     # A constructor that raised fails the actor mesh, as in Monarch: the mesh is returned, each
     # failed rank goes to supervision (the owner's __supervise__, at the top the fault hook),
     # and calls on the mesh raise SupervisionError naming the constructor's exception.
@@ -124,6 +142,22 @@ def spawn_actors(
             )
             dispatch(pstate, state.key, failure)
     return mesh
+
+
+def _spawn_timeout() -> float:
+    raw = os.environ.get(SPAWN_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _SPAWN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{SPAWN_TIMEOUT_ENV}={raw!r}: give the seconds spawn waits for constructors as a "
+            f"positive number (default {_SPAWN_TIMEOUT_S:g})"
+        )
+    return value
 
 
 def _payload(args: tuple, kwargs: dict) -> Any:

@@ -364,6 +364,17 @@ class _WritesWhenFinalized:
 _finalized_at_exit: _WritesWhenFinalized | None = None
 
 
+class NeverReady(Actor):
+    """Its constructor never returns (Monarch's RunForeverOnInitActor)."""
+
+    def __init__(self) -> None:
+        threading.Event().wait()
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
 class Finalized(Actor):
     """Leaves a module global whose `__del__` writes `path` and an `atexit` handler that writes
     `path.atexit`: both run only if the proc exits as Python exits (Monarch's

@@ -42,6 +42,7 @@ from .monarch_actors import (
     Identity,
     Log,
     Named,
+    NeverReady,
     Options,
     Owner,
     Streamer,
@@ -263,6 +264,49 @@ def test_a_sync_actors_constructor_and_endpoints_share_its_thread_and_thread_loc
     for t in threads:
         t.join()
     assert results == [True] * 8
+
+
+class _Mixed(Actor):
+    @endpoint
+    def plain(self) -> None:
+        pass
+
+    @endpoint
+    async def awaited(self) -> None:
+        pass
+
+
+class _SyncWithAsyncCleanup(Actor):
+    @endpoint
+    def plain(self) -> None:
+        pass
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_an_actor_mixing_sync_and_async_endpoints_is_refused_at_spawn_saying_why(procs):
+    with pytest.raises(ValueError, match="mixes both async and sync") as info:
+        procs.spawn("mixed", _Mixed)
+    assert "['plain']" in str(info.value) and "['awaited']" in str(info.value)
+    assert "asyncio.to_thread" in str(info.value)  # the fix
+    with pytest.raises(ValueError, match="async __cleanup__"):
+        procs.spawn("mixed-cleanup", _SyncWithAsyncCleanup)
+
+
+@pytest.mark.timeout(30)
+def test_a_constructor_that_never_returns_fails_the_spawn_with_a_typed_error_naming_it(
+    procs, hook_calls, monkeypatch
+):
+    monkeypatch.setenv("RAYMESH_SPAWN_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="RAYMESH_SPAWN_TIMEOUT_S='soon'"):
+        procs.slice(procs=1).spawn("never", NeverReady)
+    monkeypatch.setenv("RAYMESH_SPAWN_TIMEOUT_S", "1.5")
+    with pytest.raises(SupervisionError, match=r"NeverReady.__init__ did not return within 1.5s"):
+        procs.slice(procs=1).spawn("never", NeverReady)
+    [failure] = wait_for(lambda: _failures_of(hook_calls, "never"), 8.0, interval=0.02)
+    assert failure.kind == "init_error" and "RAYMESH_SPAWN_TIMEOUT_S" in failure.cause
 
 
 # ---- 5. a BaseException kills the actor ----------------------------------------------------
