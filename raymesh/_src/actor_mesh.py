@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 from raymesh._src import backend, ownership, supervision
-from raymesh._src.context import actor_label, current_actor_context
+from raymesh._src.context import Spawner, actor_label, current_actor_context, current_instance
 from raymesh._src.endpoint import Port, check_one_kind, endpoint_names
 from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
@@ -92,6 +92,8 @@ def spawn_actors(
     if not isinstance(cls, type):
         raise TypeError(f"spawn({name!r}, {cls!r}): pass the actor class, not an instance")
     check_one_kind(cls)
+    if cls.__module__ == "__mp_main__":  # a multiprocessing child's script: sent by value
+        backend.by_value("__mp_main__")
     pstate, shape = proc_mesh._state, proc_mesh._shape
     error = pstate.check(shape.ranks, None)
     if error is not None:
@@ -105,9 +107,10 @@ def spawn_actors(
     # owner is here), and watched from here.
     routed = not pstate.owned and not getattr(pstate.procs[0], "in_process", False)
     route = supervision.ROUTE if routed else None
+    spawner = Spawner(route, current_instance(), proc_mesh)
     payload = _payload(args, kwargs)
     pending = [
-        pstate.procs[rank].spawn(state.key, name, point, cls, payload, route)
+        pstate.procs[rank].spawn(state.key, name, point, cls, payload, spawner)
         for point, rank in shape.points()
     ]
     if routed:

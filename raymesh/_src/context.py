@@ -67,12 +67,11 @@ class ActorInstance:
     proc: its own proc as a mesh of one (`this_proc()` seen from the actor).
     abort(reason): fail this actor (see `abort`).
 
-    Not given (Monarch has them): `proc_mesh` (the whole mesh the actor was spawned on) and
-    `creator` (who spawned it): a spawn does not carry them to the proc. Pass the mesh to the
-    constructor where an actor needs it.
+    proc_mesh: the proc mesh (the view) the actor was spawned on; creator: the actor that
+    spawned it (the controller's is `<root>`, named "root"). None where unknown.
     """
 
-    __slots__ = ("_abort", "actor_id", "class_name", "name", "rank")
+    __slots__ = ("_abort", "actor_id", "class_name", "creator", "name", "proc_mesh", "rank")
 
     def __init__(
         self,
@@ -86,6 +85,8 @@ class ActorInstance:
         self.name = actor_id.actor_name
         self.class_name = class_name
         self._abort = abort
+        self.creator: ActorInstance | None = None
+        self.proc_mesh: Any = None
 
     @property
     def proc_id(self) -> str:
@@ -110,7 +111,25 @@ class ActorInstance:
         self._abort(reason)
 
     def __repr__(self) -> str:
+        if not self.class_name:  # the root client, as Monarch names it
+            return f"<{self.name}>"
         return actor_label(self.class_name, self.name, self.rank)
+
+    def __reduce__(self) -> Any:  # its identity travels; abort, creator and mesh stay here
+        return (ActorInstance, (self.actor_id, self.rank, self.class_name))
+
+
+@dataclass(frozen=True)
+class Spawner:
+    """What a spawn tells the proc about where its actors come from.
+
+    route: who watches their failures when not the procs' owner (see `supervision`);
+    creator: the spawning actor (`ActorInstance.creator`); proc_mesh: the view spawned on.
+    """
+
+    route: str | None
+    creator: ActorInstance
+    proc_mesh: Any
 
 
 def actor_label(class_name: str, name: str, rank: Point) -> str:
@@ -237,14 +256,24 @@ def current_actor_context() -> ActorContext | None:
 
 
 def context() -> ActorContext:
-    """The current actor's context. Raises RuntimeError outside an actor's endpoint."""
+    """The current actor's context; outside any actor (the controller's script, a thread a
+    proc's user started), the root client's, as in Monarch: `actor_instance` is `<root>`."""
     ctx = _current.get()
     if ctx is None:
-        raise RuntimeError(
-            "raymesh.context() is only defined inside an actor's endpoint or constructor; "
-            "use current_rank() for a rank that is also defined in the controller"
-        )
+        return _root_context()
     return ctx
+
+
+def current_instance() -> ActorInstance:
+    """The spawning identity of the caller: its actor, else the root client."""
+    return context().actor_instance
+
+
+def _root_context() -> ActorContext:
+    point = _proc_point if _proc_point is not None else _CONTROLLER_POINT
+    mesh = _proc_mesh_name or "controller"
+    root = ActorInstance(ActorId(proc_id(mesh, point), "root", "root", 0), point, "")
+    return ActorContext(point, point, "root", "root", mesh, root)
 
 
 def current_rank() -> Point:

@@ -75,10 +75,12 @@ class LocalProc:
         point: Point,
         cls: type,
         payload: Any,
-        route: str | None = None,
+        spawner: Any = None,
     ) -> Any:
         args, kwargs = _copy(payload)
-        return self._pool.submit(self.runtime.spawn, actor_key, mesh_name, point, cls, args, kwargs)
+        return self._pool.submit(
+            self.runtime.spawn, actor_key, mesh_name, point, cls, args, kwargs, spawner
+        )
 
     def stop_actor(self, actor_key: str) -> None:
         self.runtime.stop_actor(actor_key)

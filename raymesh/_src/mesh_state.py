@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from raymesh._src import backend
 from raymesh._src.context import actor_label
 from raymesh._src.errors import MeshFailure, SupervisionError
 
@@ -126,8 +127,20 @@ class ProcMeshState:
         return None
 
     def __reduce__(self):  # a copy in another process is a reference, not an owner
-        return (_rebuild_state, (self.name, self.procs, self.group))
+        # The cluster's address first: a process without Ray joins it before the procs'
+        # handles are read (pickle reads arguments in order).
+        return (_rebuild_state, (_Cluster(backend.address()), self.name, self.procs, self.group))
 
 
-def _rebuild_state(name: str, procs: list[Any], group: Any) -> ProcMeshState:
+class _Cluster:
+    """Unpickles as a connection to the cluster at `address` (see `ProcMeshState.__reduce__`)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __reduce__(self):
+        return (backend.join, (self.address,))
+
+
+def _rebuild_state(_: None, name: str, procs: list[Any], group: Any) -> ProcMeshState:
     return ProcMeshState(name, procs, group, owner_key=None, owned=False)

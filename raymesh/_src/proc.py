@@ -95,11 +95,11 @@ class ProcRuntime:
         cls: type,
         args: tuple,
         kwargs: dict,
-        route: str | None = None,
+        spawner: _ctx.Spawner | None = None,
     ) -> RemoteFailure | None:
         """Construct an actor, on its own thread. Returns the constructor's failure, or None.
-        `route`: who watches its failures (`watch(route=)`), when not the proc's owner: the
-        process whose actor spawned it on procs that process does not own."""
+        `spawner.route`: who watches its failures (`watch(route=)`), when not the proc's
+        owner: the process whose actor spawned it on procs that process does not own."""
         actor_id = _ctx.ActorId(
             _ctx.proc_id(self.proc_mesh_name, self.point), mesh_name, actor_key, point.rank
         )
@@ -107,7 +107,9 @@ class ProcRuntime:
         slot = HostedActor(
             actor_key, mesh_name, point, info, f"raymesh-actor-{actor_key}", self.proc_mesh_name
         )
-        slot.route = route
+        if spawner is not None:
+            slot.route = spawner.route
+            info.creator, info.proc_mesh = spawner.creator, spawner.proc_mesh
         info._abort = lambda reason: self._fail(slot, f"aborted: {reason or 'no reason provided'}")
         ctx = slot.context()
         endpoints = endpoints_of(cls)

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -151,7 +152,14 @@ class Identity(Actor):
             "class_name": ins.class_name,
             "proc_id": ins.proc_id,
             "repr": repr(ins),
+            "creator": ins.creator,
+            "proc_mesh_pids": ins.proc_mesh.pids,
         }
+
+    @endpoint
+    def spawn_child(self) -> Any:
+        """A helper spawned by this actor on its own proc mesh: its creator is this actor."""
+        return context().actor_instance.proc_mesh.slice(procs=0).spawn("child", Identity)
 
     @endpoint
     def helper_pid(self) -> tuple[int, int]:

@@ -162,6 +162,12 @@ def test_actor_instance_gives_rank_actor_id_names_and_its_proc(procs):
     assert info["repr"].endswith("'procs': 1/2}>")
     pid, helper_pid = ids.slice(procs=1).helper_pid.call_one().get(timeout=30)
     assert pid == helper_pid == procs.slice(procs=1).pids[0]
+    # who spawned it, and on what (Monarch's creator and proc_mesh): here the root client
+    assert info["creator"].name == "root" and repr(info["creator"]) == "<root>"
+    assert repr(raymesh.context().actor_instance) == "<root>"  # the client's own, as Monarch's
+    assert info["proc_mesh_pids"] == procs.pids
+    child = ids.slice(procs=1).spawn_child.call_one().get(timeout=30)
+    assert str(child.instance.call_one().get(timeout=10)["creator"].actor_id) == info["actor_id"]
 
 
 @pytest.mark.timeout(30)

@@ -322,14 +322,27 @@ class Calls(raymesh.Actor):
         return fn()
 
 
-procs = raymesh.this_host().spawn_procs(per_host={"procs": 2})
-result = {
-    "who": procs.spawn("who", Who).rank.call().get(timeout=60).values(),
-    "ten": procs.spawn("ten", Ten).rank.call().get(timeout=60).values(),
-    "closure": procs.spawn("calls", Calls).run.call(scaled(3)).get(timeout=60).values(),
-}
-procs.stop()
-print("RESULT " + json.dumps(result))
+def second_client(procs, answers):  # a multiprocessing child, handed the mesh: it joins Ray
+    answers.put(procs.spawn("from-child", Who).rank.call().get(timeout=60).values())
+
+
+if __name__ == "__main__":
+    import multiprocessing
+
+    procs = raymesh.this_host().spawn_procs(per_host={"procs": 2})
+    result = {
+        "who": procs.spawn("who", Who).rank.call().get(timeout=60).values(),
+        "ten": procs.spawn("ten", Ten).rank.call().get(timeout=60).values(),
+        "closure": procs.spawn("calls", Calls).run.call(scaled(3)).get(timeout=60).values(),
+    }
+    spawn = multiprocessing.get_context("spawn")
+    answers = spawn.Queue()
+    child = spawn.Process(target=second_client, args=(procs, answers))
+    child.start()
+    result["second client"] = answers.get(timeout=60)
+    child.join(30)
+    procs.stop()
+    print("RESULT " + json.dumps(result))
 """
 
 
@@ -346,4 +359,9 @@ def test_a_script_written_as_import_raymesh_spawns_its_actors(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-    assert json.loads(line[len("RESULT ") :]) == {"who": [0, 1], "ten": [0, 10], "closure": [0, 3]}
+    assert json.loads(line[len("RESULT ") :]) == {
+        "who": [0, 1],
+        "ten": [0, 10],
+        "closure": [0, 3],
+        "second client": [0, 1],  # a ProcMesh handed to a multiprocessing child works there
+    }

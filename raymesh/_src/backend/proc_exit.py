@@ -1,21 +1,20 @@
 """How a proc ends when its mesh is stopped: as a Python program ends, without the slow part.
 
 `ProcMesh.stop()` asks each proc to exit (Monarch stops procs gracefully too, so that a proc's
-finalizers run). Ray's `exit_actor` lets the calls in flight return and ends the process with
-`sys.exit`, and Python then runs the `atexit` handlers and tears the interpreter down. The
-teardown of a process that imported torch costs about 0.6 s of CPU (its modules and C++ static
-objects), which a program that stops many meshes pays again and again. So `install()`
-registers, before any user code runs, a last `atexit` handler that (only on this exit path)
-does what the program can observe of the teardown and skips the rest:
+finalizers run). Python's own ending, after Ray's `exit_actor`, is unreliable here: Ray ends
+the process from its own threads once it has drained the worker, which can cut the
+interpreter's teardown short, and that teardown costs about 0.6 s of CPU in a process that
+imported torch (its modules and C++ static objects). So `finalize()` does, in the proc's `exit`
+call and before Ray is asked to end it, what a program can observe of its ending:
 
-- every other `atexit` handler has run (the program's, torch's), since it runs last of those
-  registered after it; Ray's own handlers, registered earlier, are skipped: Ray has already
-  ended the worker's calls;
+- the `atexit` handlers run (the program's, torch's), newest first, as at exit; Ray's own
+  shutdown handler is left out: Ray ends the worker itself;
 - the globals of the program's own modules (`__main__` first, then the others, newest first:
   any module not from the Python installation, its site-packages, Ray or raymesh) are cleared
   as the interpreter clears them (names starting with `_` first), then the cyclic garbage is
   collected, so their objects' `__del__` run;
-- stdout and stderr are flushed, and the process exits with status 0.
+- stdout and stderr are flushed, and a last `atexit` handler ends the process with status 0
+  as soon as Python starts to exit, skipping the rest of the teardown.
 """
 
 from __future__ import annotations
@@ -25,40 +24,29 @@ import gc
 import os
 import sys
 import sysconfig
-import threading
+import types
 
-__all__ = ["begin", "install"]
+import ray
 
-_exiting = threading.Event()
-_installed = False
-
-
-def install() -> None:
-    """Register the last handler (once per process; a proc host calls it at start)."""
-    global _installed
-    if not _installed:
-        _installed = True
-        atexit.register(_finish)
+__all__ = ["finalize"]
 
 
-def begin() -> None:
-    """This proc is exiting because its mesh was stopped: `_finish` will run at exit."""
-    _exiting.set()
-
-
-def _finish() -> None:
-    if not _exiting.is_set():
-        return
+def finalize() -> None:
+    """Run this proc's finalizers now (see the module docstring); the caller then asks Ray to
+    end the process. Nothing it raises stops the exit."""
     try:
+        atexit.unregister(ray._private.worker.shutdown)  # Ray ends this worker itself
+        atexit._run_exitfuncs()  # and forgets them: they do not run twice
         _clear_program_modules()
         gc.collect()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed or redirected stream: nothing to flush
-                pass
-        os._exit(0)
+    except BaseException:  # a finalizer that failed: the proc still ends
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or redirected stream: nothing to flush
+            pass
+    atexit.register(os._exit, 0)
 
 
 def _clear_program_modules() -> None:
@@ -67,15 +55,15 @@ def _clear_program_modules() -> None:
         for key in ("stdlib", "platstdlib", "purelib", "platlib")
         if (p := sysconfig.get_paths().get(key))
     )
-    mains, others = [], []
+    mains: list[types.ModuleType] = []
+    others: list[types.ModuleType] = []
     for name, module in list(sys.modules.items()):  # in the order they were imported
         if module is None or name.split(".")[0] in ("ray", "raymesh"):
             continue
         path = getattr(module, "__file__", None)
-        if name == "__main__":
-            mains.append(module)
-        elif path and not os.path.realpath(path).startswith(library):
-            others.append(module)
+        if not path or os.path.realpath(path).startswith(library):
+            continue  # a proc's own __main__ is Ray's worker loop, still running: kept too
+        (mains if name == "__main__" else others).append(module)
     for module in [*mains, *reversed(others)]:
         names = vars(module)
         for private in (True, False):  # as the interpreter: `_names` first, then the rest

@@ -60,7 +60,7 @@ class HostedRuntime(Protocol):
         cls: type,
         args: tuple,
         kwargs: dict,
-        route: str | None,
+        spawner: Any,
         /,
     ) -> RemoteFailure | None: ...
 
@@ -95,7 +95,6 @@ class _ProcHost:
         if origin is not None:
             _take_origin(origin, watch=False)
         zero_copy.enable()
-        proc_exit.install()
         self._name = "raymesh-warm-proc"
         self._channel = channel.Server(self._deliver, RemoteFailure.from_exception, MESSAGE_THREADS)
         self._preloading: threading.Thread | None = None
@@ -141,12 +140,12 @@ class _ProcHost:
         point: Point,
         cls: type,
         payload: Any,
-        route: str | None = None,
+        spawner: Any = None,
     ) -> Any:
         if type(payload) is list:
             payload = ray.get(payload[0])
         args, kwargs = payload
-        return self.runtime.spawn(actor_key, mesh_name, point, cls, args, kwargs, route)
+        return self.runtime.spawn(actor_key, mesh_name, point, cls, args, kwargs, spawner)
 
     @ray.method(concurrency_group="control")
     def stop_actor(self, actor_key: str) -> None:
@@ -165,7 +164,7 @@ class _ProcHost:
         """End this process as a Python program ends (see `proc_exit`): Ray lets its calls in
         flight return, then the `atexit` handlers run and the program's module globals are
         finalized."""
-        proc_exit.begin()
+        proc_exit.finalize()
         ray.actor.exit_actor()
 
     @ray.method(concurrency_group="control")

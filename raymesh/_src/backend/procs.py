@@ -90,9 +90,10 @@ class RayProc:
         point: Point,
         cls: type,
         payload: Any,
-        route: str | None = None,
+        spawner: Any = None,
     ) -> Any:
-        return self.handle.spawn.remote(actor_key, mesh_name, point, cls, payload, route)
+        """`spawner`: opaque here (the proc runtime's `Spawner`)."""
+        return self.handle.spawn.remote(actor_key, mesh_name, point, cls, payload, spawner)
 
     def watch(self, timeout: float, route: str | None = None) -> Any:
         return self.handle.watch.remote(timeout, route)

@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import itertools
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -168,6 +169,14 @@ def _first_line(e: BaseException) -> str:
         if "Worker exit detail" in line or "actor is dead" in line.lower():
             return line.strip()[:300]
     return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def by_value(module_name: str) -> None:
+    """Pickle what module `module_name` defines by value, as cloudpickle does `__main__`'s: a
+    `multiprocessing` child's main module (`__mp_main__`) exists in no proc to import from."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 def roundtrip(value: Any) -> Any:

@@ -390,6 +390,16 @@ def started_local() -> bool:
     return _started_local
 
 
+def join(address: str) -> None:
+    """Connect this process to the Ray cluster at `address`, unless it is connected already:
+    a mesh unpickled in a process that has no Ray yet (a `multiprocessing` child of the
+    controller) joins its cluster as a second client before its procs' handles are read."""
+    if ray.is_initialized() or address in ("", "local"):
+        return
+    os.environ.setdefault("RAYMESH_ADDRESS", address)
+    ensure_ray()
+
+
 def connected() -> bool:
     """Whether raymesh made this process's Ray connection (a user's `ray.init` is theirs)."""
     return _connected and ray.is_initialized()
