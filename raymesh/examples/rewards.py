@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 __all__ = ["python_lines"]
 
 
@@ -15,12 +17,15 @@ def python_lines(prompt: bytes, completion: bytes) -> float:
     if not lines:
         return 0.0
     ok = 0
-    for line in lines:
-        if line.startswith("#") or not any(c.isalpha() for c in line):
-            continue
-        try:
-            compile(line, "<completion>", "exec")
-            ok += 1
-        except (SyntaxError, ValueError):
-            pass
+    with warnings.catch_warnings():  # what compile() warns of a sampled line ("\d", `"a"()`)
+        warnings.simplefilter("ignore", SyntaxWarning)  # is not the run's news: keep it quiet
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for line in lines:
+            if line.startswith("#") or not any(c.isalpha() for c in line):
+                continue
+            try:
+                compile(line, "<completion>", "exec")
+                ok += 1
+            except (SyntaxError, ValueError):
+                pass
     return ok / len(lines)

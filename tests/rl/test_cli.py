@@ -227,3 +227,10 @@ def test_the_readmes_rl_job_file_reads_as_a_valid_job():
 
     # 4 lines: one compiles with a word; a comment, a bare number and a syntax error do not.
     assert python_lines(b"def ", b"f(x): pass\n# a comment\n42\nx = \n") == 0.25
+    # lines that compile with a warning (a str called, an invalid escape) warn nobody
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert python_lines(b"x = ", b'"a"()\ny = "\\d"\n') == 1.0
+    assert caught == []
