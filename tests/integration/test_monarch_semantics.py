@@ -28,7 +28,7 @@ from raymesh import (
 from raymesh._src.endpoint import Reply
 from raymesh.actor import Port
 
-from ..waiting import wait_for
+from ..waiting import alive, wait_for
 from .monarch_actors import (
     Adopter,
     AsyncCleaned,
@@ -69,14 +69,6 @@ def hook_calls():
     raymesh.actor.unhandled_fault_hook = calls.append
     yield calls
     raymesh.actor.unhandled_fault_hook = saved
-
-
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _failures_of(calls: list[MeshFailure], mesh_name: str) -> list[MeshFailure]:
@@ -400,7 +392,7 @@ def test_stopping_a_proc_mesh_lets_its_procs_exit_as_python_does(tmp_path):
     path = tmp_path / "marker"
     pid = procs.spawn("finalized", Finalized, str(path)).pid.call_one().get(timeout=30)
     procs.stop()  # returns once the process has exited (a zombie until Ray reaps it)
-    assert _exited(pid)
+    assert not alive(pid)
     assert path.read_text() == "finalized"  # a module global's __del__ ran
     assert (tmp_path / "marker.atexit").exists()  # and the proc's atexit handlers
 

@@ -276,7 +276,9 @@ def test_the_counters_example_runs_as_a_user_runs_it_with_every_adverb_and_a_sup
     at = 0
     for pattern in expected:
         for i in range(at, len(lines)):
-            m = re.fullmatch(pattern, lines[i])
+            # the end of the line: Ray's forwarder may have left a proc's line unterminated
+            # before it, under load ("... says helloafter broadcast -> ...")
+            m = re.search(pattern + "$", lines[i])
             if m:
                 found.append(m)
                 at = i + 1
