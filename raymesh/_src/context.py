@@ -270,10 +270,13 @@ def current_instance() -> ActorInstance:
 
 
 def _root_context() -> ActorContext:
-    point = _proc_point if _proc_point is not None else _CONTROLLER_POINT
-    mesh = _proc_mesh_name or "controller"
-    root = ActorInstance(ActorId(proc_id(mesh, point), "root", "root", 0), point, "")
-    return ActorContext(point, point, "root", "root", mesh, root)
+    """The root client's context: the controller's, or a proc's own outside any message."""
+    if _proc_point is not None and _proc_mesh_name is not None:
+        point, mesh = _proc_point, _proc_mesh_name
+        actor_id = ActorId(proc_id(mesh, point), "root", "root", 0)
+    else:
+        point, mesh, actor_id = _CONTROLLER_POINT, "controller", _ROOT_ID
+    return ActorContext(point, point, "root", "root", mesh, ActorInstance(actor_id, point, ""))
 
 
 def current_rank() -> Point:
@@ -298,9 +301,4 @@ def current_actor_name() -> str:
     Monarch): `"<proc mesh>[<coords>],<actor mesh id>[<rank>]"`. Unique per actor, stable for
     its life. In the controller `"controller,root[0]"`; in a proc outside any message (a thread
     the user started), `"<proc mesh>[<coords>],root[0]"`."""
-    ctx = _current.get()
-    if ctx is not None:
-        return str(ctx.actor_instance.actor_id)
-    if _proc_point is not None and _proc_mesh_name is not None:
-        return str(ActorId(proc_id(_proc_mesh_name, _proc_point), "root", "root", 0))
-    return str(_ROOT_ID)
+    return str(context().actor_instance.actor_id)
