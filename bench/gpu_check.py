@@ -316,7 +316,7 @@ def finetune_memory(r: Record, args: argparse.Namespace) -> None:
                     load=lambda _: batch, device=dev, step=step, rank=0, world_size=1,
                     global_batch_size=32, timing=Timing(), hooks=None, precision=Precision(),
                     grad_clip=1.0,
-                )
+                )[0]
             )  # fmt: skip
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(dev)

@@ -1,14 +1,17 @@
 """RL benchmark, first part: weight sync of a ~10M-parameter policy to 4 generators.
 
-    python bench/rl.py            # 5 rounds, median (~1 min on 2 cores)
-    python bench/rl.py --save     # also write bench/results/rl.json
+    python bench/rl.py                 # 5 rounds, median (~1 min on 2 cores)
+    python bench/rl.py --save          # also write bench/results/rl.json
+    python bench/rl.py --learner 1:ddp # the learner job's ranks and strategy (default 2:fsdp)
 
-Issue 36's target: publishing a policy version to 4 generators within 1.2x the cost of one
-`ray.put` of its state dict and 4 `ray.get`s of it. Measured, in one run on one machine:
-  raymesh_rl      what rl.run does per step: the learner's `weights()` (its state stored once in
-                  the object store, as a `raymesh.Shared`: the controller gets a reference),
-                  then `load(version, shared)` on each of 4 generators (one proc mesh each),
-                  until every generator has installed it
+Issue 52's target: publishing a version of a 2-rank FSDP learner's policy to 4 generators
+within 1.3x the cost of one `ray.put` of its state dict and 4 `ray.get`s of it (issue 36's:
+1.2x from a one-proc learner). Measured, in one run on one machine:
+  raymesh_rl      what rl.run does per step: the learner job's `weights()` (rank 0 gathers the
+                  sharded state once and stores it once in the object store, as a
+                  `raymesh.Shared`: the controller gets a reference), then
+                  `load(version, shared)` on each of 4 generators (one proc mesh each), until
+                  every generator has installed it
   raymesh_shared  the controller's state as `Shared(state)`, then the same 4 loads: the
                   anchor's work through raymesh's calls
   ray_put_get     the anchor: `ray.put(state)` in the controller, then 4 plain Ray actors each
@@ -48,20 +51,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--save", action="store_true", help="write bench/results/rl.json")
+    p.add_argument("--learner", default="2:fsdp", help="the learner job's RANKS:STRATEGY")
     args = p.parse_args()
+    ranks, strategy = args.learner.split(":")
 
     import ray
 
     from raymesh import Shared as rl_shared
-    from raymesh import cluster, rl, this_host
-    from raymesh.rl.learner import Learner
+    from raymesh import cluster, rl, this_host, train
+    from raymesh.rl.learner import GRPOTask, TrainedLearner
 
     load_start = os.getloadavg()
     cluster.ensure_ray()
     policy = big  # shipped by value to the procs (a __main__ function)
     algorithm = rl.GRPO()
-    learner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="bench-learner")
-    learner = learner_procs.spawn("learner", Learner, policy, algorithm, seed=0, init=None)
+    config = train.TrainConfig(
+        workers=int(ranks), strategy=strategy, global_batch_size=int(ranks), activation_bytes=0
+    )
+    learner = TrainedLearner(train.drive(GRPOTask(policy, algorithm), config, run_folder=False))
     meshes = [
         this_host().spawn_procs(per_host={"procs": 1}, name=f"bench-gen{i}")
         for i in range(GENERATORS)
@@ -85,7 +92,7 @@ def main() -> None:
     state = big(None).model.state_dict()
     for _ in range(args.rounds):
         t0 = time.perf_counter()
-        version, shared = learner.weights.call_one().get(timeout=120)
+        version, shared = learner.weights()
         for f in [g.load.call_one(version, shared) for g in gens]:
             f.get(timeout=120)
         times["raymesh_rl"].append(time.perf_counter() - t0)
@@ -98,8 +105,9 @@ def main() -> None:
         ref = ray.put(state)
         ray.get([p.load.remote([ref]) for p in plains], timeout=120)
         times["ray_put_get"].append(time.perf_counter() - t0)
-    for m in [*meshes, learner_procs]:
+    for m in meshes:
         m.stop().get(timeout=60)
+    learner.job.stop()
     median = {k: statistics.median(v) for k, v in times.items()}
     anchor = median["ray_put_get"]
     out = {
@@ -107,10 +115,11 @@ def main() -> None:
         "parameters": params,
         "state_mb": round(sum(t.numel() * t.element_size() for t in state.values()) / 1e6, 1),
         "generators": GENERATORS,
+        "learner": {"ranks": int(ranks), "strategy": strategy},
         "rounds": args.rounds,
         "median_s": {k: round(v, 4) for k, v in median.items()},
         "vs_ray_put_get": {k: round(v / anchor, 2) for k, v in median.items()},
-        "target": "raymesh_rl <= 1.2x ray_put_get",
+        "target": "raymesh_rl <= 1.3x ray_put_get (2-rank FSDP learner)",
         "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),

@@ -10,13 +10,15 @@
         steps=100,
         generators=2,                             # generator procs
         max_staleness=1,                          # 0: synchronous
+        trainer={"workers": 2, "strategy": "fsdp"},  # the learner: a train job
     )
 
 What is here:
-- `run`: GRPO post-training of a byte-level policy with a mesh of `Generator` procs and one
-  `Learner` proc, on one controller, asynchronous up to `max_staleness` versions; a generator
-  SIGKILLed mid-rollout is replaced and its rollouts made again, so a synchronous run ends with
-  the weights of a run without the fault (docs/rl.md).
+- `run`: GRPO post-training of a byte-level policy with a mesh of `Generator` procs and a
+  learner that is a raymesh.train job the loop drives (`trainer=`: its ranks, strategy,
+  precision; a lost rank heals under the loop), on one controller, asynchronous up to
+  `max_staleness` versions; a generator SIGKILLed mid-rollout is replaced and its rollouts made
+  again, so a synchronous run ends with the weights of a run without the fault (docs/rl.md).
 - `run(algorithm=PPO(env=...))`: PPO on a gymnasium environment, with a mesh of `EnvRunner`
   procs (GAE computed where the values are) and one `PPOLearner` proc; a runner SIGKILLed
   mid-segment is replaced and its segment made again (docs/rl.md);
@@ -28,8 +30,8 @@ What is here:
   completion, with its reason; a step with no completion scored ends the run: `RewardError`).
 
 Also: reward actors (`reward=` a mesh), `checkpoint=` and `resume`, the run folder the
-dashboard shows (docs/rl.md). Not built yet: the learner as a raymesh.train job (any
-strategy, healing), weight sync in buckets or over Ray's tensor transport.
+dashboard shows (docs/rl.md). Not built yet: PPO's learner as a train job, one RL config and
+one run folder with train's, weight sync over Ray's tensor transport.
 """
 
 from raymesh.rl.algorithms import (
@@ -47,7 +49,7 @@ from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.environments import ActorCritic, EnvRunner, Segment
 from raymesh.rl.generator import Generator
 from raymesh.rl.jobfile import RLJob, load_rl_job
-from raymesh.rl.learner import Learner, PPOLearner
+from raymesh.rl.learner import GRPOTask, PPOLearner, completion_samples
 from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, RewardError, sample_seed, score
 
@@ -57,8 +59,8 @@ __all__ = [
     "ActorCritic",
     "Completions",
     "EnvRunner",
+    "GRPOTask",
     "Generator",
-    "Learner",
     "PPOLearner",
     "RLJob",
     "RLResult",
@@ -68,6 +70,7 @@ __all__ = [
     "Segment",
     "Stats",
     "clipped_surrogate",
+    "completion_samples",
     "gae",
     "group_advantages",
     "grpo_loss",

@@ -11,6 +11,9 @@
     [grpo]
     group_size = 8
     max_tokens = 32
+    [trainer]                                      # the learner's train job (default: 1 rank)
+    workers = 2
+    strategy = "fsdp"
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class RLJob:
     seed: int = 0
     timeout_s: float = 300.0
     grpo: GRPO = field(default_factory=GRPO)
+    trainer: dict[str, Any] | None = None  # [trainer]: the learner job's TrainConfig fields
 
     def __post_init__(self) -> None:
         for key in ("policy", "reward"):
@@ -70,6 +74,8 @@ class RLJob:
             object.__setattr__(self, "prompts", lines)
         if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
             raise bad("prompts", self.prompts, "give a non-empty list of strings")
+        if self.trainer is not None and not isinstance(self.trainer, dict):
+            raise bad("trainer", self.trainer, "give a [trainer] table of TrainConfig fields")
 
     def run_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `rl.run`."""
@@ -90,6 +96,7 @@ class RLJob:
             "resume": self.resume,
             "run_dir": self.run_dir,
             "timeout_s": self.timeout_s,
+            "trainer": self.trainer,
         }
 
 

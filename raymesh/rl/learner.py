@@ -1,29 +1,31 @@
-"""The learner role: the policy being trained, one proc, stepped by the RL loop with GRPO.
+"""The learner role: the policy being trained, stepped by the RL loop.
 
-`learn(rollouts)` turns a step's rollouts into one optimizer step: each completion's
-log-probabilities under the current policy (teacher-forced after its prompt, at the sampling
-temperature), its group-relative advantage, and GRPO's clipped loss against the
-log-probabilities the generator recorded, so a rollout made by an older version is corrected
-by the ratio. Completions whose reward was dropped take no part; a group with fewer than two
-left teaches nothing. Each step makes a new policy version, which `weights()` hands to the
-generators.
+GRPO's learner is a raymesh.train job the loop drives (`train.drive`): any number of ranks,
+any strategy (DDP, FSDP, HSDP), any precision, placed on GPUs where there are, healing a lost
+rank under the loop bit for bit, checkpointing as every train job does. The loop turns a step's
+rollouts into the job's samples (`completion_samples`: one per completion, its group-relative
+advantage computed where the whole group is), and each rank's `GRPOTask` loss takes GRPO's
+clipped step on its share: each completion's log-probabilities under the current policy
+(teacher-forced after its prompt, at the sampling temperature) against those the generator
+recorded, so a rollout made by an older version is corrected by the ratio. Every real token of
+the step weighs the same whatever rank trains it (DAPO's token-level mean, over the global
+batch). Completions whose reward was dropped take no part; a group with fewer than two left
+teaches nothing. Each step makes a new policy version, which `TrainedLearner.weights` hands to
+the generators, gathered once from the sharded ranks.
 
-`PPOLearner` is the same role for environments: `learn(rollouts)` takes the runners' segments
-(advantages and returns already computed where the values were) and makes `epochs` passes over
-them in `minibatches` shuffled minibatches, with PPO's clipped loss, advantages normalised per
-minibatch and gradients clipped to `max_grad_norm`.
-
-Each learner is one process. Running the trainer as a raymesh.train job (any strategy,
-healing) is the part of issue 36 still to build.
+`PPOLearner` is PPO's learner for environments, one proc: `learn(rollouts)` takes the runners'
+segments (advantages and returns already computed where the values were) and makes `epochs`
+passes over them in `minibatches` shuffled minibatches, with PPO's clipped loss, advantages
+normalised per minibatch and gradients clipped to `max_grad_norm`. (Running it as a driven
+train job too is still to build: its minibatch passes are several optimizer steps a version.)
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import math
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,177 +33,188 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raymesh.actor import Actor, Shared, endpoint
-from raymesh.rl.algorithms import GRPO, PPO, Stats, group_advantages, grpo_loss, ppo_loss
+from raymesh.rl.algorithms import (
+    GRPO,
+    PPO,
+    Stats,
+    clipped_surrogate,
+    group_advantages,
+    kl_to_reference,
+    ppo_loss,
+)
 from raymesh.rl.buffer import Rollout
-from raymesh.rl.codec import context_of
 from raymesh.rl.environments import Segment, build_policy, log_prob_and_entropy
 from raymesh.rl.sampling import Completions
-from raymesh.train import TrainConfig
-from raymesh.train.checkpoint import Checkpointer, resolve_checkpoint
-from raymesh.train.export import job_config, rebuild
+from raymesh.train import Context, DrivenJob, Task
+from raymesh.train.export import rebuild
 
-__all__ = ["Learner", "PPOLearner"]
+__all__ = ["GRPOTask", "PPOLearner", "TrainedLearner", "completion_samples"]
 
 
-class Learner(Actor):
-    """The policy of `policy` (a raymesh.train build function or its name: its Task's model
-    and optimizer), from the checkpoint `init` when given, seeded with `seed`."""
+def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict], Stats]:
+    """A GRPO step's samples, one per completion of `rollouts` (the order kept), for the
+    learner's ranks; and the loop's figures of the step: mean reward and staleness (against
+    `version`, the policy being trained), samples used and dropped (no reward), tokens.
 
-    def __init__(
-        self,
-        policy: Any,
-        algorithm: GRPO,
-        *,
-        seed: int,
-        init: str | None,
-        params: dict[str, Any] | None = None,
-        resume: str | None = None,
-    ) -> None:
-        # What a checkpoint of the policy records as its job: the init's (so `raymesh serve`
-        # and `export` rebuild the model as it was trained), naming this build function.
-        if init is not None:
-            config = job_config(resolve_checkpoint(init))
-        else:
-            config = TrainConfig(params=params or {})
-        build = policy if isinstance(policy, str) else config.build
-        self.config = dataclasses.replace(config, build=build).to_dict()
-        task = rebuild(init, build=policy, seed=seed, params=params)
-        self.model = task.model.train()
-        self.optimizer = task.optimizer
+    A sample is a dict of tensors: `ids` (the prompt, then the completion but its last token:
+    the teacher-forced input), `start` (where the completion's first token is predicted),
+    `tokens`, `old` (the generator's log-probabilities), `advantage`, `mask` (the tokens that
+    count: a scored completion's, up to and with its end-of-text token) and `scale` (the step's
+    samples over its counted tokens, the same for all: it makes the ranks' weighted means the
+    global token-level mean)."""
+    out: list[dict] = []
+    rewards: list[float] = []
+    lag: list[int] = []
+    dropped = tokens = 0
+    for r in rollouts:
+        data: Completions = r.data
+        valid = ~torch.isnan(data.rewards)
+        adv = torch.zeros(len(data.rewards), dtype=torch.float64)
+        if int(valid.sum()) >= 2:
+            adv[valid] = group_advantages(data.rewards[valid], int(valid.sum()))
+        prompt = data.prompt_ids
+        if prompt is None:
+            prompt = torch.tensor(list(data.prompt or b"\n"))
+        t = data.tokens.shape[1]
+        counted = torch.ones_like(data.tokens, dtype=torch.bool)
+        if data.lengths is not None:  # the tokens after an end-of-text token
+            counted = torch.arange(t)[None, :] < data.lengths[:, None]
+        mask = valid[:, None] & counted
+        for i in range(len(data.rewards)):
+            out.append(
+                {
+                    "ids": torch.cat([prompt, data.tokens[i, :-1]]).long(),
+                    "start": torch.tensor(len(prompt) - 1),
+                    "tokens": data.tokens[i].long(),
+                    "old": data.logp[i].float(),
+                    "advantage": adv[i].float(),
+                    "mask": mask[i].float(),
+                }
+            )
+        rewards.extend(data.rewards[valid].tolist())
+        dropped += len(data.rewards) - int(valid.sum())
+        tokens += data.tokens.numel()
+        lag.append(version - r.version)
+    real = sum(float(s["mask"].sum()) for s in out)
+    scale = torch.tensor(len(out) / max(real, 1.0))
+    for s in out:
+        s["scale"] = scale
+    figures: Stats = {
+        "reward_mean": sum(rewards) / max(1, len(rewards)),
+        "staleness_mean": sum(lag) / max(1, len(lag)),
+        "samples": float(len(rewards)),
+        "dropped": float(dropped),  # completions whose reward failed: no part in the step
+        "tokens": float(tokens),  # generated, dropped samples' included
+    }
+    return out, figures
+
+
+def collate_completions(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """A batch of `completion_samples`: `ids` padded on the right to the longest (a causal
+    model's logits at a position see only what is before it, so a row's values are those of
+    its own unpadded forward), the rest stacked."""
+    longest = max(len(s["ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s["ids"])] = s["ids"]
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "ids"}
+    return {"ids": ids, **batch}
+
+
+@dataclass(frozen=True)
+class GRPOTask:
+    """The build function of GRPO's learner ranks: the policy of `policy` (a raymesh.train
+    build function or its name: its Task's model and optimizer), from the checkpoint `init`
+    when given, with GRPO's loss over `completion_samples`."""
+
+    policy: Any
+    algorithm: GRPO
+    init: str | None = None
+    params: dict[str, Any] | None = None
+
+    def __call__(self, ctx: Context) -> Task:
+        task = rebuild(
+            self.init, build=self.policy, device=ctx.device, seed=ctx.seed, params=self.params
+        )
+        return Task(
+            model=task.model.train(),
+            optimizer=task.optimizer,
+            loss_fn=GRPOLoss(self.algorithm, task.model),
+            collate_fn=collate_completions,
+            init_weights=task.init_weights,
+        )
+
+
+class GRPOLoss:
+    """GRPO's loss on a batch of `completion_samples`, with the clip fraction (and the KL to
+    the initial policy, when `algorithm.kl` > 0: a frozen copy of `model` as built) beside it,
+    each the token-level sum times the samples' `scale`, averaged over the rows."""
+
+    def __init__(self, algorithm: GRPO, model: nn.Module) -> None:
         self.algorithm = algorithm
-        self.context = context_of(self.model)
-        # Only what trains changes: a LoRA policy publishes its adapters alone.
-        self.trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.version = 0
-        # GRPO's KL is to the initial policy: a frozen copy, kept only when the KL is weighed
         self.reference = None
         if algorithm.kl > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.position: dict[str, Any] = {}
-        if resume is not None:  # a step folder the controller found committed and verified
-            manifest = Checkpointer(Path(resume).parent).load(resume, self.model, self.optimizer)
-            self.version = manifest.step
-            # checked by the controller before it acts on it (raymesh.rl.position)
-            self.position = manifest.extra.get("rl", {})
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
 
-    @endpoint
-    def resumed(self) -> tuple[int, dict[str, Any]]:
-        """(the version this learner starts from, the loop's position saved with it)."""
-        return self.version, self.position
-
-    @endpoint
-    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
-        """(the current version, its weights, stored once in this host's object store): the
-        loop hands the reference to every generator, and each reads the one copy."""
-        state = self.model.state_dict()
-        if len(self.trained) < len(state):
-            state = {k: v for k, v in state.items() if k in self.trained}
-        return self.version, Shared(state)
-
-    @endpoint
-    def save(self, folder: str, position: dict[str, Any]) -> str:
-        """Checkpoint the policy and its optimizer in `folder` as raymesh.train does (step =
-        the version), which `raymesh serve --checkpoint`, `export` and `init=` read, with the
-        loop's `position` (which samples it has taken), which a resumed run continues from;
-        returns the step folder. The newest two are kept."""
-        Checkpointer(folder, keep=2).save(
-            self.version,
-            self.model,
-            self.optimizer,
-            world_size=1,
-            strategy="ddp",
-            config=self.config,
-            data_position=self.version,
-            rank=0,
-            extra={"rl": position},
-        )
-        return str(resolve_checkpoint(folder))
-
-    @endpoint
-    def learn(self, rollouts: list[Rollout]) -> Stats:
-        """One GRPO step on `rollouts`; the policy's version goes up by one. Returns the
-        step's statistics: loss, clip fraction, mean reward and staleness, samples used and
-        dropped (no reward), and the KL to the initial policy when `algorithm.kl` > 0."""
+    def __call__(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, Stats]:
         a = self.algorithm
-        prompts, completions, old, advantages, mask, rewards, lag = [], [], [], [], [], [], []
-        dropped = 0
-        for r in rollouts:
-            data: Completions = r.data
-            valid = ~torch.isnan(data.rewards)
-            adv = torch.zeros(len(data.rewards), dtype=torch.float64)
-            if int(valid.sum()) >= 2:
-                adv[valid] = group_advantages(data.rewards[valid], int(valid.sum()))
-            prompt = data.prompt_ids
-            if prompt is None:
-                prompt = torch.tensor(list(data.prompt or b"\n"))
-            prompts.extend([prompt] * len(data.rewards))
-            completions.append(data.tokens)
-            old.append(data.logp)
-            advantages.append(adv)
-            t = data.tokens.shape[1]
-            counted = torch.ones_like(data.tokens, dtype=torch.bool)
-            if data.lengths is not None:  # the tokens after an end-of-text token
-                counted = torch.arange(t)[None, :] < data.lengths[:, None]
-            mask.append(valid[:, None] & counted)
-            rewards.extend(data.rewards[valid].tolist())
-            dropped += len(data.rewards) - int(valid.sum())
-            lag.append(self.version - r.version)
-        tokens = torch.cat(completions)
-        new = self._logp(self.model, prompts, tokens)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self._logp(self.reference, prompts, tokens)
-        masks = torch.cat(mask).to(new.dtype)
-        loss, stats = grpo_loss(
-            new,
-            torch.cat(old),
-            torch.cat(advantages).to(new.dtype),
-            masks,
-            clip=a.clip,
-            kl=a.kl,
-            logp_ref=ref,
+        logp = completion_logp(model, batch, a.temperature)
+        surrogate, clipped = clipped_surrogate(
+            logp, batch["old"], batch["advantage"][:, None], a.clip
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.version += 1
-        return {
-            **stats,
-            "loss": loss.item(),
-            "reward_mean": sum(rewards) / max(1, len(rewards)),
-            "staleness_mean": sum(lag) / max(1, len(lag)),
-            "samples": float(len(rewards)),
-            "dropped": float(dropped),  # completions whose reward failed: no part in the step
-            "tokens": float(tokens.numel()),  # generated, dropped samples' included
-            "version": float(self.version),
-        }
+        weight = batch["mask"] * batch["scale"][:, None]
+        loss = (surrogate * weight).sum(1).mean()
+        stats: Stats = {"clip_fraction": float((clipped * weight).sum(1).mean())}
+        if self.reference is not None:
+            self.reference.to(batch["ids"].device)
+            with torch.no_grad():
+                ref = completion_logp(self.reference, batch, a.temperature)
+            divergence = (kl_to_reference(logp, ref) * weight).sum(1).mean()
+            loss = loss + a.kl * divergence
+            stats["kl"] = float(divergence)
+        return loss, stats
 
-    def _logp(
-        self, model: nn.Module, prompts: list[torch.Tensor], completions: torch.Tensor
-    ) -> torch.Tensor:
-        """[N, T]: the log-probabilities of completion i's tokens after prompt i under `model`,
-        at the sampling temperature, in one forward. The rows are padded on the right: a
-        causal model's logits at a position see only what is before it, and every row starts
-        at position 0, so a row's values are those of its own unpadded forward."""
-        t = completions.shape[1]
-        longest = max(len(p) for p in prompts) + t - 1
-        if self.context is not None and longest > self.context:
-            raise ValueError(
-                f"a prompt of {longest - t + 1} tokens and max_tokens={t} exceed the policy's "
-                f"context of {self.context} tokens; lower max_tokens or the prompts"
-            )
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p) + t - 1] = torch.cat([p, completions[i, :-1]])
-        out = model(ids)
-        logits = getattr(out, "logits", out)
-        # completion token j of row i is predicted at position len(prompt i) - 1 + j
-        starts = torch.tensor([len(p) - 1 for p in prompts])
-        at = (starts[:, None] + torch.arange(t))[:, :, None]
-        picked = logits.gather(1, at.expand(-1, -1, logits.shape[-1])).float()
-        logp = F.log_softmax(picked / self.algorithm.temperature, dim=-1)
-        return logp.gather(2, completions[:, :, None].long())[:, :, 0]
+
+def completion_logp(model: nn.Module, batch: dict, temperature: float) -> torch.Tensor:
+    """[B, T]: the log-probabilities of each row's completion tokens after its prompt under
+    `model`, at `temperature`, in one forward of the padded rows."""
+    tokens = batch["tokens"]
+    t = tokens.shape[1]
+    out = model(batch["ids"])
+    logits = getattr(out, "logits", out)
+    # completion token j of row i is predicted at position start_i + j
+    at = (batch["start"][:, None] + torch.arange(t, device=tokens.device))[:, :, None]
+    picked = logits.gather(1, at.expand(-1, -1, logits.shape[-1])).float()
+    return F.log_softmax(picked / temperature, dim=-1).gather(2, tokens[:, :, None])[:, :, 0]
+
+
+class TrainedLearner:
+    """GRPO's learner role on a driven train job (`train.drive` of a `GRPOTask`): the loop
+    calls `learn`, `weights`, `save` and `resumed` of it as it did of the one-proc learner."""
+
+    def __init__(self, job: DrivenJob) -> None:
+        self.job = job
+
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        """(the version the job starts from, the loop's position saved with it)."""
+        step, extra = self.job.resumed
+        return step, extra.get("rl", {})
+
+    def learn(self, rollouts: list[Rollout]) -> Stats:
+        """One GRPO step on `rollouts` on every rank; the version goes up by one. The step's
+        statistics: loss, clip fraction (and KL), the loop's figures (`completion_samples`)."""
+        samples, figures = completion_samples(rollouts, self.job.trained)
+        row = self.job.step(samples, report=figures)
+        keep = ("loss", "clip_fraction", "kl")
+        return {**{k: row[k] for k in keep if k in row}, **figures, "version": row["step"]}
+
+    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
+        """(the current version, what trains of its weights: gathered once, stored once)."""
+        return self.job.trained, self.job.weights(trained_only=True)
+
+    def save(self, position: dict[str, Any]) -> str:
+        """Checkpoint the policy with the loop's `position`; the step folder."""
+        return self.job.save(extra={"rl": position})
 
 
 class PPOLearner(Actor):

@@ -27,6 +27,7 @@ TimeoutError, never a hang.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import math
@@ -39,15 +40,19 @@ from typing import Any
 
 import torch
 
+from raymesh import train
 from raymesh._common import bad, check_int, check_seconds
 from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.learner import GRPOTask, TrainedLearner
 from raymesh.rl.position import Position
 from raymesh.rl.roles import env_roles, text_roles
 from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
-from raymesh.train.checkpoint import Checkpointer
+from raymesh.train import CheckpointConfig, FailureRecord, TrainConfig
+from raymesh.train.checkpoint import resolve_checkpoint
+from raymesh.train.export import job_config
 
 __all__ = ["RLResult", "run"]
 
@@ -68,6 +73,8 @@ class RLResult:
     remade: list[int] = field(default_factory=list)
     replaced: int = 0
     checkpoint: str | None = None  # the step folder the final policy was saved in
+    # the learner ranks lost and replaced (GRPO's learner job's `Result.failures`)
+    learner_failures: list[FailureRecord] = field(default_factory=list)
     resumed_from: int = 0  # the version the run continued from (0: a fresh start)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -104,6 +111,7 @@ def run(
     reward_timeout_s: float = 60.0,
     progress: Callable[[Stats], None] | None = None,
     stop: Callable[[Stats], bool] | None = None,
+    trainer: TrainConfig | dict[str, Any] | None = None,
 ) -> RLResult:
     """Train `policy` with `algorithm`, for at most `steps` policy updates; the run ends early
     after the first step whose statistics `stop` accepts. `progress` gets each step's.
@@ -125,6 +133,15 @@ def run(
     optimizer, version, position; e.g. after the controller died), or start fresh when there is
     none; `steps` counts from the start, so a finished run resumed does nothing more. With
     `max_staleness=0` a resumed run ends with the weights of the run that was not interrupted.
+
+    trainer (GRPO): the learner's train job, driven a step at a time by this loop
+    (`train.drive`): a dict of `train.TrainConfig`'s fields (`workers`, `strategy`,
+    `precision`, `gpus`, `cpus_per_worker`, `max_failures`, ...; an unknown one is refused by
+    name), or a `TrainConfig`. A learner rank lost mid-step is replaced and the step trained
+    again, so a synchronous run still ends with the fault-free run's weights. None: one rank.
+    The loop sets what it owns: `steps`, `seed`, `global_batch_size` (prompts_per_step x
+    group_size; a TrainConfig's must be that, or 1), `build` and `params` (the policy's), the
+    checkpoint (`checkpoint=`) and `resume`.
 
     PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
     the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
@@ -173,22 +190,33 @@ def run(
         )
     else:
         raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")
-    # escalate=False: a dead learner surfaces as SupervisionError from its call, not as the
-    # process-wide unhandled-fault hook.
-    learner_procs = this_host().spawn_procs(
-        per_host={"procs": 1}, name="rl-learner", escalate=False
-    )
+    if isinstance(roles.learner, GRPOTask):
+        assert isinstance(algorithm, GRPO)
+        config = _trainer_config(
+            trainer,
+            roles.learner,
+            steps=steps,
+            samples=roles.per_step * algorithm.group_size,
+            seed=seed,
+            checkpoint=checkpoint,
+            resume=resume,
+        )
+    elif trainer is not None:
+        raise bad("trainer", trainer, "PPO's learner is one proc for now: leave it out")
     gens: list[_Gen] = []
-    start_from = _newest(checkpoint) if resume else None
+    stops: list[Callable[[], Any]] = []  # how to end the learner
     try:
-        cls, args, kwargs = roles.learner
-        if start_from is not None:
-            kwargs = {**kwargs, "resume": str(start_from)}
-        learner = learner_procs.spawn("learner", cls, *args, **kwargs)
-        start, position = 0, {}
-        if start_from is not None:
-            start, position = learner.resumed.call_one().get(timeout=timeout_s)
-            logger.info("raymesh.rl: resuming from %s (version %d)", start_from, start)
+        if isinstance(roles.learner, GRPOTask):
+            # The run folder is the loop's (`run_dir`), for now beside the learner's job.
+            job = train.drive(roles.learner, config, run_folder=False)
+            stops.append(job.stop)
+            learner: Any = TrainedLearner(job)
+        else:
+            learner = _ProcLearner(roles.learner, timeout_s)
+            stops.append(learner.procs.stop)
+        start, position = learner.resumed()
+        if start:
+            logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
         incarnations = itertools.count()
 
         def new_worker(index: int) -> _Gen:
@@ -203,7 +231,7 @@ def run(
         try:
             loop.restore(position)
         except ValueError as e:  # the manifest's position, checked before a worker starts
-            raise ValueError(f"{start_from}: {e}") from None
+            raise ValueError(f"{checkpoint}: {e}") from None
         gens = [new_worker(i) for i in range(roles.workers)]
         sinks = [progress] if progress is not None else []
         folder = None
@@ -213,14 +241,15 @@ def run(
             sinks.insert(0, folder)
 
         def save() -> str:
-            return str(learner.save.call_one(checkpoint, loop.position()).get(timeout=timeout_s))
+            return str(learner.save(loop.position()))
 
         every = checkpoint_every if checkpoint is not None else 0
         try:
             result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
             result.resumed_from = start
-            if checkpoint is not None:
-                result.checkpoint = save()
+            if isinstance(learner, TrainedLearner):  # the final checkpoint, with the position
+                ended = learner.job.close(extra={"rl": loop.position()})
+                result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
         except BaseException as e:
             if folder is not None:
                 folder.end("Failed", f"{type(e).__name__}: {e}")
@@ -229,19 +258,94 @@ def run(
             folder.end("Finished", f"{len(result.history)} steps")
         return result
     finally:
-        for mesh in [*(g.procs for g in gens), learner_procs]:
+        for stop_one in [*(g.procs.stop for g in gens), *stops]:
             try:
-                mesh.stop().get(timeout=60)
+                done = stop_one()
+                if isinstance(done, Future):
+                    done.get(timeout=60)
             except Exception as e:  # stopping the rest matters more than this one's error
-                logger.warning("raymesh.rl: stopping %s failed: %s", mesh, e)
+                logger.warning("raymesh.rl: stopping %s failed: %s", stop_one, e)
 
 
-def _newest(folder: str | None) -> Path | None:
-    """The newest committed checkpoint in `folder` that verifies, or None (said in the log)."""
-    found = Checkpointer(folder).latest() if folder is not None else None
-    if found is None:
-        logger.info("raymesh.rl: nothing to resume in %s; starting fresh", folder)
-    return found
+def _trainer_config(
+    trainer: TrainConfig | dict[str, Any] | None,
+    task: GRPOTask,
+    *,
+    steps: int,
+    samples: int,
+    seed: int,
+    checkpoint: str | None,
+    resume: bool,
+) -> TrainConfig:
+    """The learner job's config: `trainer`'s, with what the loop owns set (see `run`)."""
+    if isinstance(trainer, dict):
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(trainer) - fields)
+        if unknown:
+            raise bad("trainer", trainer, f"{unknown} are no train.TrainConfig fields")
+        # the samples a step takes, so that the config validates for its ranks
+        trainer = TrainConfig(**{"global_batch_size": samples, **trainer})
+    config = trainer if trainer is not None else TrainConfig()
+    if not isinstance(config, TrainConfig):
+        raise bad("trainer", trainer, "give a dict of train.TrainConfig fields (workers=...)")
+    for name, value, why in (
+        ("checkpoint", config.checkpoint, "give rl.run(checkpoint=..., checkpoint_every=...)"),
+        ("run_dir", config.run_dir, "give rl.run(run_dir=...)"),
+        ("data", config.data, "the loop supplies the learner's samples"),
+    ):
+        if value is not None:
+            raise bad(f"trainer.{name}", value, f"the RL loop sets it: leave it out ({why})")
+    if config.global_batch_size not in (1, samples):
+        raise bad(
+            "trainer.global_batch_size",
+            config.global_batch_size,
+            f"a GRPO step takes prompts_per_step x group_size = {samples} samples: leave it out",
+        )
+    if task.init is not None:  # the init's job: serve and export rebuild the model as trained
+        recorded = job_config(resolve_checkpoint(task.init))
+        build, params = recorded.build, recorded.params
+    else:
+        build, params = None, task.params or {}
+    if isinstance(task.policy, str):
+        build = task.policy
+    return dataclasses.replace(
+        config,
+        steps=steps,
+        seed=seed,
+        global_batch_size=samples,
+        build=build,
+        params=params,
+        checkpoint=CheckpointConfig(dir=checkpoint, keep=2) if checkpoint else None,
+        resume="auto" if resume else False,
+    )
+
+
+class _ProcLearner:
+    """PPO's learner: an actor on a proc of its own, called as `TrainedLearner` is."""
+
+    def __init__(self, spawn: tuple[type, tuple[Any, ...], dict[str, Any]], timeout_s: float):
+        # escalate=False: a dead learner surfaces as SupervisionError from its call, not as
+        # the process-wide unhandled-fault hook.
+        self.procs = this_host().spawn_procs(
+            per_host={"procs": 1}, name="rl-learner", escalate=False
+        )
+        cls, args, kwargs = spawn
+        self.actor = self.procs.spawn("learner", cls, *args, **kwargs)
+        self.timeout_s = timeout_s
+
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        return 0, {}
+
+    def learn(self, rollouts: list[Rollout]) -> Stats:
+        stats: Stats = self.actor.learn.call_one(rollouts).get(timeout=self.timeout_s)
+        return stats
+
+    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
+        published = self.actor.weights.call_one().get(timeout=self.timeout_s)
+        return published
+
+    def save(self, position: dict[str, Any]) -> str:
+        raise AssertionError("PPO takes no checkpoint (refused before it starts)")
 
 
 class _Loop:
@@ -295,7 +399,7 @@ class _Loop:
         save: Callable[[], str],
     ) -> RLResult:
         self.gens = gens
-        self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
+        self._publish(learner.weights())
         history = []
         for step in range(start_step, steps):
             start = time.perf_counter()
@@ -304,9 +408,9 @@ class _Loop:
                 self.check(batch, step)  # e.g. RewardError: nothing in it could be scored
             self.taken.took(r.key for r in batch)
             learning = time.perf_counter()
-            stats = learner.learn.call_one(batch).get(timeout=self.timeout_s)
+            stats = learner.learn(batch)
             syncing = time.perf_counter()
-            self._publish(learner.weights.call_one().get(timeout=self.timeout_s))
+            self._publish(learner.weights())
             end = time.perf_counter()
             took = max(end - start, 1e-9)
             stats = {

@@ -15,7 +15,7 @@ from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import GRPO, PPO
 from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
-from raymesh.rl.learner import Learner, PPOLearner
+from raymesh.rl.learner import GRPOTask, PPOLearner
 from raymesh.rl.sampling import check_scored, reward_name
 
 __all__ = ["Roles", "env_roles", "text_roles"]
@@ -25,13 +25,14 @@ _Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
 
 @dataclass
 class Roles:
-    """What an algorithm's run spawns: the learner's (class, args, kwargs), a worker's for
+    """What an algorithm's run spawns: the learner (GRPO: the build function of the train job
+    the loop drives; PPO: the (class, args, kwargs) of its one proc), a worker's for
     its index and incarnation, how many workers, the rollouts a step takes, and the argument
     of a worker's `sample` call for a list of keys; `check(batch, step)`, when given, raises
     when a step's batch must not be learned from (GRPO: no completion in it was scored)."""
 
     name: str
-    learner: _Spawn
+    learner: GRPOTask | _Spawn
     worker: Callable[[int, int], _Spawn]
     workers: int
     per_step: int
@@ -82,7 +83,7 @@ def text_roles(
 
     return Roles(
         name="gen",
-        learner=(Learner, (policy, algorithm), {"seed": seed, "init": init, "params": params}),
+        learner=GRPOTask(policy, algorithm, init=init, params=params),
         worker=lambda i, n: (
             Generator,
             (policy, reward, algorithm),

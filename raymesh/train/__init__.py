@@ -15,6 +15,7 @@ from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
 from raymesh.train.control.failure import FailureRecord, TooManyFailures
 from raymesh.train.control.placement import use_gpus
 from raymesh.train.control.warm import WarmRanks
+from raymesh.train.driven import DrivenJob, drive
 from raymesh.train.export import export_hf
 from raymesh.train.plot import save_picture
 from raymesh.train.result import Result, TrainError
@@ -27,6 +28,7 @@ preload("torch._dynamo", "raymesh.train.rank.worker")
 __all__ = [
     "CheckpointConfig",
     "Context",
+    "DrivenJob",
     "FailureRecord",
     "Result",
     "Task",
@@ -34,6 +36,7 @@ __all__ = [
     "TrainConfig",
     "TrainError",
     "WarmRanks",
+    "drive",
     "export_hf",
     "fit",
     "load_config",

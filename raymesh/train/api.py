@@ -58,6 +58,6 @@ def _import_name(chosen: Any, fn: Callable[..., Any]) -> str | None:
     if isinstance(chosen, str):
         return chosen
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or module == "__main__" or "." in name or "<" in name:
+    if not module or not name or module == "__main__" or "." in name or "<" in name:
         return None
     return f"{module}:{name}"

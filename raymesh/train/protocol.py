@@ -62,6 +62,9 @@ class StepMetrics:
     samples: int  # the samples compute_s was measured on
     data_wait_s: float | None = None  # seconds it waited for batches (None: no pipeline)
     eval_loss: float | None = None  # the world's mean loss on Task.eval_dataset (every rank's)
+    # What the loss function returned beside the loss (`(loss, {name: value})`), weighed by the
+    # rank's share of the batch as its loss is: the mean over the ranks is the global batch's.
+    stats: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

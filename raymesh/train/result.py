@@ -126,6 +126,7 @@ class RunLog:
         data: dict[str, float] | None = None,
         spares: int = 0,
         reported: Sequence[bool] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Report | None:
         """Fold one chunk's per-rank metrics (the steps every rank completed) into the
         history; returns its report (None when no step completed). With a pipeline, each row
@@ -135,7 +136,9 @@ class RunLog:
         `per_rank` are, in rank order, when not every rank reported (a chunk that failed);
         the report's per-rank figures are None for the others, and so is each row's `loss`,
         which is always the mean of the whole world's ranks: such a row has the mean of the
-        ranks that did report as `partial_loss`, and those ranks as `reported`."""
+        ranks that did report as `partial_loss`, and those ranks as `reported`. A row also has
+        the mean over the ranks of what the loss function reported beside the loss (its
+        `stats`), and the last row `extra` (what a driven job's loop reports of its step)."""
         n = len(per_rank[0])
         if n == 0:
             return None
@@ -167,12 +170,18 @@ class RunLog:
             eval_loss = per_rank[0][i].eval_loss
             if eval_loss is not None:  # the same on every rank (all-reduced)
                 row.update(eval_loss=eval_loss, perplexity=_perplexity(eval_loss))
+            stats = per_rank[0][i].stats
+            if stats and not partial:  # weighed per rank as the loss is: their mean is global
+                every = [r[i].stats or {} for r in per_rank]
+                row.update({k: sum(s.get(k, 0.0) for s in every) / len(every) for k in stats})
             if data is not None:
                 waits = [r[i].data_wait_s or 0.0 for r in per_rank]
                 row["data_wait"] = sum(
                     w / r[i].step_s for w, r in zip(waits, per_rank) if r[i].step_s > 0
                 ) / len(per_rank)
                 row.update(data)
+            if extra is not None and i == n - 1:
+                row.update(extra)
             rows.append(row)
             self.rank_step_s.append(tuple(r[i].step_s for r in per_rank))
         self.history.extend(rows)

@@ -11,7 +11,21 @@ import torch
 
 from raymesh.train.materialize import check_init
 
-__all__ = ["Context", "Task"]
+__all__ = ["Context", "LossFn", "Task", "loss_only"]
+
+# What a Task's loss_fn is: the batch's mean loss, or (it, {name: statistic}).
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor | tuple[torch.Tensor, dict[str, Any]]]
+
+
+def loss_only(loss_fn: LossFn) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """`loss_fn` returning its loss alone (the statistics beside it dropped), for what
+    measures or evaluates the loss rather than reports a step."""
+
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        out = loss_fn(model, batch)
+        return out[0] if isinstance(out, tuple) else out
+
+    return loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +82,9 @@ class Task:
     dataset: a map-style dataset (`__len__`, `__getitem__`); raymesh decides which indices each
         rank reads at each step. None when `TrainConfig.data` gives a pipeline (which then
         takes the place of both `dataset` and `collate_fn`).
-    loss_fn: `loss_fn(model, batch) -> scalar tensor`, the mean loss over `batch`.
+    loss_fn: `loss_fn(model, batch) -> scalar tensor`, the mean loss over `batch`; or
+        `(loss, {name: value})`: statistics of the batch (means over it) that the step's row
+        reports beside the loss, averaged over the ranks as the loss is.
     collate_fn: turns a list of samples into a batch (default: torch's default_collate).
     eval_dataset: a map-style dataset the ranks evaluate `loss_fn` on every
         `TrainConfig.eval_every` steps (split across ranks, no gradients); the mean is the
@@ -84,7 +100,7 @@ class Task:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     dataset: Any = None
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    loss_fn: LossFn
     collate_fn: Callable[[list[Any]], Any] | None = None
     eval_dataset: Any = None
     init_weights: Callable[[torch.nn.Module], None] | None = None

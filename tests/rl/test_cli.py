@@ -124,13 +124,16 @@ def test_the_example_job_sigkilled_resumes_asynchronously_taking_each_sample_onc
     of order; `raymesh rl --resume` makes the keys not taken, and only those: its final
     checkpoint has taken each of the 5 steps' 20 keys once, with one metrics line per step.
     Then a hostile manifest (its position edited) is refused, naming the field."""
+    from raymesh import train
     from raymesh._src import backend
-    from raymesh.rl.learner import Learner
     from raymesh.train.checkpoint import Checkpointer
 
-    # The example's policy, saved at once by a learner in this process, seeded unlike the run.
+    # The example's policy from a raymesh.train run (one step, seeded unlike the RL run), as
+    # the README's `raymesh train` makes it.
     init = tmp_path / "init"
-    Learner("raymesh.examples.tinygpt:build", rl.GRPO(), seed=1, init=None).save(str(init), {})
+    ckpt = train.CheckpointConfig(dir=str(init))
+    config = train.TrainConfig(steps=1, global_batch_size=4, seed=1, checkpoint=ckpt)
+    train.fit("raymesh.examples.tinygpt:build", config)
     job = _example(tmp_path, "killed", init)
     saved = tmp_path / "killed"
     metrics = saved / "run" / "metrics.jsonl"

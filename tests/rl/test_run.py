@@ -1,5 +1,6 @@
-"""`rl.run` end to end on real procs: GRPO learns, and a run with the same seed whose generator
-was SIGKILLed mid-rollout (replaced, its keys made again once), or whose reward is a mesh of
+"""`rl.run` end to end on real procs: GRPO learns on a learner of 2 ranks, and a run with the
+same seed whose generator was SIGKILLed mid-rollout (replaced, its keys made again once) and
+whose learner lost a rank mid-step (healed under the loop), or whose reward is a mesh of
 reward actors, or that resumed from a checkpoint, ends with bitwise-equal weights; a reward
 actor that raises, hangs, returns no float or dies drops only its samples; a reward that never
 scores ends the run; PPO learns CartPole through a SIGKILLed environment runner."""
@@ -17,6 +18,7 @@ from raymesh import rl
 from raymesh.actor import this_host
 from raymesh.cli.main import main
 from raymesh.rl.environments import ActorCritic
+from raymesh.testing import kill
 from tests.rl import policies, rewards
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
@@ -48,8 +50,10 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
     # Four reward actors, on procs this test watches itself: one is SIGKILLed below.
     procs = this_host().spawn_procs(per_host={"procs": 4}, escalate=False)
     try:
-        # The reward as a mesh of reward actors (as a reward model would be).
-        scored = _run(procs.spawn("reward-model", rewards.RewardModel))
+        # The reward as a mesh of reward actors (as a reward model would be); the learner a
+        # train job of 2 DDP ranks.
+        learner = {"workers": 2}
+        scored = _run(procs.spawn("reward-model", rewards.RewardModel), trainer=learner)
         by_step = [row["reward_mean"] for row in scored.history]
         assert scored.version == 4 and len(scored.history) == 4
         assert all(
@@ -66,15 +70,20 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         # samples): the same weights. So a run is a function of its seed (with
         # max_staleness=0) whatever the number of generators, the fault changed nothing, and
         # the reward actors scored what the function does, whichever of them answered.
+        # A learner rank is SIGKILLed mid-step too, at a random step: the job heals under the
+        # loop and trains the step again on the same samples.
         after = kills.randint(33, 128)  # the generator scores 32 completions a version
+        step = kills.randint(1, 4)
         flag = tmp_path / "killed"
         killed = _run(
             functools.partial(rewards.es_or_die, flag=str(flag), after=after),
             generators=1,
             checkpoint=str(tmp_path / "ckpt"),
             checkpoint_every=1,
+            trainer={"workers": 2, "faults": [kill(rank=1, at_step=step)]},
         )
         assert flag.exists() and killed.replaced == 1, kills
+        assert [(f.rank, f.step, f.kind) for f in killed.learner_failures] == [(1, step, "died")]
         # the dead generator's keys, made again: a version's keys are 4v .. 4v + 3
         assert killed.remade and len(killed.remade) <= 4 and min(killed.remade) >= 4, kills
         assert [r["samples"] for r in killed.history] == [32] * 4  # none lost, none twice
@@ -83,7 +92,7 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         # Resumed from its checkpoint of version 3 (the newest, of version 4, dropped), the
         # run ends there again: the loop's position and the optimizer came back whole.
         shutil.rmtree(tmp_path / "ckpt" / "step-00000004")
-        resumed = _run(rewards.es, checkpoint=str(tmp_path / "ckpt"), resume=True)
+        resumed = _run(rewards.es, checkpoint=str(tmp_path / "ckpt"), resume=True, trainer=learner)
         assert resumed.resumed_from == 3 and len(resumed.history) == 1
         differ = [k for k, v in scored.weights.items() if not torch.equal(resumed.weights[k], v)]
         assert differ == [], differ

@@ -205,7 +205,9 @@ class FakeRank:
         step, phase = self.stalled or (self.done, "done")
         return RankStatus(step=step, phase=phase, phase_index=PHASES.index(phase), for_s=0, pid=1)
 
-    def ep_finish(self, done: int, save: bool) -> dict[str, torch.Tensor] | None:
+    def ep_finish(
+        self, done: int, save: bool, extra: dict | None = None
+    ) -> dict[str, torch.Tensor] | None:
         return {"w": torch.tensor(float(done))} if self.position == 0 else None
 
 

@@ -1,19 +1,22 @@
 """The training controller: a run loop over explicit states, driven from the user's process.
 
     Starting --> Running --> Finishing --> Finished
-                 |  ^  ^ \
-                 v  |  |  Stopped          (a sink ended the job)
-           Healing  Resizing              (any state --> Failed on an unrecoverable error)
+                 |  ^  ^ \\ \
+                 v  |  |  \\ Stopped        (a sink ended the job)
+           Healing  Resizing Waiting       (any state --> Failed on an unrecoverable error)
 
 `run()` calls `next_state()` until a terminal state; it runs one state's handler, which does
 one phase and returns the next state with its reason (`raymesh.train.control.states`). Every
-transition is logged and kept in `Result.transitions`. The controller composes rooms, each one
-concept: `Placer` (where ranks go), `RankPool` (ranks, spares, the recruiter), `detection` (who
-was lost), `World` (form, heal, reshape), `Balancer` (the split of the global batch),
-`Reporter` (what the sinks are told) and `RunLog` (the result). Decisions come from the
-policies it is given (`Policies`: strategy, failure, grow, balance) as data, and the handlers
-carry them out. The rooms that touch the cluster (placer, rank pool) and the policies are
-constructor arguments (`TrainController.create` makes the real ones; a unit test passes fakes).
+transition is logged and kept in `Result.transitions`. A driven job (`train.drive`) runs the
+same states a step at a time: `open()` to Running, `drive(samples)` to Waiting (the step its
+loop supplied is trained, healing on the way if a rank is lost), `close()` to Finished.
+The controller composes rooms, each one concept: `Placer` (where ranks go), `RankPool`
+(ranks, spares, the recruiter), `detection` (who was lost), `World` (form, heal, reshape),
+`Balancer` (the split of the global batch), `Reporter` (what the sinks are told) and `RunLog`
+(the result). Decisions come from the policies it is given (`Policies`: strategy, failure,
+grow, balance) as data, and the handlers carry them out. The rooms that touch the cluster
+(placer, rank pool) and the policies are constructor arguments (`TrainController.create`
+makes the real ones; a unit test passes fakes).
 (Over 400 lines: one handler per state, kept in one module so that every transition, and what
 each handler asks of which room, reads in one place; the rooms do the work.)
 
@@ -44,9 +47,10 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from raymesh.actor import ActorError, SupervisionError
+from raymesh.actor import ActorError, Shared, SupervisionError
 from raymesh.data.workers import Workers
 from raymesh.train.config import TrainConfig
 from raymesh.train.control import detection
@@ -70,6 +74,7 @@ from raymesh.train.control.states import (
     Starting,
     State,
     Stopped,
+    Waiting,
 )
 from raymesh.train.control.warm import WarmRanks
 from raymesh.train.control.world import World, replaced_by
@@ -97,15 +102,22 @@ class TrainController:
         progress: Callable[[dict[str, Any]], None] | None = None,
         hooks: TrainHooks | None = None,
         data: Workers | None = None,
+        driven: bool = False,
+        run_folder: bool = True,
     ) -> None:
         self.config = config
+        # A driven job's samples of each step its loop supplied and not yet forgotten (stored
+        # once in this process's object store), with the loop's figures of it; None: `fit`.
+        self.supplied: dict[int, tuple[Shared[list[Any]], dict[str, Any] | None]] | None = (
+            {} if driven else None
+        )
         self.hooks = hooks
         self.placer = placer
         self.pool = pool
         self.policies = policies
         # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
         self.data = data
-        self.log = RunLog(sinks(config.run_folder(), progress))
+        self.log = RunLog(sinks(config.run_folder() if run_folder else None, progress))
         self.reporter = Reporter(
             self.log,
             pool,
@@ -128,6 +140,9 @@ class TrainController:
             policy=policies.balance,
         )
         self.resumed_from = 0
+        self.resumed_path: str | None = None  # the checkpoint the job started from
+        self.saved_at = 0  # the step of a driven job's newest save (`save`), committed
+        self.ended = False
 
     @classmethod
     def create(
@@ -138,39 +153,115 @@ class TrainController:
         progress: Callable[[dict[str, Any]], None] | None = None,
         hooks: TrainHooks | None = None,
         warm: WarmRanks | None = None,
+        driven: bool = False,
+        run_folder: bool = True,
     ) -> TrainController:
         """A controller for `config` with the real rooms: ranks placed on the Ray cluster,
-        taken from `warm` first."""
+        taken from `warm` first. `driven`: a job its loop drives a step at a time;
+        `run_folder`: whether it writes its run folder."""
         placer = Placer(config.scaling, config.parallelism)
         return cls(
             config,
             placer=placer,
-            pool=RankPool(build, config, placer, warm),
+            pool=RankPool(build, config, placer, warm, driven=driven),
             policies=Policies.of(config.failure),
             progress=progress,
             hooks=hooks,
             data=Workers(config.data, config.seed) if config.data is not None else None,
+            driven=driven,
+            run_folder=run_folder,
         )
 
     # ---- the run loop ------------------------------------------------------------------------
     def run(self) -> Result:
         """Run the job to a terminal state; return its result, or raise what it failed with
         (`TooManyFailures`, `TrainError`; `ValueError` for a config the cluster refutes)."""
+        return self.result(self.advance(self.starting(), until=()))
+
+    def open(self) -> None:
+        """A driven job: start it (Starting, to Running). Raises as `run` does."""
+        state = self.advance(self.starting(), until=(Running,))
+        if isinstance(state, TERMINAL):
+            self.result(state)  # raises what it failed with
+
+    def drive(self, samples: Shared[list[Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
+        """A driven job: train the next step on `samples` (the step's global batch, checked by
+        the caller), healing on the way; its row of the history (with `extra`, the loop's
+        figures of the step). Raises as `run` does, the job then ended."""
+        assert self.supplied is not None
+        self.supplied[self.world.step] = (samples, extra)
+        # Not entered: a step of a driven job is the loop's, not a transition of the job.
+        state = self.advance(Running(f"step {self.world.step + 1}"), until=(Waiting,))
+        if isinstance(state, TERMINAL):
+            self.result(state)
+        return self.log.history[-1]
+
+    def close(self, extra: dict[str, Any] | None) -> Result:
+        """A driven job: finish it (the final checkpoint, with `extra`; the weights); its
+        result."""
+        finishing = Finishing("closed by its loop", extra)
+        return self.result(self.advance(finishing, until=(), enter=True))
+
+    def weights(self, trained_only: bool) -> Shared[dict[str, Any]]:
+        """A driven job: the model's full state now (see `TrainWorker.weights`)."""
+        shared = self.world.gather(
+            [r.worker.weights.call_one(trained_only) for r in self.world.ranks]
+        )
+        assert shared[0] is not None
+        return shared[0]
+
+    def save(self, extra: dict[str, Any] | None) -> str:
+        """A driven job: checkpoint now, with `extra`; the committed step folder."""
+        if self.config.checkpoint is None:
+            raise ValueError(
+                "save(): the job has no checkpoint section; give TrainConfig(checkpoint="
+                "train.CheckpointConfig(dir=...))"
+            )
+        step = self.world.step
+        self.world.gather([r.worker.save.call_one(step, extra) for r in self.world.ranks])
+        self.saved_at = step
+        return str(Path(self.config.checkpoint.dir) / f"step-{step:08d}")
+
+    def starting(self) -> State:
         cfg = self.config
         self.reporter.job(cfg)
-        state: State = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
+        state = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
         self.enter(state)
+        return state
+
+    def advance(self, state: State, *, until: tuple[type, ...], enter: bool = False) -> State:
+        """Run the states from `state` (entered first when `enter`) until one of `until` (a
+        `Waiting` is never entered: it says nothing the step's row does not) or a terminal
+        one, which ends the job: its procs stopped, or given back to the warm ranks."""
+        if enter:
+            self.enter(state)
         try:
             while not isinstance(state, TERMINAL):
                 state = self.next_state(state)
-                self.enter(state)
-        finally:
-            # Live procs serve another job once the ranks stopped at a step boundary: the
-            # job finished, or a sink ended it and the ranks finished their chunks.
-            reuse = isinstance(state, Finished) or (isinstance(state, Stopped) and state.drained)
-            self.pool.close(reuse=reuse)
-            if self.data is not None:
-                self.data.stop()
+                if not isinstance(state, Waiting):
+                    self.enter(state)
+                if isinstance(state, until):
+                    return state
+        except BaseException:
+            self.end(state)
+            raise
+        self.end(state)
+        return state
+
+    def end(self, state: State | None) -> None:
+        """Stop the job's procs (once), or give them back to the warm ranks when the ranks
+        stopped at a step boundary: the job finished, or a sink ended it and the ranks
+        finished their chunks. None: the caller's failure ended it."""
+        if self.ended:
+            return
+        self.ended = True
+        reuse = isinstance(state, Finished) or (isinstance(state, Stopped) and state.drained)
+        self.pool.close(reuse=reuse)
+        if self.data is not None:
+            self.data.stop()
+
+    def result(self, state: State) -> Result:
+        """The job's result, from its terminal `state`; or raise what it failed with."""
         if isinstance(state, (Failed, Stopped)):
             raise state.error
         assert self.world.decision is not None and isinstance(state, Finished)
@@ -201,7 +292,7 @@ class TrainController:
             if isinstance(state, Resizing):
                 return self.resize(state.grow)
             if isinstance(state, Finishing):
-                return self.finish()
+                return self.finish(state.extra)
             raise AssertionError(f"no handler for {state!r}")
         except (TooManyFailures, TrainError) as e:
             return Failed(str(e).splitlines()[0], e)
@@ -249,6 +340,7 @@ class TrainController:
         new = world - len(reused)
         ranks = reused + self.pool.spawn(new, "trainer", nodes=nodes[:new])
         self.pool.add_spares(cfg.spares)  # where there is room now; the recruiter the rest
+        self.supply(ranks)  # a driven job's example step, which the ranks measure memory on
         infos: list[SetupInfo] = self.world.start(ranks)
         assert infos[0].estimate is not None
         budget = min(i.budget_bytes or 0 for i in infos)
@@ -285,7 +377,8 @@ class TrainController:
                 "precision='bf16' (no scaling needed), or strategy='ddp'"
             )
         self.placer.choose(decision.strategy)
-        self.resumed_from = self.world.prepare(decision, find_resume(cfg))
+        self.resumed_path = find_resume(cfg)
+        self.resumed_from = self.world.prepare(decision, self.resumed_path)
         running = self.world.decision  # `decision` resized to this world
         assert running is not None
         self.log.emit(
@@ -299,10 +392,14 @@ class TrainController:
         return Running(f"{world} ranks, {infos[0].params:,} parameters, {running.reason}")
 
     def train(self) -> State:
-        """Train chunk after chunk until `steps`, two chunks in flight."""
+        """Train chunk after chunk until `steps`, two chunks in flight; a driven job, the steps
+        its loop supplied, one a chunk, then wait for the next."""
         cfg = self.config
-        bounds = [*range(self.world.step, cfg.steps, cfg.report_every), cfg.steps]
-        spans = list(itertools.pairwise(bounds))
+        if self.supplied is not None:
+            spans = [(s, s + 1) for s in sorted(self.supplied) if s >= self.world.step]
+        else:
+            bounds = [*range(self.world.step, cfg.steps, cfg.report_every), cfg.steps]
+            spans = list(itertools.pairwise(bounds))
         in_flight: list[tuple[tuple[int, int], list[Any]]] = []
         while spans or in_flight:
             grow = self.can_grow()
@@ -310,6 +407,7 @@ class TrainController:
                 return Resizing(grow.reason, grow)
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
+                self.supply(self.world.ranks, start)
                 futs = [
                     r.worker.run.call_one(start, stop, self.balancer.sizes, self.feeders(r))
                     for r in self.world.ranks
@@ -320,7 +418,7 @@ class TrainController:
             if not any(detection.failed(r) for r in results):
                 per_rank = [r.metrics for r in results]
                 try:
-                    self.record(per_rank)
+                    self.record(per_rank, extra=self.figures(start))
                 except Exception as e:  # a sink ended the job (raymesh.tune prunes so)
                     return Stopped(f"a sink ended the job: {e!r}"[:200], e, self.drain(in_flight))
                 self.rebalance(per_rank)
@@ -347,6 +445,8 @@ class TrainController:
             later = [detection.settle_behind(fs, results, wait) for _, fs in in_flight]
             chunk = FailedChunk(start, stop, tuple(results), tuple(map(tuple, later)), tuple(futs))
             return Healing(detection.describe(results), chunk)
+        if self.supplied is not None:
+            return Waiting(f"trained step {self.world.step}")
         return Finishing(f"reached step {self.world.step}")
 
     def heal(self, chunk: FailedChunk) -> State:
@@ -383,7 +483,7 @@ class TrainController:
         t_replaced = time.monotonic()
         self.reform(world, fresh=fresh, source=source)
         last = int(self.log.history[-1]["step"]) if self.log.history else self.resumed_from
-        self.advance(self.reporter.record_late(chunk, survivors, since=last, upto=self.world.step))
+        self.reach(self.reporter.record_late(chunk, survivors, since=last, upto=self.world.step))
         logger.info(
             "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop and replace "
             "them %.2fs, re-form and restore %.2fs",
@@ -417,17 +517,18 @@ class TrainController:
             f"grew by {len(new)}: generation {self.world.generation}, {len(self.world.ranks)} ranks"
         )
 
-    def finish(self) -> State:
-        """Final checkpoint, the full weights from rank 0."""
+    def finish(self, extra: dict[str, Any] | None) -> State:
+        """Final checkpoint (with `extra`), the full weights from rank 0."""
         cfg, step, ranks = self.config, self.world.step, self.world.ranks
         every = cfg.checkpoint.every if cfg.checkpoint else 0
         save = cfg.checkpoint is not None and (every == 0 or step % every != 0)
-        weights = self.world.gather([r.worker.finish.call_one(step, save) for r in ranks])[0]
+        weights = self.world.gather([r.worker.finish.call_one(step, save, extra) for r in ranks])[0]
         self.world.gather([r.worker.close.call_one() for r in ranks])
         return Finished(f"trained to step {step}", weights or {})
 
     # ---- helpers of the handlers -------------------------------------------------------------
     def reform(self, ranks: list[Rank], *, fresh: set[Rank], source: Rank | None) -> None:
+        self.supply(ranks)  # the steps to train again, for ranks that have not got them
         self.world.reform(ranks, fresh=fresh, source=source)
         self.balancer.reset()  # a new world starts from the even split
         self.reporter.mesh()
@@ -449,6 +550,31 @@ class TrainController:
         return self.policies.grow.decide(
             len(self.world.ranks), max_workers=self.config.max_workers, ready=self.pool.ready()
         )
+
+    def supply(self, ranks: list[Rank], step: int | None = None) -> None:
+        """A driven job: send `ranks` the samples of `step` (None: of every step kept), queued
+        before the call that trains it. The steps no heal can go back to are forgotten: those
+        a DDP world completed (survivors hold that state), or, sharded, those before the
+        newest checkpoint surely committed (a sharded world heals from there)."""
+        if self.supplied is None or not self.supplied:
+            return
+        keep_from = self.world.step
+        decision = self.world.decision
+        ckpt = self.config.checkpoint
+        if decision is not None and decision.sharded and ckpt is not None:
+            # The newest multiple of `every` may still be committing: one before it is safe.
+            every = (self.world.step // ckpt.every - 1) * ckpt.every if ckpt.every else 0
+            keep_from = max(self.world.first_step, self.saved_at, every)
+        for s in [s for s in self.supplied if s < keep_from]:
+            del self.supplied[s]
+        steps = [step] if step is not None else sorted(self.supplied)
+        samples = {s: self.supplied[s][0] for s in steps if s in self.supplied}
+        for r in ranks:
+            r.worker.supply.call_one(samples, keep_from)
+
+    def figures(self, step: int) -> dict[str, Any] | None:
+        """What a driven job's loop reported of `step` (None: nothing, or `fit`)."""
+        return self.supplied[step][1] if self.supplied and step in self.supplied else None
 
     def feeders(self, rank: Rank) -> Feeders | None:
         """The pipeline's workers, for a rank that has not heard of their latest set."""
@@ -478,13 +604,16 @@ class TrainController:
         return max(self.config.step_timeout_s, 10 * median * max(steps, 1))
 
     def record(
-        self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
+        self,
+        per_rank: list[tuple[StepMetrics, ...]],
+        reported: list[bool] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """Report one chunk's metrics (see `Reporter.record`); the world is at the newest step
         a chunk completed."""
-        self.advance(self.reporter.record(per_rank, reported))
+        self.reach(self.reporter.record(per_rank, reported, extra))
 
-    def advance(self, step: int | None) -> None:
+    def reach(self, step: int | None) -> None:
         if step is not None:  # late steps never move it back
             self.world.step = max(self.world.step, step)
 

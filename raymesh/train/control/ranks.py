@@ -40,10 +40,17 @@ class RankPool:
     """A job's ranks and spares (see the module docstring)."""
 
     def __init__(
-        self, build: Any, config: TrainConfig, placer: Placer, warm: WarmRanks | None = None
+        self,
+        build: Any,
+        config: TrainConfig,
+        placer: Placer,
+        warm: WarmRanks | None = None,
+        *,
+        driven: bool = False,
     ) -> None:
         self.build = build
         self.config = config
+        self.driven = driven  # a job its loop drives (train.drive): its trainers are told
         self.placer = placer
         self.warm = warm
         self.shape = (config.cpus_per_worker, placer.gpus)  # which warm ranks this job takes
@@ -131,7 +138,7 @@ class RankPool:
             procs.stop(timeout=10.0)
             raise PlacementError(f"{name}: the job ended while it started")
         try:
-            worker = procs.spawn("trainer", TrainWorker, self.build, self.config)
+            worker = procs.spawn("trainer", TrainWorker, self.build, self.config, self.driven)
             monitor = procs.spawn("monitor", Monitor)
         except BaseException:
             procs.stop(timeout=10.0)
@@ -146,7 +153,9 @@ class RankPool:
         out = []
         for rank in self.warm.take(n, self.shape):
             try:
-                worker = rank.procs.spawn("trainer", TrainWorker, self.build, self.config)
+                worker = rank.procs.spawn(
+                    "trainer", TrainWorker, self.build, self.config, self.driven
+                )
             except Exception as e:  # it died as it was taken: the job starts one instead
                 logger.info("raymesh.train: a warm rank failed to take a trainer: %s", e)
                 rank.stop()

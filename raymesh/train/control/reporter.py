@@ -61,12 +61,16 @@ class Reporter:
         )
 
     def record(
-        self, per_rank: list[tuple[StepMetrics, ...]], reported: list[bool] | None = None
+        self,
+        per_rank: list[tuple[StepMetrics, ...]],
+        reported: list[bool] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> int | None:
         """Fold one chunk's per-rank metrics into the log and report it to every sink
         (`reported`: which ranks `per_rank` are, when not all; see `RunLog.record`); the step
         it reached, or None when no step completed. The procs are told again when the spares
-        ready changed (the recruiter refills them). A sink's exception propagates: it ends
+        ready changed (the recruiter refills them). `extra`: a driven job's loop's figures of
+        the chunk's step, added to its row. A sink's exception propagates: it ends
         the job (raymesh.tune prunes a trial that way)."""
         report = self.log.record(
             [list(m) for m in per_rank],
@@ -75,6 +79,7 @@ class Reporter:
             data=self.data.figures() if self.data is not None else None,
             spares=self.pool.ready(),
             reported=reported,
+            extra=extra,
         )
         if report is None:
             return None

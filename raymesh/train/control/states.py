@@ -1,9 +1,10 @@
 """The training controller's states: plain data, each carrying what its phase needs.
 
     Starting --> Running --> Finishing --> Finished
-                 |  ^  ^ \
-                 v  |  |  Stopped          (a sink ended the job)
-           Healing  Resizing              (any state --> Failed on an unrecoverable error)
+                 |  ^  ^ \\ \
+                 v  |  |  \\ Stopped        (a sink ended the job)
+           Healing  Resizing Waiting       (any state --> Failed on an unrecoverable error)
+                             (a driven job: the steps supplied are trained; the loop's next)
 
 A state is the phase the controller will run next and why it got there (`reason`, logged and
 kept in `Result.transitions`); what a phase needs from the one before travels in the state
@@ -31,6 +32,7 @@ __all__ = [
     "Starting",
     "State",
     "Stopped",
+    "Waiting",
 ]
 
 
@@ -79,8 +81,17 @@ class Resizing(State):
 
 
 @dataclass(frozen=True)
+class Waiting(State):
+    """A driven job (`train.drive`) trained every step its loop supplied: it waits for the
+    loop's next one (`DrivenJob.step`), or for `close` (then Finishing)."""
+
+
+@dataclass(frozen=True)
 class Finishing(State):
-    """The final checkpoint, and the full weights from rank 0."""
+    """The final checkpoint (with `extra` in its manifest: a driven job's loop's data), and
+    the full weights from rank 0."""
+
+    extra: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

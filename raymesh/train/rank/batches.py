@@ -4,15 +4,18 @@ The samples of step s are a pure function of (seed, s) (`raymesh.data.order`), s
 ranks in rank order (`sizes` samples each; None: the even split), then into micro-batches: a
 healed or resumed rank trains exactly the samples an uninterrupted run's rank would. They are
 read from the task's dataset, or (with a pipeline, `TrainConfig.data`) taken from its workers,
-made ahead (`raymesh.data.feed`).
+made ahead (`raymesh.data.feed`). In a driven job (`train.drive`) the loop that drives it
+supplies each step's samples, in their order: step s's global batch is those samples, split
+the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
@@ -24,7 +27,8 @@ __all__ = ["Batches"]
 
 class Batches:
     """The samples of a job's steps for one rank, over a dataset of `n` samples (see the
-    module docstring). `read` loads samples by index; `feed`, when given, is asked instead."""
+    module docstring). `read` loads samples by index; `feed`, when given, is asked instead;
+    `supplied`, when given, holds each step's samples (a driven job), collated by `collate`."""
 
     def __init__(
         self,
@@ -34,12 +38,16 @@ class Batches:
         read: Callable[[Any], Any] | None,
         feed: Feed | None,
         device: torch.device,
+        supplied: Mapping[int, Sequence[Any]] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.config = config
         self.n = n
         self.read = read
         self.feed = feed
         self.device = device
+        self.supplied = supplied
+        self.collate = collate
         self.current = 0  # the step being trained (0-based), whose batches `load` loads
 
     def micro(
@@ -47,7 +55,10 @@ class Batches:
     ) -> list[list[int]]:
         """The micro-batches (sample indices) `rank` of `world_size` trains at `step`."""
         cfg = self.config
-        batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
+        if self.supplied is not None:
+            batch = list(range(cfg.global_batch_size))  # the loop's samples, in its order
+        else:
+            batch = data_order.global_batch(cfg.seed, step, cfg.global_batch_size, self.n)
         mine = data_order.rank_share(batch, world_size, rank, sizes)
         return data_order.micro_batches(mine, cfg.micro_batch_size)
 
@@ -65,5 +76,9 @@ class Batches:
         """The batch of samples `indices` of the current step, on the rank's device."""
         if self.feed is not None:
             return to_device(self.feed.get(self.current, indices), self.device)
+        if self.supplied is not None:
+            samples = self.supplied[self.current]
+            collate = self.collate or default_collate
+            return to_device(collate([samples[i] for i in indices]), self.device)
         assert self.read is not None
         return to_device(self.read(indices), self.device)

@@ -30,7 +30,7 @@ from raymesh.train.estimate import (
     probe_activation_bytes,
 )
 from raymesh.train.rank.parallelize import autocast_dtype, set_checkpointing
-from raymesh.train.task import Task
+from raymesh.train.task import Task, loss_only
 
 __all__ = ["check_precision", "estimate_memory", "one_sample"]
 
@@ -90,14 +90,15 @@ def estimate_memory(
     # No second probe when the user turned checkpointing off: the planner will not weigh it.
     blocks = fsdp_blocks(task.model) if config.activation_checkpointing is not False else []
     checkpointed = None
+    loss = loss_only(task.loss_fn)
     if activation is None:
         one, n = one_sample(batch)
-        activation = n * probe_activation_bytes(task.model, task.loss_fn, one, autocast=dtype)
+        activation = n * probe_activation_bytes(task.model, loss, one, autocast=dtype)
         if blocks:
             set_checkpointing(task.model, True)
             try:
                 probed = n * probe_activation_bytes(
-                    task.model, task.loss_fn, one, autocast=dtype, inputs_of=blocks
+                    task.model, loss, one, autocast=dtype, inputs_of=blocks
                 )
             finally:
                 set_checkpointing(task.model, False)

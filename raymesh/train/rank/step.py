@@ -22,6 +22,7 @@ import torch
 from raymesh.train.hooks import RankHooks
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import no_sync
+from raymesh.train.task import LossFn
 
 __all__ = ["Precision", "Timing", "lr_factor", "mix", "run_step", "seed_step", "to_device"]
 
@@ -139,7 +140,7 @@ def run_step(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    loss_fn: LossFn,
     micro: Sequence[Sequence[int]],
     load: Callable[[Sequence[int]], Any],
     device: torch.device,
@@ -152,12 +153,15 @@ def run_step(
     precision: Precision | None = None,
     grad_clip: float | None = None,
     lr: float = 1.0,
-) -> float:
+) -> tuple[float, dict[str, float]]:
     """Train 0-based `step` on the micro batches `micro` (sample indices; `load` makes them a
-    batch on the device); return this rank's loss, summed over its micro batches. `lr`: the
-    factor on each param group's initial learning rate (`lr_factor`); `grad_clip`: the
-    largest global gradient norm."""
+    batch on the device); return this rank's loss, summed over its micro batches, and the
+    statistics `loss_fn` returned with it (when it returns `(loss, {name: value})`), weighed
+    as the loss is, so that the mean over the ranks is the global batch's. `lr`: the factor
+    on each param group's initial learning rate (`lr_factor`); `grad_clip`: the largest
+    global gradient norm."""
     precision = precision or Precision()
+    stats: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     wall = 0.0  # forward + backward wall time
@@ -173,7 +177,7 @@ def run_step(
             weight = len(m) * world_size / global_batch_size
             t0 = time.perf_counter()
             with precision.forward(device):
-                loss = loss_fn(model, load(m)) * weight
+                loss = _weighed(loss_fn(model, load(m)), weight, stats)
             if hooks is not None and last:
                 t_hook = time.perf_counter()
                 hooks.in_step(rank, step + 1, timing.base_s)
@@ -201,4 +205,22 @@ def run_step(
         precision.scaler.update()
     else:
         optimizer.step()
-    return float(total)
+    return float(total), stats
+
+
+def _weighed(out: Any, weight: float, stats: dict[str, float]) -> torch.Tensor:
+    """The loss of `out` (what a `loss_fn` returned: the loss, or (loss, statistics)) times
+    `weight`; the statistics, times `weight`, added to `stats`."""
+    if isinstance(out, tuple):
+        loss, extra = out
+        for k, v in extra.items():
+            stats[k] = stats.get(k, 0.0) + float(v) * weight
+    else:
+        loss = out
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else list(loss.shape)
+        raise TypeError(
+            f"loss_fn returned {got}: return the batch's mean loss as a 0-d tensor, or "
+            "(loss, {name: float}) with statistics to report beside it"
+        )
+    return loss * weight

@@ -17,6 +17,7 @@ uninterrupted one at the same world size):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from raymesh._common import free_port
-from raymesh.actor import Actor, context, endpoint, this_host
+from raymesh.actor import Actor, Shared, context, endpoint, this_host
 from raymesh.data import DataError
 from raymesh.data.feed import Feed
 from raymesh.data.sources import batch_reader
@@ -51,7 +52,7 @@ from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import autocast_dtype, parallelize, settle_buckets
 from raymesh.train.rank.step import Precision, Timing, lr_factor, mix, run_step, seed_step
 from raymesh.train.strategy import StrategyDecision
-from raymesh.train.task import Context, Task
+from raymesh.train.task import Context, Task, loss_only
 
 logger = logging.getLogger("raymesh")
 
@@ -61,9 +62,12 @@ __all__ = ["TrainWorker"]
 class TrainWorker(Actor):
     """One rank of a training job (see the module docstring for its guarantees)."""
 
-    def __init__(self, build: Any, config: TrainConfig) -> None:
+    def __init__(self, build: Any, config: TrainConfig, driven: bool = False) -> None:
         self.build = build
         self.config = config
+        # A driven job (train.drive): the loop supplies each step's samples (`supply`).
+        self.driven = driven
+        self.supplied: dict[int, list[Any]] = {}
         self.rank = -1
         self.world_size = 0
         self.next_step = 1  # the step the world this rank joined trains next (for hooks)
@@ -141,7 +145,7 @@ class TrainWorker(Actor):
         task = self.build(ctx)
         if not isinstance(task, Task):
             raise TypeError(f"the build function returned {type(task).__name__}, not train.Task")
-        if cfg.data is None and task.dataset is None:
+        if cfg.data is None and task.dataset is None and not self.driven:
             raise TypeError(
                 "the build function's Task has no dataset: give Task(dataset=...), or a "
                 "pipeline as TrainConfig(data=raymesh.data.Pipeline(source=...))"
@@ -150,16 +154,31 @@ class TrainWorker(Actor):
         self.task = task
         self.batches = Batches(
             cfg.run,
-            n=len(cfg.data) if cfg.data is not None else len(task.dataset),
+            n=(
+                cfg.global_batch_size
+                if self.driven
+                else len(cfg.data)
+                if cfg.data is not None
+                else len(task.dataset)
+            ),
             read=batch_reader(task.dataset, task.collate_fn) if task.dataset is not None else None,
             feed=self.feed,
             device=self.device,
+            supplied=self.supplied if self.driven else None,
+            collate=task.collate_fn,
         )
         params = sum(p.numel() for p in task.model.parameters())
         if not measure:
             return SetupInfo(params=params, device=str(self.device))
-        batch = self.batches.load(self._micro(0)[0]) if cfg.activation_bytes is None else None
-        memory, budget = estimate_memory(task, batch, cfg, self.device, rdv.local.size)
+        batch, probe = None, cfg
+        if cfg.activation_bytes is None:
+            first = min(self.supplied, default=None) if self.driven else 0
+            if first is None:  # a driven job started without an example step: not measured
+                probe = dataclasses.replace(cfg, activation_bytes=0)
+            else:
+                self.batches.current = first
+                batch = self.batches.load(self._micro(first)[0])
+        memory, budget = estimate_memory(task, batch, probe, self.device, rdv.local.size)
         return SetupInfo(
             params=params, device=str(self.device), estimate=memory, budget_bytes=budget
         )
@@ -276,7 +295,7 @@ class TrainWorker(Actor):
             task, model = self.task, self.model
             self.batches.current = state.done
             first = self._micro(state.done)[0]
-            settle_buckets(model, lambda: task.loss_fn(model, self.batches.load(first)))
+            settle_buckets(model, lambda: loss_only(task.loss_fn)(model, self.batches.load(first)))
         self.task.model.load_state_dict(_clone(state.model))
         self.optimizer.load_state_dict(_clone(state.optim))
         self.done = state.done
@@ -285,7 +304,15 @@ class TrainWorker(Actor):
     def _micro(self, step: int) -> list[list[int]]:
         return self.batches.micro(step, self.rank, self.world_size, self.sizes)
 
-    def _step(self, step: int) -> float:
+    @endpoint
+    def supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
+        """A driven job's samples of the steps in `samples` (step -> that step's global batch,
+        in order; this rank trains its share); the steps before `keep_from` are forgotten."""
+        for step in [s for s in self.supplied if s < keep_from]:
+            del self.supplied[step]
+        self.supplied.update(samples)
+
+    def _step(self, step: int) -> tuple[float, dict[str, float]]:
         assert self.task is not None and self.model is not None
         cfg = self.config
         self.batches.start(step, self.rank, self.world_size, self.sizes)
@@ -318,7 +345,7 @@ class TrainWorker(Actor):
         batch = cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size)
         return evaluate(
             self.model,
-            self.task.loss_fn,
+            loss_only(self.task.loss_fn),
             batch_reader(data, self.task.collate_fn),
             len(data),
             rank=self.rank,
@@ -352,7 +379,7 @@ class TrainWorker(Actor):
                 if self.hooks is not None:
                     self.hooks.on_step(self.rank, step + 1)
                 t0 = time.perf_counter()
-                loss = self._step(step)
+                loss, stats = self._step(step)
                 self.done = step + 1
                 out.append(
                     StepMetrics(
@@ -364,6 +391,7 @@ class TrainWorker(Actor):
                         samples=self.timing.samples,
                         data_wait_s=self.feed.take_wait() if self.feed is not None else None,
                         eval_loss=self._evaluate(step),
+                        stats=stats or None,
                     )
                 )
                 if ckpt is not None and ckpt.every and (step + 1) % ckpt.every == 0:
@@ -382,13 +410,32 @@ class TrainWorker(Actor):
         return ChunkResult(tuple(out), self.done, error=error, cause=cause)
 
     @endpoint
-    def save(self, done: int) -> None:
-        """Checkpoint now, at `done` completed steps (collective), and wait for the commit."""
-        self._save(done)
+    def save(self, done: int, extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint now, at `done` completed steps (collective), with `extra` (JSON data, the
+        manifest's `extra`), and wait for the commit."""
+        self._save(done, extra)
         assert self.checkpointer is not None
         self.checkpointer.wait()
 
-    def _save(self, done: int) -> None:
+    @endpoint
+    def weights(self, trained_only: bool) -> Shared[dict[str, torch.Tensor]] | None:
+        """The full model state (COLLECTIVE: a sharded model is gathered from every rank),
+        stored once in this host's object store by rank 0, on the CPU; None on the other
+        ranks. `trained_only`: only the parameters that train (a LoRA model's adapters)."""
+        assert self.task is not None and self.model is not None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        if trained_only:
+            trained = {n for n, p in self.task.model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trained}
+        return Shared({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+
+    def _save(self, done: int, extra: dict[str, Any] | None = None) -> None:
         assert self.checkpointer is not None and self.decision is not None
         self.checkpointer.save(
             done,
@@ -399,13 +446,17 @@ class TrainWorker(Actor):
             config=self.config.to_dict(),
             data_position=done,
             rank=self.rank,
+            extra=extra,
         )
 
     @endpoint
-    def finish(self, done: int, save: bool) -> dict[str, torch.Tensor] | None:
-        """Final checkpoint (if asked), then the full model state on rank 0 (collective)."""
+    def finish(
+        self, done: int, save: bool, extra: dict[str, Any] | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Final checkpoint (if asked, with `extra`), then the full model state on rank 0
+        (collective)."""
         if save and self.checkpointer is not None:
-            self._save(done)
+            self._save(done, extra)
         if self.checkpointer is not None:
             self.checkpointer.wait()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

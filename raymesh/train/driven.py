@@ -1,0 +1,195 @@
+"""`drive`: a training job whose steps an outer loop supplies, one batch at a time.
+
+    job = train.drive(build, train.TrainConfig(workers=4, steps=100, global_batch_size=64))
+    while job.trained < 100:
+        samples = make_samples(job.weights())  # e.g. rollouts sampled with the newest policy
+        row = job.step(samples)  # forward, backward, optimizer on every rank
+    result = job.close()
+
+For a loop that owns its data (reinforcement learning: the rollouts of a step exist only once
+the policy of the step before is out; online learning; a curriculum decided as it goes), the
+job is `fit`'s, run a step at a time: the same controller, states, placement, strategy (DDP,
+FSDP, HSDP, decided or given), precision, memory planning, checkpoints, run folder, dashboard
+and healing. torchft's `Manager` is fault tolerance as a layer any loop can call; here the loop
+calls the job, and the job heals under it.
+
+Guarantees:
+- `step(samples)` returns once the step is trained on every rank, or raises (`TrainError`,
+  `TooManyFailures`); a rank lost during the step (SIGKILLed, raising, hung past the step
+  timeout) is replaced and the step trained again on the new world before it returns, with
+  the samples the loop gave (the controller keeps them until no heal can need them).
+- Bit for bit: the weights after step n equal those of a run without failures at the same
+  world size (DDP heals in place from a survivor; FSDP and HSDP from the newest checkpoint,
+  then train the steps since again on the samples kept for them).
+- The samples of a step are its global batch, in the loop's order: rank r trains its share as
+  `fit`'s ranks do (the split, micro batches and loss weighting are `fit`'s), so the gradient
+  is the global batch's mean for any world size. `Task.dataset` is not read (None is fine).
+- `loss_fn(model, batch)` may return `(loss, {name: float})`: each statistic is weighed as the
+  loss is and averaged over the ranks into the step's row, beside the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from raymesh._common import resolve
+from raymesh.actor import Shared
+from raymesh.train.api import _import_name
+from raymesh.train.checkpoint import read_manifest
+from raymesh.train.config import TrainConfig
+from raymesh.train.control.controller import TrainController
+from raymesh.train.control.warm import WarmRanks
+from raymesh.train.injector import FaultInjector
+from raymesh.train.result import Result
+from raymesh.train.task import Context, Task
+
+__all__ = ["DrivenJob", "drive"]
+
+
+def drive(
+    build: Callable[[Context], Task] | str | None,
+    config: TrainConfig,
+    *,
+    example: Sequence[Any] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    warm: WarmRanks | None = None,
+    run_folder: bool = True,
+) -> DrivenJob:
+    """Start a job whose loop supplies each step's samples (see the module docstring); it
+    returns once the ranks are up, the strategy decided and a checkpoint restored (`resume`).
+
+    build, config, progress, warm: as `fit`'s. `config.global_batch_size` is the number of
+    samples each step takes; `config.steps` the most steps the loop will supply (the learning
+    rate schedule's length). example: samples of one step, which the ranks measure activation
+    memory on for the strategy decision; without it (and without `config.activation_bytes`)
+    the decision weighs the weights and the optimizer alone. run_folder: False writes none (a
+    loop that keeps its own: raymesh.rl's, until its run folder is this job's).
+    Raises ValueError for a bad config, build or example; `TrainError` when starting fails."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
+    chosen = build if build is not None else config.build
+    if chosen is None:
+        raise ValueError("no build function: pass one to drive(), or set TrainConfig(build=...)")
+    if config.data is not None:
+        raise ValueError(
+            "drive(): TrainConfig(data=...) is a pipeline that makes the batches, and a driven "
+            "job's loop supplies them; drop data=, or train with fit()"
+        )
+    fn = resolve(chosen)
+    if config.build is None and (name := _import_name(chosen, fn)) is not None:
+        config = dataclasses.replace(config, build=name)
+    hooks = FaultInjector(config.faults) if config.faults else None
+    controller = TrainController.create(
+        fn, config, progress=progress, hooks=hooks, warm=warm, driven=True, run_folder=run_folder
+    )
+    job = DrivenJob(controller)
+    if example is not None:
+        controller.supplied = {0: (Shared(job._checked(example, "example")), None)}
+    controller.open()
+    if example is not None and job.trained > 0:
+        controller.supplied = {}  # measured on; a resumed job's next step is a later one
+    return job
+
+
+class DrivenJob:
+    """A running job of `drive`: `step` trains a step, `weights` reads the model, `save`
+    checkpoints, `close` finishes, `stop` ends it at once. A context manager: leaving the
+    block closes it (a failure in the block stops it)."""
+
+    def __init__(self, controller: TrainController) -> None:
+        self._controller = controller
+        self._result: Result | None = None
+
+    @property
+    def config(self) -> TrainConfig:
+        return self._controller.config
+
+    @property
+    def trained(self) -> int:
+        """Steps trained so far (the next `step` trains 0-based step `trained`): 0, or where a
+        resumed job's checkpoint was, plus the steps trained since."""
+        return self._controller.world.step
+
+    @property
+    def world_size(self) -> int:
+        return len(self._controller.world.ranks)
+
+    @property
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        """(the step the job resumed at, the `extra` saved with that checkpoint); (0, {}) for a
+        job that started fresh."""
+        path = self._controller.resumed_path
+        if path is None:
+            return 0, {}
+        manifest = read_manifest(Path(path))
+        return manifest.data_position, dict(manifest.extra or {})
+
+    def step(self, samples: Sequence[Any], *, report: dict[str, Any] | None = None) -> dict:
+        """Train the next step on `samples` (its global batch: `global_batch_size` samples,
+        each what `Task.collate_fn` takes), healing as needed; the step's row, as the run
+        folder's `metrics.jsonl` has it (step, loss, the loss function's statistics, and
+        `report`: the loop's own figures of the step, e.g. its mean reward).
+        ValueError for a wrong number of samples or a step past `config.steps`."""
+        self._open("step")
+        if self.trained >= self.config.steps:
+            raise ValueError(
+                f"step: the job trained its steps={self.config.steps}; give TrainConfig("
+                "steps=...) the most steps the loop supplies, or close() it"
+            )
+        return self._controller.drive(Shared(self._checked(samples, "samples")), report)
+
+    def weights(self, *, trained_only: bool = False) -> Shared[dict[str, Any]]:
+        """The model's full state now (a sharded model gathered once), in rank 0's object
+        store: hand the reference to many readers (`Shared.get()` reads it). `trained_only`:
+        only the parameters that train (a LoRA model's adapters)."""
+        self._open("weights")
+        return self._controller.weights(trained_only)
+
+    def save(self, *, extra: dict[str, Any] | None = None) -> str:
+        """Checkpoint now, with `extra` (JSON data, read back by `resumed`), as `fit`'s
+        checkpoints are (`raymesh serve --checkpoint`, `export` and `init=` read it); the
+        committed step folder. ValueError without `config.checkpoint`."""
+        self._open("save")
+        return self._controller.save(extra)
+
+    def close(self, *, extra: dict[str, Any] | None = None) -> Result:
+        """Finish: the final checkpoint (with a checkpoint section; with `extra`, as `save`'s),
+        the weights from rank 0, the procs stopped (or given back to `warm`); the job's
+        `Result`. Closing again returns the same result."""
+        if self._result is None:
+            self._result = self._controller.close(extra)
+        return self._result
+
+    def stop(self) -> None:
+        """End the job now, without a final checkpoint (what failed may be the model): its
+        procs stopped. Nothing after `close`."""
+        self._controller.end(None)
+
+    def __enter__(self) -> DrivenJob:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.stop()
+
+    def _open(self, what: str) -> None:
+        if self._result is not None:
+            raise RuntimeError(f"{what}: the job is closed")
+
+    def _checked(self, samples: Sequence[Any], field: str) -> list[Any]:
+        n = self.config.global_batch_size
+        if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+            raise TypeError(
+                f"{field}: give a sequence of samples (a list), not {type(samples).__name__}"
+            )
+        if len(samples) != n:
+            raise ValueError(
+                f"{field}: {len(samples)} samples, but a step takes global_batch_size={n}; "
+                f"supply {n}, or set TrainConfig(global_batch_size={len(samples)})"
+            )
+        return list(samples)
