@@ -924,7 +924,7 @@ FULL = {
     "serve": 4,
     "federated": 4,
     "elastic": 2,
-    "rl": 8,
+    "rl": 10,
 }
 QUICK = {
     "ddp": 4,
@@ -935,7 +935,7 @@ QUICK = {
     "serve": 1,
     "federated": 1,
     "elastic": 0,
-    "rl": 4,
+    "rl": 5,
 }
 
 

@@ -15,6 +15,10 @@ cases and their promises (docs/rl.md):
 - controller: `raymesh rl JOB` (staleness 0, a checkpoint every step) SIGKILLed after 1-4 steps,
   0-200 ms after a step's line, then `raymesh rl JOB --resume`: the final weights bitwise the
   uninterrupted run's, one metrics line per step.
+- learner ranks: the learner a train job of 2 ranks, DDP or FSDP (a checkpoint every step),
+  1-2 of its ranks SIGKILLed mid-step at random steps: each healed under the loop (the job's
+  failures say so), 32 samples every step, the final weights bitwise the fault-free run's
+  with the same learner.
 """
 
 from __future__ import annotations
@@ -188,7 +192,45 @@ def _controller(run: Any, r: random.Random, tmp: str, address: str) -> None:
     run.held, run.detail = not problems, "; ".join(problems)
 
 
-CASES = ("generators, staleness 0", "generators, staleness 1", "reward actors", "controller")
+def _learner(run: Any, r: random.Random, tmp: str, references: dict[str, Any]) -> None:
+    from raymesh.testing import kill
+
+    strategy = r.choice(["ddp", "fsdp"])
+    steps = sorted(r.sample(range(1, STEPS + 1), r.randint(1, 2)))
+    faults = [kill(rank=r.randint(0, 1), at_step=s) for s in steps]
+    run.faults = [f"SIGKILL {strategy} learner rank {f.rank} in step {f.at_step}" for f in faults]
+    learner = {"workers": 2, "strategy": strategy}
+    if strategy not in references:
+        references[strategy] = _run(
+            "tests.rl.rewards:es", 0, trainer=learner, checkpoint=f"{tmp}/clean", checkpoint_every=1
+        )
+    result = _run(
+        "tests.rl.rewards:es",
+        0,
+        trainer={**learner, "faults": faults},
+        checkpoint=f"{tmp}/ckpt",
+        checkpoint_every=1,
+    )
+    lost = [(f.rank, f.step) for f in result.learner_failures if f.kind == "died"]
+    run.failures = run.healed = len(lost)
+    run.lost_steps = sum(f.steps_recomputed or 0 for f in result.learner_failures)
+    problems = []
+    if [s for _, s in lost] != steps:
+        problems.append(f"learner ranks lost at steps {lost}, killed at {steps}")
+    if [row["samples"] for row in result.history] != [SAMPLES] * STEPS:
+        problems.append(f"samples per step {[row['samples'] for row in result.history]}")
+    if differ := _differing(references[strategy].weights, result.weights):
+        problems.append(f"tensors differing from the fault-free run: {differ[:4]}")
+    run.held, run.detail = not problems, "; ".join(problems)
+
+
+CASES = (
+    "generators, staleness 0",
+    "generators, staleness 1",
+    "reward actors",
+    "controller",
+    "learner ranks",
+)
 
 
 def rl_runs(seed: int, count: int, replay: int | None, make_run: Any) -> Iterator[Any]:
@@ -197,6 +239,7 @@ def rl_runs(seed: int, count: int, replay: int | None, make_run: Any) -> Iterato
 
     rng = random.Random(seed)
     reference = None
+    learners: dict[str, Any] = {}  # the fault-free run of each learner strategy
     for i in range(count):
         # The case is the seed's (so a replay runs it again); the campaign draws seeds until
         # each case has its turn.
@@ -217,6 +260,8 @@ def rl_runs(seed: int, count: int, replay: int | None, make_run: Any) -> Iterato
                     _generators(run, r, staleness, tmp, reference)
                 elif case == "reward actors":
                     _reward_actors(run, r, tmp)
+                elif case == "learner ranks":
+                    _learner(run, r, tmp, learners)
                 else:
                     _controller(run, r, tmp, cluster.address())
             except Exception as e:  # a run that raised broke its promise: say how

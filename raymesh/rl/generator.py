@@ -60,6 +60,11 @@ class Generator(PolicyCopy):
         self.context = context_of(self.model)
 
     @endpoint
+    def measure(self, prompts: list[bytes]) -> tuple[int | None, list[int]]:
+        """(the most tokens the policy sees, None when it says not; each prompt's tokens)."""
+        return self.context, [len(self.codec.encode(p)) for p in prompts]
+
+    @endpoint
     def sample(self, items: list[tuple[int, bytes]]) -> list[Rollout]:
         """For each (key, prompt): `group_size` scored completions of `prompt` by the installed
         policy, as a Rollout of that key and version, with `Completions` as its data."""

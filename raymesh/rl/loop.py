@@ -47,7 +47,7 @@ from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.learner import GRPOTask, TrainedLearner
 from raymesh.rl.position import Position
-from raymesh.rl.roles import env_roles, text_roles
+from raymesh.rl.roles import check_context, env_roles, text_roles
 from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
 from raymesh.train import CheckpointConfig, FailureRecord, TrainConfig
@@ -233,6 +233,10 @@ def run(
         except ValueError as e:  # the manifest's position, checked before a worker starts
             raise ValueError(f"{checkpoint}: {e}") from None
         gens = [new_worker(i) for i in range(roles.workers)]
+        if roles.prompts:  # before a step: the learner would fail each time it saw one
+            measure = gens[0].actor.measure.call_one(list(roles.prompts))
+            context, lengths = measure.get(timeout=timeout_s)
+            check_context(roles.prompts, lengths, context, roles.max_tokens)
         sinks = [progress] if progress is not None else []
         folder = None
         if run_dir is not None:

@@ -18,7 +18,7 @@ from raymesh.rl.generator import Generator
 from raymesh.rl.learner import GRPOTask, PPOLearner
 from raymesh.rl.sampling import check_scored, reward_name
 
-__all__ = ["Roles", "env_roles", "text_roles"]
+__all__ = ["Roles", "check_context", "env_roles", "text_roles"]
 
 _Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
 
@@ -38,6 +38,10 @@ class Roles:
     per_step: int
     request: Callable[[list[int]], Any]
     check: Callable[[list[Any], int], None] | None = None
+    # GRPO: the prompts and the tokens a completion may take, which must fit the policy's
+    # context (`check_context`, once a generator can say how many tokens each prompt is)
+    prompts: tuple[bytes, ...] = ()
+    max_tokens: int = 0
 
 
 def text_roles(
@@ -93,7 +97,28 @@ def text_roles(
         per_step=per_step,
         request=request,
         check=functools.partial(check_scored, reward=reward_name(reward)),
+        prompts=tuple(items),
+        max_tokens=algorithm.max_tokens,
     )
+
+
+def check_context(
+    prompts: Sequence[bytes], lengths: Sequence[int], context: int | None, max_tokens: int
+) -> None:
+    """ValueError naming the first prompt whose tokens and `max_tokens` exceed the policy's
+    `context` (the learner reads the prompt and the completion in one window), with the fix."""
+    if context is None:
+        return
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        if n + max_tokens - 1 > context:
+            fits = context - n + 1
+            fix = f"lower grpo.max_tokens to {fits}" if fits >= 1 else "shorten it"
+            raise bad(
+                f"prompts[{i}]",
+                prompt[:40],
+                f"its {n} tokens and max_tokens={max_tokens} exceed the policy's context of "
+                f"{context} tokens; {fix}",
+            )
 
 
 def env_roles(

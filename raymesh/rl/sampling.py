@@ -155,7 +155,10 @@ def _number(value: Any) -> float:
     """`value` as a finite float, or _NotANumber saying why not. Converting is the user's
     code too (a Real's __float__, an int past float's range, a Fraction of such ints), so it
     runs here, inside the caller's try: a conversion that raises drops one completion, not the
-    generator's whole call."""
+    generator's whole call. A one-number tensor (a reward model's 0-d output) is its number;
+    a NumPy scalar is a Real already."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _NotANumber(
             f"the reward returned {type(value).__name__} {_short(value)}, not a number"

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from raymesh import rl
+from raymesh import rl, train
 from raymesh.actor import this_host
 from raymesh.cli.main import main
 from raymesh.rl.environments import ActorCritic
@@ -31,7 +31,7 @@ LR = 0.1  # the policy's learning rate (the build's ctx.params["lr"]): es is lea
 def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-untyped-def]
     return rl.run(
         policy="tests.rl.rewards:build",
-        prompts=PROMPTS,
+        prompts=kw.pop("prompts", PROMPTS),
         reward=reward,
         algorithm=ALGORITHM,
         steps=steps,
@@ -123,11 +123,16 @@ def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp
     end = [json.loads(line) for line in (tmp_path / "events.jsonl").open()][-1]
     assert end["event"] == "end" and end["state"] == "Failed" and "RewardError" in end["reason"]
     assert not (tmp_path / "metrics.jsonl").exists()  # no step was taken
+    # A prompt too long for the policy's context (32 tokens) with its completion: refused
+    # before the first step, naming it and the fix (the learner failed on it at every step).
+    with pytest.raises(ValueError, match=r"^prompts\[1\]=b'xxx.*its 30 tokens and max_tokens=8 "):
+        _run(rewards.es, prompts=["def ", "x" * 30], steps=1, generators=1)
     # `raymesh rl`: one line naming the reward and the reason, and exit status 1.
     job = tmp_path / "job.toml"
     job.write_text(
         'policy = "tests.rl.rewards:build"\nreward = "tests.rl.rewards:says_high"\n'
         'prompts = ["def "]\nsteps = 2\nprompts_per_step = 1\ngenerators = 1\n'
+        "[grpo]\nmax_tokens = 8\n"
     )
     assert main(["rl", str(job)]) == 1
     err = capsys.readouterr().err.splitlines()
@@ -184,6 +189,17 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         _run(rewards.es, checkpoint_every=2)
     with pytest.raises(ValueError, match=r"^checkpoint_every=-1"):
         _run(rewards.es, checkpoint_every=-1)
+    # The learner's train job: fields it does not have, or ones the loop owns.
+    with pytest.raises(ValueError, match=r"^trainer=.*\['worker'\] are no train.TrainConfig"):
+        _run(rewards.es, trainer={"worker": 2})
+    with pytest.raises(ValueError, match=r"^trainer.run_dir='x': the RL loop sets it"):
+        _run(rewards.es, trainer={"run_dir": "x"})
+    with pytest.raises(ValueError, match=r"^trainer.global_batch_size=5: a GRPO step takes "):
+        _run(rewards.es, trainer=train.TrainConfig(global_batch_size=5))
+    with pytest.raises(ValueError, match=r"global_batch_size=32: gives some of the 33 workers"):
+        _run(rewards.es, trainer={"workers": 33})
+    with pytest.raises(ValueError, match=r"^trainer=.*PPO's learner is one proc for now"):
+        rl.run(algorithm=cartpole, steps=1, trainer={"workers": 2})
 
 
 def test_grpo_post_trains_a_hugging_face_lora_policy_and_publishes_only_its_adapters(tmp_path):

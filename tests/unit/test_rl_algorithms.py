@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -195,6 +196,13 @@ def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
         b"h": fractions.Fraction(10**400, 3),
         b"i": _Unfloatable(1.0),
         b"j": fractions.Fraction(1, 4),
+        # What a reward model hands back: numbers too.
+        b"k": numpy.float32(0.5),
+        b"l": torch.tensor(0.75),
+        b"m": torch.tensor([1.25]),
+        b"n": float("inf"),
+        b"o": torch.tensor([1.0, 2.0]),
+        b"q": torch.tensor(True),
     }
 
     def unruly(prompt: bytes, completion: bytes) -> Any:  # what a user may return
@@ -203,8 +211,13 @@ def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
         return scores[completion]
 
     answers = [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i", b"j"]
+    answers += [b"k", b"l", b"m", b"n", b"o", b"q"]
     rewards, dropped = rl.score(unruly, b"p", answers)
     assert rewards[0] == 1.5 and rewards[4] == 2.0 and rewards[9] == 0.25
+    assert rewards[10:13].tolist() == [0.5, 0.75, 1.25]
+    assert "inf, not a finite number" in dropped[13]
+    assert "returned Tensor tensor([1., 2.]), not a number" in dropped[14]
+    assert "returned Tensor tensor(True), not a number" in dropped[15]
     assert all(math.isnan(rewards[i]) for i in (1, 2, 3, 5, 6, 7, 8))
     assert "nan, not a finite number" in dropped[1]
     assert "returned str 'high', not a number" in dropped[2]
@@ -214,7 +227,7 @@ def test_a_reward_that_raises_or_returns_no_number_drops_only_that_completion():
     assert len(dropped[6]) < 200, dropped[6]  # the 401 digits are cut: a reason is logged
     assert "returned Fraction" in dropped[7] and "OverflowError" in dropped[7]
     assert "Unfloatable()" in dropped[8] and "ArithmeticError: no float" in dropped[8]
-    assert set(dropped) == {1, 2, 3, 5, 6, 7, 8}
+    assert set(dropped) == {1, 2, 3, 5, 6, 7, 8, 13, 14, 15}
 
 
 def test_a_completion_is_a_function_of_its_seed_and_each_seed_draws_its_own():
