@@ -3,6 +3,7 @@
     python bench/rl.py                 # 5 rounds, median (~1 min on 2 cores)
     python bench/rl.py --save          # also write bench/results/rl.json
     python bench/rl.py --learner 1:ddp # the learner job's ranks and strategy (default 2:fsdp)
+    python bench/rl.py --overhead      # the second part: the learner's step, driven job vs proc
 
 Issue 52's target: publishing a version of a 2-rank FSDP learner's policy to 4 generators
 within 1.3x the cost of one `ray.put` of its state dict and 4 `ray.get`s of it (issue 36's:
@@ -19,6 +20,15 @@ within 1.3x the cost of one `ray.put` of its state dict and 4 `ray.get`s of it (
 The policy is a byte-level TinyGPT of 12 blocks, width 256 (9.6M parameters, 38 MB fp32).
 Each round runs the three once, in that order; figures are medians over rounds. Prints one
 JSON object (and the load average at start and end).
+
+`--overhead`, issue 52's target: a GRPO step of the learner as a one-rank train job the loop
+drives (`train.drive`: its samples stored once and sent to the rank, the step's seeding,
+metrics and reporting) within 1.05x of the same step in one actor proc, as the learner was
+before it was a train job (the samples in the call, collate, loss, backward, AdamW). The
+policy is examples/grpo.toml's (TinyGPT, 0.12M parameters), 4 prompts x 8 completions of 32
+tokens a step, both with one intra-op thread; the two alternate in blocks of 10 steps (a
+step's aftermath, freeing its objects, lands in its own side's time), medians over
+`--rounds` steps of each after 3 to warm up.
 """
 
 from __future__ import annotations
@@ -52,7 +62,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--save", action="store_true", help="write bench/results/rl.json")
     p.add_argument("--learner", default="2:fsdp", help="the learner job's RANKS:STRATEGY")
+    p.add_argument("--overhead", action="store_true", help="the learner's step, job vs proc")
     args = p.parse_args()
+    if args.overhead:
+        return overhead(args.rounds, args.save)
     ranks, strategy = args.learner.split(":")
 
     import ray
@@ -133,6 +146,98 @@ def main() -> None:
 
 def _reward(prompt: bytes, completion: bytes) -> float:
     return 0.0
+
+
+class OneProc:
+    """The learner as it was: the GRPO task's step in one actor (made an Actor in `overhead`,
+    where raymesh is imported)."""
+
+    def __init__(self, policy: str, algorithm: Any) -> None:
+        from raymesh.rl.learner import GRPOTask
+        from raymesh.train import Context
+
+        torch.set_num_threads(1)  # as a train rank of cpus_per_worker=1
+        torch.manual_seed(0)
+        ctx = Context(
+            rank=0, world_size=1, local_rank=0, local_world_size=1,
+            device=torch.device("cpu"), seed=0,
+        )  # fmt: skip
+        self.task = GRPOTask(policy, algorithm)(ctx)
+
+    def learn(self, samples: list[dict]) -> float:
+        task = self.task
+        loss, _ = task.loss_fn(task.model, task.collate_fn(samples))
+        task.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        task.optimizer.step()
+        return float(loss)
+
+
+def overhead(rounds: int, save: bool) -> None:
+    from raymesh import Actor, cluster, endpoint, rl, this_host, train
+    from raymesh.rl.buffer import Rollout
+    from raymesh.rl.learner import GRPOTask, completion_samples
+    from raymesh.rl.sampling import Completions
+
+    load_start = os.getloadavg()
+    cluster.ensure_ray()
+    policy, algorithm = "raymesh.examples.tinygpt:build", rl.GRPO(group_size=8, max_tokens=32)
+    g = torch.Generator().manual_seed(0)
+    rollouts = [
+        Rollout(
+            key=k,
+            version=0,
+            data=Completions(
+                prompt,
+                torch.randint(0, 256, (8, 32), generator=g),
+                torch.full((8, 32), -5.0),
+                torch.rand(8, generator=g, dtype=torch.float64),
+            ),
+        )
+        for k, prompt in enumerate([b"def ", b"import ", b"class ", b"for "])
+    ]
+    samples, _ = completion_samples(rollouts, 0)
+    warm = 3
+    config = train.TrainConfig(steps=rounds + warm, global_batch_size=len(samples))
+    job = train.drive(GRPOTask(policy, algorithm), config, example=samples, run_folder=False)
+
+    class Proc(OneProc, Actor):
+        learn = endpoint(OneProc.learn)
+
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name="bench-one-proc")
+    one = procs.spawn("learner", Proc, policy, algorithm)
+    times: dict[str, list[float]] = {"driven_job": [], "one_proc": []}
+    sides = {
+        "driven_job": lambda: job.step(samples),
+        "one_proc": lambda: one.learn.call_one(samples).get(timeout=120),
+    }
+    for block in range(0, rounds + warm, 10):
+        for name, step in sides.items():
+            for i in range(block, min(block + 10, rounds + warm)):
+                t0 = time.perf_counter()
+                step()
+                if i >= warm:
+                    times[name].append(time.perf_counter() - t0)
+    job.stop()
+    procs.stop().get(timeout=60)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "bench": "rl learner step overhead",
+        "policy": policy,
+        "samples": len(samples),
+        "rounds": rounds,
+        "median_s": {k: round(v, 5) for k, v in median.items()},
+        "driven_vs_one_proc": round(median["driven_job"] / median["one_proc"], 3),
+        "target": "driven_job <= 1.05x one_proc",
+        "all_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(json.dumps(out, indent=1))
+    if save:
+        Path(__file__).with_name("results").joinpath("rl_overhead.json").write_text(
+            json.dumps(out, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from raymesh.rl.algorithms import (
 from raymesh.rl.buffer import Rollout
 from raymesh.rl.environments import Segment, build_policy, log_prob_and_entropy
 from raymesh.rl.sampling import Completions
-from raymesh.train import Context, DrivenJob, Task
+from raymesh.train import Context, DrivenJob, ShardedState, Task
 from raymesh.train.export import rebuild
 
 __all__ = ["GRPOTask", "PPOLearner", "TrainedLearner", "completion_samples"]
@@ -56,12 +56,14 @@ def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict
     learner's ranks; and the loop's figures of the step: mean reward and staleness (against
     `version`, the policy being trained), samples used and dropped (no reward), tokens.
 
-    A sample is a dict of tensors: `ids` (the prompt, then the completion but its last token:
-    the teacher-forced input), `start` (where the completion's first token is predicted),
-    `tokens`, `old` (the generator's log-probabilities), `advantage`, `mask` (the tokens that
-    count: a scored completion's, up to and with its end-of-text token) and `scale` (the step's
-    samples over its counted tokens, the same for all: it makes the ranks' weighted means the
-    global token-level mean)."""
+    A sample is a dict: tensors `ids` (the prompt, then the completion but its last token: the
+    teacher-forced input), `tokens` and `old` (the generator's log-probabilities), and numbers
+    `start` (where the completion's first token is predicted), `counted` (the tokens that
+    count: a scored completion's, up to and with its end-of-text token; 0 for a dropped one),
+    `advantage` and `scale` (the step's samples over its counted tokens, the same for all: it
+    makes the ranks' weighted means the global token-level mean). Numbers, not tensors, where
+    one number will do: a step's samples travel to the ranks, and each tensor costs its own
+    serialization."""
     out: list[dict] = []
     rewards: list[float] = []
     lag: list[int] = []
@@ -76,27 +78,24 @@ def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict
         if prompt is None:
             prompt = torch.tensor(list(data.prompt or b"\n"))
         t = data.tokens.shape[1]
-        counted = torch.ones_like(data.tokens, dtype=torch.bool)
-        if data.lengths is not None:  # the tokens after an end-of-text token
-            counted = torch.arange(t)[None, :] < data.lengths[:, None]
-        mask = valid[:, None] & counted
+        # the tokens after an end-of-text token do not count, nor a dropped completion's
+        lengths = data.lengths.tolist() if data.lengths is not None else [t] * len(valid)
         for i in range(len(data.rewards)):
             out.append(
                 {
                     "ids": torch.cat([prompt, data.tokens[i, :-1]]).long(),
-                    "start": torch.tensor(len(prompt) - 1),
                     "tokens": data.tokens[i].long(),
                     "old": data.logp[i].float(),
-                    "advantage": adv[i].float(),
-                    "mask": mask[i].float(),
+                    "start": len(prompt) - 1,
+                    "counted": int(lengths[i]) if bool(valid[i]) else 0,
+                    "advantage": float(adv[i]),
                 }
             )
         rewards.extend(data.rewards[valid].tolist())
         dropped += len(data.rewards) - int(valid.sum())
         tokens += data.tokens.numel()
         lag.append(version - r.version)
-    real = sum(float(s["mask"].sum()) for s in out)
-    scale = torch.tensor(len(out) / max(real, 1.0))
+    scale = len(out) / max(sum(s["counted"] for s in out), 1)
     for s in out:
         s["scale"] = scale
     figures: Stats = {
@@ -112,13 +111,23 @@ def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict
 def collate_completions(samples: list[dict]) -> dict[str, torch.Tensor]:
     """A batch of `completion_samples`: `ids` padded on the right to the longest (a causal
     model's logits at a position see only what is before it, so a row's values are those of
-    its own unpadded forward), the rest stacked."""
+    its own unpadded forward), the other tensors stacked, the numbers as tensors, and `mask`
+    ([B, T], 1.0 where a token counts)."""
     longest = max(len(s["ids"]) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     for i, s in enumerate(samples):
         ids[i, : len(s["ids"])] = s["ids"]
-    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "ids"}
-    return {"ids": ids, **batch}
+    tokens = torch.stack([s["tokens"] for s in samples])
+    counted = torch.tensor([s["counted"] for s in samples])
+    return {
+        "ids": ids,
+        "tokens": tokens,
+        "old": torch.stack([s["old"] for s in samples]),
+        "start": torch.tensor([s["start"] for s in samples]),
+        "advantage": torch.tensor([s["advantage"] for s in samples]),
+        "scale": torch.tensor([s["scale"] for s in samples]),
+        "mask": (torch.arange(tokens.shape[1])[None, :] < counted[:, None]).float(),
+    }
 
 
 @dataclass(frozen=True)
@@ -208,8 +217,9 @@ class TrainedLearner:
         keep = ("loss", "clip_fraction", "kl")
         return {**{k: row[k] for k in keep if k in row}, **figures, "version": row["step"]}
 
-    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
-        """(the current version, what trains of its weights: gathered once, stored once)."""
+    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]:
+        """(the current version, what trains of its weights, stored once: a sharded learner's
+        shards where its ranks are, which each reader assembles)."""
         return self.job.trained, self.job.weights(trained_only=True)
 
     def save(self, position: dict[str, Any]) -> str:

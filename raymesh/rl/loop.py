@@ -50,13 +50,17 @@ from raymesh.rl.position import Position
 from raymesh.rl.roles import check_context, env_roles, text_roles
 from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
-from raymesh.train import CheckpointConfig, FailureRecord, TrainConfig
+from raymesh.train import CheckpointConfig, FailureRecord, ShardedState, TrainConfig
 from raymesh.train.checkpoint import resolve_checkpoint
 from raymesh.train.export import job_config
 
 __all__ = ["RLResult", "run"]
 
 logger = logging.getLogger("raymesh")
+
+# A policy version and its weights, stored once: the one-proc learner's, or a sharded
+# learner job's shards, which each reader assembles.
+Published = tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]
 
 _POLL_S = 0.5  # the longest the loop waits between looks at the calls (a reply wakes it)
 
@@ -344,7 +348,7 @@ class _ProcLearner:
         stats: Stats = self.actor.learn.call_one(rollouts).get(timeout=self.timeout_s)
         return stats
 
-    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
+    def weights(self) -> Published:
         published = self.actor.weights.call_one().get(timeout=self.timeout_s)
         return published
 
@@ -373,7 +377,7 @@ class _Loop:
         self.next_key = 0
         self.remade: list[int] = []
         self.replaced = 0
-        self.published: tuple[int, Shared[dict[str, torch.Tensor]]] | None = None
+        self.published: Published | None = None
         self.arrived = threading.Event()  # a sampling call's reply (or failure) came in
         self.taken = Position()  # which keys the learner has taken
         self.check: Callable[[list[Rollout], int], None] | None = None  # a step's batch
@@ -440,7 +444,7 @@ class _Loop:
         weights = {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}
         return RLResult(history, version, weights, self.remade, self.replaced)
 
-    def _publish(self, published: tuple[int, Shared[dict[str, torch.Tensor]]]) -> None:
+    def _publish(self, published: Published) -> None:
         """Hand version v to every generator: queued behind its current call, so it is
         installed between two calls. The weights travel as a reference: one copy in the
         learner's object store, read by each generator, none through this process."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from raymesh.actor import Actor, endpoint
+from raymesh.train import ShardedState
 
 __all__ = ["PolicyCopy"]
 
@@ -22,10 +23,15 @@ class PolicyCopy(Actor):
     version: int = -1
 
     @endpoint
-    def load(self, version: int, state: dict[str, torch.Tensor]) -> int:
+    def load(self, version: int, state: dict[str, torch.Tensor] | ShardedState) -> int:
         """Install policy `version`: its state dict, whole, or only what trains (a LoRA
-        policy's adapters; the frozen rest is as built). A key the model does not have is a
-        ValueError, and nothing is installed. Returns the version."""
+        policy's adapters; the frozen rest is as built), or a sharded learner's shards, read
+        and assembled here. A key the model does not have is a ValueError, and nothing is
+        installed. Returns the version."""
+        if isinstance(state, ShardedState):  # copied into the model's tensors as it is read
+            state.load_into(self.model, timeout=120)
+            self.version = version
+            return version
         unknown = sorted(set(state) - set(self.model.state_dict()))
         if unknown:
             raise ValueError(f"version {version} holds keys this policy lacks: {unknown[:5]}")

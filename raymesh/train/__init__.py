@@ -18,6 +18,7 @@ from raymesh.train.control.warm import WarmRanks
 from raymesh.train.driven import DrivenJob, drive
 from raymesh.train.export import export_hf
 from raymesh.train.plot import save_picture
+from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.result import Result, TrainError
 from raymesh.train.task import Context, Task
 
@@ -31,6 +32,7 @@ __all__ = [
     "DrivenJob",
     "FailureRecord",
     "Result",
+    "ShardedState",
     "Task",
     "TooManyFailures",
     "TrainConfig",

@@ -43,6 +43,7 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.control.controller import TrainController
 from raymesh.train.control.warm import WarmRanks
 from raymesh.train.injector import FaultInjector
+from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 
@@ -141,10 +142,12 @@ class DrivenJob:
             )
         return self._controller.drive(Shared(self._checked(samples, "samples")), report)
 
-    def weights(self, *, trained_only: bool = False) -> Shared[dict[str, Any]]:
-        """The model's full state now (a sharded model gathered once), in rank 0's object
-        store: hand the reference to many readers (`Shared.get()` reads it). `trained_only`:
-        only the parameters that train (a LoRA model's adapters)."""
+    def weights(self, *, trained_only: bool = False) -> Shared[dict[str, Any]] | ShardedState:
+        """The model's full state now, stored once in the object store: rank 0's copy
+        (`Shared`), or, for a model sharded by rows (FSDP), every rank's shards where they
+        are (`ShardedState`: no rank gathers). Either is references: hand it to many readers;
+        `get()` reads it (a `ShardedState` assembles the full tensors where it is read).
+        `trained_only`: only the parameters that train (a LoRA model's adapters)."""
         self._open("weights")
         return self._controller.weights(trained_only)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,20 +77,36 @@ def test_fed_fits_order_a_driven_job_is_fit_and_heals_a_kill_bitwise_at_4_ranks(
     assert states == ["Starting", "Running", "Healing", "Running", "Finishing", "Finished"]
 
 
-def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_data(tmp_path):
-    def run(folder: Path, faults=()) -> tuple[train.Result, list[dict]]:
+def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_data(fit, tmp_path):
+    def run(folder: Path, faults=()) -> tuple[train.Result, list[dict], Any]:
         ckpt = train.CheckpointConfig(dir=str(folder), every=2)
         config = _config(workers=2, strategy="fsdp", checkpoint=ckpt, faults=faults)
-        with train.drive(with_accuracy, config) as job:
+        with train.drive(with_accuracy, config, warm=warm) as job:
             rows = [job.step(samples(s)) for s in range(STEPS - 2)]
             job.save(extra={"position": [1, 2, 3]})
             rows += [job.step(samples(s)) for s in range(STEPS - 2, STEPS)]
-        return job.close(), rows
+            # What the job publishes: its ranks' shards, read while their procs live.
+            published = job.weights()
+            assert isinstance(published, train.ShardedState) and len(published.parts) == 2
+            ctx = train.Context(
+                rank=0, world_size=1, local_rank=0, local_world_size=1,
+                device=torch.device("cpu"), seed=9,
+            )  # fmt: skip
+            model = mlp_build(ctx).model  # a reader's own copy (a generator's): loaded in place
+            published.load_into(model)
+            with pytest.raises(ValueError, match=r"keys this module lacks: \['blocks.0.0.weight'"):
+                published.load_into(torch.nn.Linear(2, 2))
+            read = (published.get(), model.state_dict())
+        return job.close(), rows, read
 
-    clean, rows = run(tmp_path / "clean")
-    healed, _ = run(tmp_path / "healed", faults=[kill(rank=1, at_step=4)])
+    warm = fit.keywords["warm"]
+    clean, rows, published = run(tmp_path / "clean")
+    healed, _, _ = run(tmp_path / "healed", faults=[kill(rank=1, at_step=4)])
     assert [(f.rank, f.step, f.kind) for f in healed.failures] == [(1, 4, "died")]
     assert equal(clean.state_dict(), healed.state_dict())
+    # Its ranks' shards, assembled where read, or copied into a reader's model: the weights.
+    assert equal(clean.state_dict(), published[0])
+    assert equal(clean.state_dict(), published[1])
     # The loss function's statistic: weighed as the loss, the mean over the batch
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
@@ -102,7 +119,7 @@ def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_dat
         (clean_dir / f"step-{step:08d}").rmdir()
     ckpt = train.CheckpointConfig(dir=str(clean_dir))
     config = _config(workers=2, strategy="fsdp", checkpoint=ckpt)
-    with train.drive(with_accuracy, config) as job:
+    with train.drive(with_accuracy, config, warm=warm) as job:
         assert job.resumed == (STEPS - 2, {"position": [1, 2, 3]})
         while job.trained < STEPS:
             job.step(samples(job.trained))

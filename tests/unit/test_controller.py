@@ -168,7 +168,7 @@ class FakeRank:
         self.done = state.done
         return self.done
 
-    def ep_run(self, start: int, stop: int, sizes: Any, feeders: Any = None) -> Any:
+    def ep_run(self, start: int, stop: int, sizes: Any, feeders: Any = None, *driven: Any) -> Any:
         if not self.grouped:  # a chunk queued behind a failed one
             return ChunkResult((), self.done, error="no process group", cause="peer")
         if self.position == 0:

@@ -27,6 +27,7 @@ from raymesh.train.hf import (
     save_tiny_llama,
 )
 from raymesh.train.materialize import materialize, on_meta
+from raymesh.train.rank.full_state import full_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +142,11 @@ def _rank(rank: int, world: int, folder: str, store: str, out: str) -> None:
     materialize(model, CPU, PretrainedWeights(Path(folder), seed=3))
     full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
     local = sum(p.to_local().numel() for p in model.parameters())
-    torch.save({"full": full, "read": read[0], "local": local}, f"{out}/{rank}.pt")
+    # What a learner publishes: the full state on rank 0, one gather per dtype (collective)
+    adapters = {n for n in full if "lora_" in n}
+    published = full_state(model, sharded=True), full_state(model, sharded=True, names=adapters)
+    saved = {"full": full, "read": read[0], "local": local, "published": published}
+    torch.save(saved, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -164,3 +169,11 @@ def test_two_fsdp_ranks_each_read_only_their_shards_and_together_hold_the_model(
         assert g["read"] <= 0.55 * stored, (g["read"], stored)
         assert g["local"] <= 0.55 * sum(t.numel() for t in want.values())
     assert sum(g["read"] for g in got) == stored
+    # Gathered in one message per dtype, the full state is the same tensors, on rank 0 only;
+    # only the adapters when asked for them.
+    whole, adapters = got[0]["published"]
+    assert got[1]["published"] == (None, None)
+    assert set(adapters) == {n for n in want if "lora_" in n} and adapters
+    for name, t in want.items():
+        assert torch.equal(whole[name], t), name
+        assert name not in adapters or torch.equal(adapters[name], t), name

@@ -80,6 +80,7 @@ from raymesh.train.control.warm import WarmRanks
 from raymesh.train.control.world import World, replaced_by
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.protocol import ChunkResult, Feeders, SetupInfo, StepMetrics
+from raymesh.train.rank.full_state import Part, ShardedState
 from raymesh.train.reporting import sinks
 from raymesh.train.result import Result, RunLog, TrainError
 from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
@@ -202,13 +203,15 @@ class TrainController:
         finishing = Finishing("closed by its loop", extra)
         return self.result(self.advance(finishing, until=(), enter=True))
 
-    def weights(self, trained_only: bool) -> Shared[dict[str, Any]]:
-        """A driven job: the model's full state now (see `TrainWorker.weights`)."""
-        shared = self.world.gather(
-            [r.worker.weights.call_one(trained_only) for r in self.world.ranks]
-        )
-        assert shared[0] is not None
-        return shared[0]
+    def weights(self, trained_only: bool) -> Shared[dict[str, Any]] | ShardedState:
+        """A driven job: the model's full state now, stored once (see `TrainWorker.weights`):
+        rank 0's, or every rank's shards as one `ShardedState`."""
+        ranks = self.world.ranks
+        parts = self.world.gather([r.worker.weights.call_one(trained_only) for r in ranks])
+        if isinstance(parts[0], Part):
+            return ShardedState.of(parts)
+        assert parts[0] is not None
+        return parts[0]
 
     def save(self, extra: dict[str, Any] | None) -> str:
         """A driven job: checkpoint now, with `extra`; the committed step folder."""
@@ -407,9 +410,11 @@ class TrainController:
                 return Resizing(grow.reason, grow)
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
-                self.supply(self.world.ranks, start)
+                samples, keep_from = self.supplies(start)  # a driven job's, with the call
                 futs = [
-                    r.worker.run.call_one(start, stop, self.balancer.sizes, self.feeders(r))
+                    r.worker.run.call_one(
+                        start, stop, self.balancer.sizes, self.feeders(r), samples, keep_from
+                    )
                     for r in self.world.ranks
                 ]
                 in_flight.append(((start, stop), futs))
@@ -551,13 +556,22 @@ class TrainController:
             len(self.world.ranks), max_workers=self.config.max_workers, ready=self.pool.ready()
         )
 
-    def supply(self, ranks: list[Rank], step: int | None = None) -> None:
-        """A driven job: send `ranks` the samples of `step` (None: of every step kept), queued
-        before the call that trains it. The steps no heal can go back to are forgotten: those
-        a DDP world completed (survivors hold that state), or, sharded, those before the
-        newest checkpoint surely committed (a sharded world heals from there)."""
-        if self.supplied is None or not self.supplied:
-            return
+    def supply(self, ranks: list[Rank]) -> None:
+        """A driven job: send `ranks` the samples of every step kept, queued before the calls
+        that train them (a world that forms: its ranks measure memory on them, or heal)."""
+        samples, keep_from = self.supplies()
+        if samples:
+            for r in ranks:
+                r.worker.supply.call_one(samples, keep_from)
+
+    def supplies(self, step: int | None = None) -> tuple[dict[int, Shared[list[Any]]], int]:
+        """A driven job's samples of `step` (None: of every step kept), and the step the ranks
+        may forget those before; ({}, 0) for `fit`. The steps no heal can go back to are
+        forgotten here too: those a DDP world completed (survivors hold that state), or,
+        sharded, those before the newest checkpoint surely committed (a sharded world heals
+        from there)."""
+        if not self.supplied:
+            return {}, 0
         keep_from = self.world.step
         decision = self.world.decision
         ckpt = self.config.checkpoint
@@ -568,9 +582,7 @@ class TrainController:
         for s in [s for s in self.supplied if s < keep_from]:
             del self.supplied[s]
         steps = [step] if step is not None else sorted(self.supplied)
-        samples = {s: self.supplied[s][0] for s in steps if s in self.supplied}
-        for r in ranks:
-            r.worker.supply.call_one(samples, keep_from)
+        return {s: self.supplied[s][0] for s in steps if s in self.supplied}, keep_from
 
     def figures(self, step: int) -> dict[str, Any] | None:
         """What a driven job's loop reported of `step` (None: nothing, or `fit`)."""

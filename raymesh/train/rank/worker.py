@@ -47,6 +47,7 @@ from raymesh.train.protocol import (
 from raymesh.train.rank import group
 from raymesh.train.rank.batches import Batches
 from raymesh.train.rank.evaluate import due, evaluate
+from raymesh.train.rank.full_state import Part, full_state, published
 from raymesh.train.rank.measure import check_precision, estimate_memory
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import autocast_dtype, parallelize, settle_buckets
@@ -308,6 +309,9 @@ class TrainWorker(Actor):
     def supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
         """A driven job's samples of the steps in `samples` (step -> that step's global batch,
         in order; this rank trains its share); the steps before `keep_from` are forgotten."""
+        self._supply(samples, keep_from)
+
+    def _supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
         for step in [s for s in self.supplied if s < keep_from]:
             del self.supplied[step]
         self.supplied.update(samples)
@@ -357,11 +361,18 @@ class TrainWorker(Actor):
 
     @endpoint
     def run(
-        self, start: int, stop: int, sizes: list[int] | None = None, feeders: Feeders | None = None
+        self,
+        start: int,
+        stop: int,
+        sizes: list[int] | None = None,
+        feeders: Feeders | None = None,
+        samples: dict[int, list[Any]] | None = None,
+        keep_from: int = 0,
     ) -> ChunkResult:
         """Train steps [start, stop) (0-based) with `sizes` samples per rank (None: the even
         split), asking `feeders` for batches from now on (if given: the pipeline's workers
-        changed); checkpoint on the configured steps.
+        changed); checkpoint on the configured steps. A driven job's `samples` and `keep_from`
+        come with the call, as `supply` takes them.
 
         A failing step is not retried here: the rank leaves its process group at once (so
         peers blocked on it fail fast), reports why in the result, and the controller heals
@@ -370,6 +381,8 @@ class TrainWorker(Actor):
         ckpt = self.config.checkpoint
         if feeders is not None and self.feed is not None:  # first: the controller counts it heard
             self.feed.use(feeders.generation, feeders.workers)
+        if samples:
+            self._supply(samples, keep_from)
         if not dist.is_initialized():  # a chunk queued behind a failed one: nothing to do
             return ChunkResult((), self.done, error="no process group", cause="peer")
         self.sizes = sizes
@@ -418,22 +431,16 @@ class TrainWorker(Actor):
         self.checkpointer.wait()
 
     @endpoint
-    def weights(self, trained_only: bool) -> Shared[dict[str, torch.Tensor]] | None:
-        """The full model state (COLLECTIVE: a sharded model is gathered from every rank),
-        stored once in this host's object store by rank 0, on the CPU; None on the other
-        ranks. `trained_only`: only the parameters that train (a LoRA model's adapters)."""
-        assert self.task is not None and self.model is not None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank != 0:
-            return None
+    def weights(self, trained_only: bool) -> Shared[dict[str, torch.Tensor]] | Part | None:
+        """What this rank publishes of the full model state, on the CPU, stored once in its
+        host's object store (`full_state.published`, COLLECTIVE: a sharded model's `Part`s,
+        else the state from rank 0). `trained_only`: only the parameters that train (a LoRA
+        model's adapters)."""
+        assert self.task is not None and self.decision is not None
+        names = None
         if trained_only:
-            trained = {n for n, p in self.task.model.named_parameters() if p.requires_grad}
-            state = {k: v for k, v in state.items() if k in trained}
-        return Shared({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+            names = {n for n, p in self.task.model.named_parameters() if p.requires_grad}
+        return published(self.task.model, sharded=self.decision.sharded, names=names)
 
     def _save(self, done: int, extra: dict[str, Any] | None = None) -> None:
         assert self.checkpointer is not None and self.decision is not None
@@ -459,17 +466,8 @@ class TrainWorker(Actor):
             self._save(done, extra)
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        assert self.model is not None
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank != 0:
-            return None
-        return {
-            k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)
-        }
+        assert self.task is not None and self.decision is not None
+        return full_state(self.task.model, sharded=self.decision.sharded)
 
     @endpoint
     def close(self) -> None:
