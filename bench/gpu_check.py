@@ -466,6 +466,44 @@ def finetune_fit(r: Record, args: argparse.Namespace) -> None:
         shutdown()
 
 
+def rl_learner(r: Record, args: argparse.Namespace) -> None:
+    """GRPO whose learner is a train job on the GPU (`trainer={"gpus": True}`), its ranks
+    noting the device and process group they got; the generators stay CPU procs (generators
+    on GPUs are not built: recorded)."""
+    need_cuda(args)
+    from raymesh import rl
+    from raymesh._src.backend import ensure_ray, shutdown
+
+    seen = args.out + ".learner"
+
+    def policy(ctx: Any) -> Any:
+        import torch.distributed as dist
+
+        from raymesh.examples import tinygpt
+
+        if dist.is_initialized():  # a learner rank (a generator builds the policy too)
+            info = {"device": str(ctx.device), "backend": dist.get_backend()}
+            Path(seen).write_text(json.dumps(info))
+        return tinygpt.build(ctx)
+
+    ensure_ray()
+    try:
+        t0 = time.perf_counter()
+        result = rl.run(
+            policy=policy, prompts=["def ", "for "], reward="raymesh.examples.rewards:python_lines",
+            algorithm=rl.GRPO(group_size=4, max_tokens=16), steps=3, prompts_per_step=2,
+            generators=1, trainer={"workers": 1, "gpus": True}, timeout_s=left(args),
+        )  # fmt: skip
+        r.put(run_s=round(time.perf_counter() - t0, 2))
+    finally:
+        shutdown()
+    r.put(learner=json.loads(Path(seen).read_text()), generators="cpu (GPU generators: not built)")
+    r.put(rewards=[finite(h["reward_mean"]) for h in result.history], version=result.version)
+    check(r["learner"]["device"].startswith("cuda"), f"the learner ran on {r['learner']['device']}")
+    check(r["learner"]["backend"] == "nccl", f"the learner's backend is {r['learner']['backend']}")
+    check(result.version == 3, f"version {result.version}")
+
+
 # name: (function, its own time limit in seconds, skipped at once without CUDA, environment).
 # A trainer is a GPU proc, which never comes from the warm pool (pool.py): warm CPU procs would
 # only compete with its start.
@@ -479,6 +517,7 @@ SECTIONS: dict[str, tuple[Callable[[Record, Any], None], float, bool, dict[str, 
     "memory_estimate": (memory_estimate, 45, True, {}),
     "finetune_memory": (finetune_memory, 45, True, {}),
     "finetune_fit": (finetune_fit, 90, True, NO_POOL),
+    "rl_learner": (rl_learner, 90, True, NO_POOL),
     "spawn_and_messages": (spawn_and_messages, 150, False, {"RAYMESH_WARM_PROCS": "16"}),
 }
 
