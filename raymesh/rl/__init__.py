@@ -20,7 +20,7 @@ What is here:
   `max_staleness` versions; a generator SIGKILLed mid-rollout is replaced and its rollouts made
   again, so a synchronous run ends with the weights of a run without the fault (docs/rl.md).
 - `run(algorithm=PPO(env=...))`: PPO on a gymnasium environment, with a mesh of `EnvRunner`
-  procs (GAE computed where the values are) and one `PPOLearner` proc; a runner SIGKILLed
+  procs (GAE computed where the values are) and a learner train job (`PPOTask`); a runner SIGKILLed
   mid-segment is replaced and its segment made again (docs/rl.md);
 - the learning rules, as pure functions of tensors: `GRPO` for language models, `PPO` with
   `gae` for environments;
@@ -30,8 +30,8 @@ What is here:
   completion, with its reason; a step with no completion scored ends the run: `RewardError`).
 
 Also: reward actors (`reward=` a mesh), `checkpoint=` and `resume`, the run folder the
-dashboard shows (docs/rl.md). Not built yet: PPO's learner as a train job, one RL config and
-one run folder with train's, weight sync over Ray's tensor transport.
+dashboard shows (docs/rl.md). Not built yet: one RL config and one run folder with train's,
+weight sync over Ray's tensor transport.
 """
 
 from raymesh.rl.algorithms import (
@@ -49,7 +49,7 @@ from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.environments import ActorCritic, EnvRunner, Segment
 from raymesh.rl.generator import Generator
 from raymesh.rl.jobfile import RLJob, load_rl_job
-from raymesh.rl.learner import GRPOTask, PPOLearner, completion_samples
+from raymesh.rl.learner import GRPOTask, PPOTask, completion_samples
 from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, RewardError, sample_seed, score
 
@@ -61,7 +61,7 @@ __all__ = [
     "EnvRunner",
     "GRPOTask",
     "Generator",
-    "PPOLearner",
+    "PPOTask",
     "RLJob",
     "RLResult",
     "RewardError",

@@ -13,17 +13,16 @@ batch). Completions whose reward was dropped take no part; a group with fewer th
 teaches nothing. Each step makes a new policy version, which `TrainedLearner.weights` hands to
 the generators, gathered once from the sharded ranks.
 
-`PPOLearner` is PPO's learner for environments, one proc: `learn(rollouts)` takes the runners'
-segments (advantages and returns already computed where the values were) and makes `epochs`
-passes over them in `minibatches` shuffled minibatches, with PPO's clipped loss, advantages
-normalised per minibatch and gradients clipped to `max_grad_norm`. (Running it as a driven
-train job too is still to build: its minibatch passes are several optimizer steps a version.)
+PPO's learner is such a job too (`PPOTask`, `TrainedPPOLearner`): a version's `epochs` passes
+over the runners' segments in shuffled minibatches are that many train steps, sent to the
+ranks in one call (`DrivenJob.steps`), each a minibatch of columns.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raymesh.actor import Actor, Shared, endpoint
+from raymesh.actor import Shared
 from raymesh.rl.algorithms import (
     GRPO,
     PPO,
@@ -48,7 +47,7 @@ from raymesh.rl.sampling import Completions
 from raymesh.train import Context, DrivenJob, ShardedState, Task
 from raymesh.train.export import rebuild
 
-__all__ = ["GRPOTask", "PPOLearner", "TrainedLearner", "completion_samples"]
+__all__ = ["GRPOTask", "PPOTask", "TrainedLearner", "TrainedPPOLearner", "completion_samples"]
 
 
 def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict], Stats]:
@@ -199,7 +198,7 @@ def completion_logp(model: nn.Module, batch: dict, temperature: float) -> torch.
 
 class TrainedLearner:
     """GRPO's learner role on a driven train job (`train.drive` of a `GRPOTask`): the loop
-    calls `learn`, `weights`, `save` and `resumed` of it as it did of the one-proc learner."""
+    calls its `learn`, `weights`, `save` and `resumed`."""
 
     def __init__(self, job: DrivenJob) -> None:
         self.job = job
@@ -227,80 +226,109 @@ class TrainedLearner:
         return self.job.save(extra={"rl": position})
 
 
-class PPOLearner(Actor):
-    """The PPO policy for `algorithm.env` (`policy`: see raymesh.rl.environments), seeded
-    with `seed`, trained with Adam at `algorithm.lr`."""
+@dataclass(frozen=True)
+class PPOTask:
+    """The build function of PPO's learner ranks: the policy for `algorithm.env` (`policy`:
+    see raymesh.rl.environments) with Adam at `algorithm.lr`, and PPO's loss on a minibatch
+    (columns: obs, actions, old log-probabilities, advantages normalised over the minibatch,
+    returns)."""
 
-    def __init__(self, policy: Any, algorithm: PPO, *, seed: int) -> None:
-        self.model = build_policy(policy, algorithm.env, seed).train()
+    policy: Any
+    algorithm: PPO
+
+    def __call__(self, ctx: Context) -> Task:
+        model = build_policy(self.policy, self.algorithm.env, ctx.seed).train()
         # fused: one kernel for the whole update; for a small policy the per-parameter loop of
         # the default Adam is a third of a minibatch's time on a CPU.
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=algorithm.lr, eps=1e-5, fused=True
+        optimizer = torch.optim.Adam(model.parameters(), lr=self.algorithm.lr, eps=1e-5, fused=True)
+        return Task(
+            model=model, optimizer=optimizer, loss_fn=functools.partial(_ppo, self.algorithm)
         )
+
+
+def _ppo(algorithm: PPO, model: nn.Module, batch: dict) -> tuple[torch.Tensor, Stats]:
+    a = algorithm
+    logits, values = model(batch["obs"])
+    logp, entropy = log_prob_and_entropy(logits, batch["actions"])
+    return ppo_loss(
+        logp,
+        batch["old"],
+        batch["advantages"],
+        values,
+        batch["returns"],
+        entropy,
+        clip=a.clip,
+        value_coef=a.value_coef,
+        entropy_coef=a.entropy_coef,
+    )
+
+
+class TrainedPPOLearner:
+    """PPO's learner role on a driven train job (of a `PPOTask`): `learn(rollouts)` makes
+    `epochs` passes over the runners' segments (advantages and returns already computed where
+    the values were) in shuffled minibatches, one train step each (gradients clipped to
+    `max_grad_norm` by the job), all of a version's in one call to the ranks. The minibatch
+    order is drawn from (seed, version), so a run is reproducible. `episode_return_mean` is
+    over the last 100 episodes finished (as RLlib's), NaN before the first."""
+
+    def __init__(self, job: DrivenJob, algorithm: PPO, *, seed: int, samples: int) -> None:
+        self.job = job
         self.algorithm = algorithm
         self.seed = seed
-        self.version = 0
+        self.size, self.per_version = self.shape(algorithm, samples)
         self.episodes: collections.deque[float] = collections.deque(maxlen=100)
 
-    @endpoint
-    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]]]:
-        """(the current version, its weights), as `Learner.weights`."""
-        return self.version, Shared(self.model.state_dict())
+    @staticmethod
+    def shape(algorithm: PPO, samples: int) -> tuple[int, int]:
+        """(samples a train step takes, train steps a version), for `samples` a version."""
+        size = max(1, samples // algorithm.minibatches)
+        return size, algorithm.epochs * (samples // size)
 
-    @endpoint
+    @property
+    def version(self) -> int:
+        return self.job.trained // self.per_version
+
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        step, extra = self.job.resumed
+        return step // self.per_version, extra.get("rl", {})
+
     def learn(self, rollouts: list[Rollout]) -> Stats:
-        """PPO's passes over `rollouts` (segments); the version goes up by one. The minibatch
-        order is drawn from (seed, version), so a run is reproducible. `episode_return_mean`
-        is over the last 100 episodes finished (as RLlib's), NaN before the first."""
-        a = self.algorithm
+        a, version = self.algorithm, self.version
         parts: list[Segment] = [r.data for r in rollouts]
         obs = torch.cat([p.obs for p in parts])
         actions = torch.cat([p.actions for p in parts])
         old = torch.cat([p.logp for p in parts])
         advantages = torch.cat([p.advantages for p in parts])
         returns = torch.cat([p.returns for p in parts])
-        order = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
-        size = max(1, len(actions) // a.minibatches)
-        totals: dict[str, float] = {}
-        updates = 0
+        order = torch.Generator().manual_seed(self.seed * 1_000_003 + version)
+        batches = []
         for _ in range(a.epochs):
             perm = torch.randperm(len(actions), generator=order)
-            for start in range(0, len(actions) - size + 1, size):
-                i = perm[start : start + size]
-                logits, values = self.model(obs[i])
-                logp, entropy = log_prob_and_entropy(logits, actions[i])
+            for start in range(0, len(actions) - self.size + 1, self.size):
+                i = perm[start : start + self.size]
                 adv = advantages[i]
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8) if len(i) > 1 else adv
-                loss, stats = ppo_loss(
-                    logp,
-                    old[i],
-                    adv,
-                    values,
-                    returns[i],
-                    entropy,
-                    clip=a.clip,
-                    value_coef=a.value_coef,
-                    entropy_coef=a.entropy_coef,
-                )
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm, foreach=True)
-                self.optimizer.step()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                updates += 1
-        self.version += 1
+                batches.append(
+                    {"obs": obs[i], "actions": actions[i], "old": old[i], "advantages": adv,
+                     "returns": returns[i]}
+                )  # fmt: skip
+        rows = self.job.steps(batches)
         episodes = [e for p in parts for e in p.episodes]
         self.episodes.extend(episodes)
-        lag = [self.version - 1 - r.version for r in rollouts]
+        keys = ("policy_loss", "value_loss", "entropy", "clip_fraction")
         return {
-            **{k: v / updates for k, v in totals.items()},
+            **{k: sum(r[k] for r in rows) / len(rows) for k in keys},
             "env_steps": float(len(actions)),
             "episodes": float(len(episodes)),
             "episode_return_mean": (
                 sum(self.episodes) / len(self.episodes) if self.episodes else math.nan
             ),
-            "staleness_mean": sum(lag) / max(1, len(lag)),
-            "version": float(self.version),
+            "staleness_mean": sum(version - r.version for r in rollouts) / max(1, len(rollouts)),
+            "version": float(version + 1),
         }
+
+    def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]:
+        return self.version, self.job.weights()
+
+    def save(self, position: dict[str, Any]) -> str:
+        return self.job.save(extra={"rl": position})

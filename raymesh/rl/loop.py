@@ -27,7 +27,6 @@ TimeoutError, never a hang.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import math
@@ -45,21 +44,19 @@ from raymesh._common import bad, check_int, check_seconds
 from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
 from raymesh.rl.algorithms import GRPO, PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
-from raymesh.rl.learner import GRPOTask, TrainedLearner
+from raymesh.rl.learner_job import learner_config, start_learner
 from raymesh.rl.position import Position
 from raymesh.rl.roles import check_context, env_roles, text_roles
 from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
-from raymesh.train import CheckpointConfig, FailureRecord, ShardedState, TrainConfig
-from raymesh.train.checkpoint import resolve_checkpoint
-from raymesh.train.export import job_config
+from raymesh.train import FailureRecord, ShardedState, TrainConfig
 
 __all__ = ["RLResult", "run"]
 
 logger = logging.getLogger("raymesh")
 
-# A policy version and its weights, stored once: the one-proc learner's, or a sharded
-# learner job's shards, which each reader assembles.
+# A policy version and its weights, stored once: rank 0's copy, or a sharded learner job's
+# shards, which each reader assembles.
 Published = tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]
 
 _POLL_S = 0.5  # the longest the loop waits between looks at the calls (a reply wakes it)
@@ -177,7 +174,6 @@ def run(
             seed=seed,
             init=init,
             params=params,
-            checkpoint=checkpoint,
         )
     elif isinstance(algorithm, GRPO):
         roles = text_roles(
@@ -194,30 +190,21 @@ def run(
         )
     else:
         raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")
-    if isinstance(roles.learner, GRPOTask):
-        assert isinstance(algorithm, GRPO)
-        config = _trainer_config(
-            trainer,
-            roles.learner,
-            steps=steps,
-            samples=roles.per_step * algorithm.group_size,
-            seed=seed,
-            checkpoint=checkpoint,
-            resume=resume,
-        )
-    elif trainer is not None:
-        raise bad("trainer", trainer, "PPO's learner is one proc for now: leave it out")
+    config = learner_config(
+        trainer,
+        roles.learner,
+        algorithm,
+        per_step=roles.per_step,
+        steps=steps,
+        seed=seed,
+        checkpoint=checkpoint,
+        resume=resume,
+    )
     gens: list[_Gen] = []
-    stops: list[Callable[[], Any]] = []  # how to end the learner
+    job: train.DrivenJob | None = None
     try:
-        if isinstance(roles.learner, GRPOTask):
-            # The run folder is the loop's (`run_dir`), for now beside the learner's job.
-            job = train.drive(roles.learner, config, run_folder=False)
-            stops.append(job.stop)
-            learner: Any = TrainedLearner(job)
-        else:
-            learner = _ProcLearner(roles.learner, timeout_s)
-            stops.append(learner.procs.stop)
+        learner = start_learner(roles.learner, algorithm, config, per_step=roles.per_step)
+        job = learner.job
         start, position = learner.resumed()
         if start:
             logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
@@ -255,9 +242,8 @@ def run(
         try:
             result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
             result.resumed_from = start
-            if isinstance(learner, TrainedLearner):  # the final checkpoint, with the position
-                ended = learner.job.close(extra={"rl": loop.position()})
-                result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
+            ended = job.close(extra={"rl": loop.position()})  # the final checkpoint
+            result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
         except BaseException as e:
             if folder is not None:
                 folder.end("Failed", f"{type(e).__name__}: {e}")
@@ -266,94 +252,13 @@ def run(
             folder.end("Finished", f"{len(result.history)} steps")
         return result
     finally:
-        for stop_one in [*(g.procs.stop for g in gens), *stops]:
+        for g in gens:
             try:
-                done = stop_one()
-                if isinstance(done, Future):
-                    done.get(timeout=60)
+                g.procs.stop().get(timeout=60)
             except Exception as e:  # stopping the rest matters more than this one's error
-                logger.warning("raymesh.rl: stopping %s failed: %s", stop_one, e)
-
-
-def _trainer_config(
-    trainer: TrainConfig | dict[str, Any] | None,
-    task: GRPOTask,
-    *,
-    steps: int,
-    samples: int,
-    seed: int,
-    checkpoint: str | None,
-    resume: bool,
-) -> TrainConfig:
-    """The learner job's config: `trainer`'s, with what the loop owns set (see `run`)."""
-    if isinstance(trainer, dict):
-        fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(trainer) - fields)
-        if unknown:
-            raise bad("trainer", trainer, f"{unknown} are no train.TrainConfig fields")
-        # the samples a step takes, so that the config validates for its ranks
-        trainer = TrainConfig(**{"global_batch_size": samples, **trainer})
-    config = trainer if trainer is not None else TrainConfig()
-    if not isinstance(config, TrainConfig):
-        raise bad("trainer", trainer, "give a dict of train.TrainConfig fields (workers=...)")
-    for name, value, why in (
-        ("checkpoint", config.checkpoint, "give rl.run(checkpoint=..., checkpoint_every=...)"),
-        ("run_dir", config.run_dir, "give rl.run(run_dir=...)"),
-        ("data", config.data, "the loop supplies the learner's samples"),
-    ):
-        if value is not None:
-            raise bad(f"trainer.{name}", value, f"the RL loop sets it: leave it out ({why})")
-    if config.global_batch_size not in (1, samples):
-        raise bad(
-            "trainer.global_batch_size",
-            config.global_batch_size,
-            f"a GRPO step takes prompts_per_step x group_size = {samples} samples: leave it out",
-        )
-    if task.init is not None:  # the init's job: serve and export rebuild the model as trained
-        recorded = job_config(resolve_checkpoint(task.init))
-        build, params = recorded.build, recorded.params
-    else:
-        build, params = None, task.params or {}
-    if isinstance(task.policy, str):
-        build = task.policy
-    return dataclasses.replace(
-        config,
-        steps=steps,
-        seed=seed,
-        global_batch_size=samples,
-        build=build,
-        params=params,
-        checkpoint=CheckpointConfig(dir=checkpoint, keep=2) if checkpoint else None,
-        resume="auto" if resume else False,
-    )
-
-
-class _ProcLearner:
-    """PPO's learner: an actor on a proc of its own, called as `TrainedLearner` is."""
-
-    def __init__(self, spawn: tuple[type, tuple[Any, ...], dict[str, Any]], timeout_s: float):
-        # escalate=False: a dead learner surfaces as SupervisionError from its call, not as
-        # the process-wide unhandled-fault hook.
-        self.procs = this_host().spawn_procs(
-            per_host={"procs": 1}, name="rl-learner", escalate=False
-        )
-        cls, args, kwargs = spawn
-        self.actor = self.procs.spawn("learner", cls, *args, **kwargs)
-        self.timeout_s = timeout_s
-
-    def resumed(self) -> tuple[int, dict[str, Any]]:
-        return 0, {}
-
-    def learn(self, rollouts: list[Rollout]) -> Stats:
-        stats: Stats = self.actor.learn.call_one(rollouts).get(timeout=self.timeout_s)
-        return stats
-
-    def weights(self) -> Published:
-        published = self.actor.weights.call_one().get(timeout=self.timeout_s)
-        return published
-
-    def save(self, position: dict[str, Any]) -> str:
-        raise AssertionError("PPO takes no checkpoint (refused before it starts)")
+                logger.warning("raymesh.rl: stopping %s failed: %s", g.procs, e)
+        if job is not None:
+            job.stop()  # nothing once closed
 
 
 class _Loop:

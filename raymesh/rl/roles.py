@@ -15,7 +15,7 @@ from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import GRPO, PPO
 from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
-from raymesh.rl.learner import GRPOTask, PPOLearner
+from raymesh.rl.learner import GRPOTask, PPOTask
 from raymesh.rl.sampling import check_scored, reward_name
 
 __all__ = ["Roles", "check_context", "env_roles", "text_roles"]
@@ -25,14 +25,14 @@ _Spawn = tuple[type, tuple[Any, ...], dict[str, Any]]
 
 @dataclass
 class Roles:
-    """What an algorithm's run spawns: the learner (GRPO: the build function of the train job
-    the loop drives; PPO: the (class, args, kwargs) of its one proc), a worker's for
+    """What an algorithm's run spawns: the learner (the build function of the train job the
+    loop drives), a worker's for
     its index and incarnation, how many workers, the rollouts a step takes, and the argument
     of a worker's `sample` call for a list of keys; `check(batch, step)`, when given, raises
     when a step's batch must not be learned from (GRPO: no completion in it was scored)."""
 
     name: str
-    learner: GRPOTask | _Spawn
+    learner: GRPOTask | PPOTask
     worker: Callable[[int, int], _Spawn]
     workers: int
     per_step: int
@@ -131,14 +131,12 @@ def env_roles(
     seed: int,
     init: str | None,
     params: dict[str, Any] | None,
-    checkpoint: str | None,
 ) -> Roles:
     for name, value in (
         ("prompts", prompts),
         ("reward", reward),
         ("init", init),
         ("params", params),
-        ("checkpoint", checkpoint),
     ):
         if value is not None:
             raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
@@ -148,7 +146,7 @@ def env_roles(
         resolve(policy, "policy")
     return Roles(
         name="runner",
-        learner=(PPOLearner, (policy, algorithm), {"seed": seed}),
+        learner=PPOTask(policy, algorithm),
         worker=lambda i, n: (
             EnvRunner,
             (policy, algorithm),

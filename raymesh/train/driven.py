@@ -24,6 +24,10 @@ Guarantees:
 - The samples of a step are its global batch, in the loop's order: rank r trains its share as
   `fit`'s ranks do (the split, micro batches and loss weighting are `fit`'s), so the gradient
   is the global batch's mean for any world size. `Task.dataset` is not read (None is fine).
+  They are a list (each sample what `Task.collate_fn` takes), or columns: a dict of tensors
+  whose rows are the samples (a batch is their rows, no collate_fn; cheaper to send).
+- `steps([samples, ...])` trains several steps in one call to the ranks (PPO's minibatches of
+  one update): the same steps as one `step` each, with one round trip.
 - `loss_fn(model, batch)` may return `(loss, {name: float})`: each statistic is weighed as the
   loss is and averaged over the ranks into the step's row, beside the loss.
 """
@@ -34,6 +38,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from raymesh._common import resolve
 from raymesh.actor import Shared
@@ -47,14 +53,18 @@ from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 
-__all__ = ["DrivenJob", "drive"]
+__all__ = ["DrivenJob", "Samples", "drive"]
+
+# A step's samples: a list (each what Task.collate_fn takes), or columns (tensors whose rows
+# are the samples).
+Samples = Sequence[Any] | dict[str, torch.Tensor]
 
 
 def drive(
     build: Callable[[Context], Task] | str | None,
     config: TrainConfig,
     *,
-    example: Sequence[Any] | None = None,
+    example: Samples | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     warm: WarmRanks | None = None,
     run_folder: bool = True,
@@ -88,7 +98,7 @@ def drive(
     )
     job = DrivenJob(controller)
     if example is not None:
-        controller.supplied = {0: (Shared(job._checked(example, "example")), None)}
+        controller.supplied = {0: (Shared([job._checked(example, "example")]), 0, None)}
     controller.open()
     if example is not None and job.trained > 0:
         controller.supplied = {}  # measured on; a resumed job's next step is a later one
@@ -128,19 +138,26 @@ class DrivenJob:
         manifest = read_manifest(Path(path))
         return manifest.data_position, dict(manifest.extra or {})
 
-    def step(self, samples: Sequence[Any], *, report: dict[str, Any] | None = None) -> dict:
-        """Train the next step on `samples` (its global batch: `global_batch_size` samples,
-        each what `Task.collate_fn` takes), healing as needed; the step's row, as the run
-        folder's `metrics.jsonl` has it (step, loss, the loss function's statistics, and
-        `report`: the loop's own figures of the step, e.g. its mean reward).
+    def step(self, samples: Samples, *, report: dict[str, Any] | None = None) -> dict:
+        """Train the next step on `samples` (its global batch: `global_batch_size` samples, a
+        list or columns), healing as needed; the step's row, as the run folder's
+        `metrics.jsonl` has it (step, loss, the loss function's statistics, and `report`: the
+        loop's own figures of the step, e.g. its mean reward).
         ValueError for a wrong number of samples or a step past `config.steps`."""
-        self._open("step")
-        if self.trained >= self.config.steps:
+        return self.steps([samples], report=report)[0]
+
+    def steps(self, batches: Sequence[Samples], *, report: dict[str, Any] | None = None) -> list:
+        """Train the next `len(batches)` steps, one on each batch, in one call to the ranks
+        (as `step` each, `report` in the last one's row); their rows."""
+        self._open("steps")
+        if self.trained + len(batches) > self.config.steps:
             raise ValueError(
-                f"step: the job trained its steps={self.config.steps}; give TrainConfig("
-                "steps=...) the most steps the loop supplies, or close() it"
+                f"step: the job trained {self.trained} of its steps={self.config.steps}, and "
+                f"{len(batches)} more would pass it; give TrainConfig(steps=...) the most steps "
+                "the loop supplies, or close() it"
             )
-        return self._controller.drive(Shared(self._checked(samples, "samples")), report)
+        bundle = Shared([self._checked(b, "samples") for b in batches])  # one put, one read
+        return self._controller.drive(bundle, len(batches), report)
 
     def weights(self, *, trained_only: bool = False) -> Shared[dict[str, Any]] | ShardedState:
         """The model's full state now, stored once in the object store: rank 0's copy
@@ -184,15 +201,33 @@ class DrivenJob:
         if self._result is not None:
             raise RuntimeError(f"{what}: the job is closed")
 
-    def _checked(self, samples: Sequence[Any], field: str) -> list[Any]:
+    def _checked(self, samples: Samples, field: str) -> Samples:
         n = self.config.global_batch_size
-        if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        if isinstance(samples, dict):
+            rows = {k: len(v) for k, v in samples.items() if isinstance(v, torch.Tensor)}
+            if not samples or len(rows) < len(samples) or len(set(rows.values())) != 1:
+                raise TypeError(
+                    f"{field}: columns are a dict of tensors with as many rows each (the "
+                    f"samples); got {_describe(samples)}"
+                )
+            got = next(iter(rows.values()))
+        elif isinstance(samples, Sequence) and not isinstance(samples, (str, bytes)):
+            got, samples = len(samples), list(samples)
+        else:
             raise TypeError(
-                f"{field}: give a sequence of samples (a list), not {type(samples).__name__}"
+                f"{field}: give a list of samples, or columns (a dict of tensors), not "
+                f"{type(samples).__name__}"
             )
-        if len(samples) != n:
+        if got != n:
             raise ValueError(
-                f"{field}: {len(samples)} samples, but a step takes global_batch_size={n}; "
-                f"supply {n}, or set TrainConfig(global_batch_size={len(samples)})"
+                f"{field}: {got} samples, but a step takes global_batch_size={n}; supply {n}, "
+                f"or set TrainConfig(global_batch_size={got})"
             )
-        return list(samples)
+        return samples
+
+
+def _describe(columns: dict) -> str:
+    return ", ".join(
+        f"{k}: {list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+        for k, v in list(columns.items())[:6]
+    )

@@ -143,7 +143,9 @@ def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp
     ), err
 
 
-def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
+def test_ppo_learns_cartpole_through_a_sigkilled_env_runner_and_resumes_from_a_checkpoint(
+    tmp_path,
+):
     # CartPole in the RL zoo's PPO settings, 2 runners x 8 envs x 32 steps = 512 steps a
     # version; one runner dies mid-segment, is replaced, and its segment is made again.
     algorithm = rl.PPO(
@@ -156,13 +158,22 @@ def test_ppo_learns_cartpole_through_a_sigkilled_env_runner(tmp_path):
     )
     result = rl.run(
         policy=policy, algorithm=algorithm, steps=150, env_runners=2, seed=1, timeout_s=120,
-        stop=lambda stats: stats["episode_return_mean"] >= 200,
+        stop=lambda stats: stats["episode_return_mean"] >= 200, checkpoint=str(tmp_path / "ppo"),
     )  # fmt: skip
     assert flag.exists() and result.replaced == 1 and len(result.remade) == 1
     assert result.history[-1]["episode_return_mean"] >= 200, result.history[-1]  # it learned
     assert result.version == len(result.history) < 150
     assert all(row["env_steps"] == 512 and row["staleness_mean"] == 0 for row in result.history)
     ActorCritic(4, 2).load_state_dict(result.state_dict())  # the default policy's weights
+    # PPO checkpoints as GRPO does (its learner is a train job too: a version is 40 of its
+    # steps), and a run resumes there, the policy and its optimizer as they were.
+    v = result.version
+    assert result.checkpoint is not None and result.checkpoint.endswith(f"step-{40 * v:08d}")
+    again = rl.run(
+        algorithm=algorithm, steps=v + 1, env_runners=2, seed=1, timeout_s=120,
+        checkpoint=str(tmp_path / "ppo"), resume=True,
+    )  # fmt: skip
+    assert again.resumed_from == v and again.version == v + 1 and len(again.history) == 1
 
 
 def test_bad_arguments_are_refused_before_any_proc_starts():
@@ -198,8 +209,8 @@ def test_bad_arguments_are_refused_before_any_proc_starts():
         _run(rewards.es, trainer=train.TrainConfig(global_batch_size=5))
     with pytest.raises(ValueError, match=r"global_batch_size=32: gives some of the 33 workers"):
         _run(rewards.es, trainer={"workers": 33})
-    with pytest.raises(ValueError, match=r"^trainer=.*PPO's learner is one proc for now"):
-        rl.run(algorithm=cartpole, steps=1, trainer={"workers": 2})
+    with pytest.raises(ValueError, match=r"^trainer.global_batch_size=7: a PPO minibatch takes"):
+        rl.run(algorithm=cartpole, steps=1, trainer=train.TrainConfig(global_batch_size=7))
 
 
 def test_grpo_post_trains_a_hugging_face_lora_policy_and_publishes_only_its_adapters(tmp_path):

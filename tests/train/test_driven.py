@@ -60,7 +60,7 @@ def test_fed_fits_order_a_driven_job_is_fit_and_heals_a_kill_bitwise_at_4_ranks(
     while job.trained < STEPS:
         rows.append(job.step(samples(job.trained), report={"reward_mean": job.trained / 10}))
     published = job.weights().get()
-    with pytest.raises(ValueError, match=r"trained its steps=8; give TrainConfig\(steps="):
+    with pytest.raises(ValueError, match=r"trained 8 of its steps=8, and 1 more would pass it"):
         job.step(samples(STEPS))
     result = job.close()
     [failure] = result.failures
@@ -130,8 +130,13 @@ def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_dat
 def test_bad_input_to_a_driven_job_is_refused_before_procs_start():
     with pytest.raises(ValueError, match=r"example: 3 samples, but a step takes "):
         train.drive(MLP, _config(), example=samples(0)[:3])
-    with pytest.raises(TypeError, match="give a sequence of samples"):
+    with pytest.raises(TypeError, match="give a list of samples, or columns"):
         train.drive(MLP, _config(), example=torch.zeros(G, 2))
+    ragged = {"x": torch.zeros(G, 32), "y": torch.zeros(G - 1)}
+    with pytest.raises(TypeError, match=r"as many rows each .*got x: \[48, 32\], y: \[47\]"):
+        train.drive(MLP, _config(), example=ragged)
+    with pytest.raises(ValueError, match=r"example: 3 samples, but a step takes "):
+        train.drive(MLP, _config(), example={"x": torch.zeros(3, 32), "y": torch.zeros(3)})
     with pytest.raises(ValueError, match="a driven job's loop supplies them"):
         train.drive(MLP, _config(data=_pipeline()))
 

@@ -107,9 +107,10 @@ class TrainController:
         run_folder: bool = True,
     ) -> None:
         self.config = config
-        # A driven job's samples of each step its loop supplied and not yet forgotten (stored
-        # once in this process's object store), with the loop's figures of it; None: `fit`.
-        self.supplied: dict[int, tuple[Shared[list[Any]], dict[str, Any] | None]] | None = (
+        # A driven job's steps its loop supplied and not yet forgotten: each step's bundle
+        # (the samples of the steps of one `drive` call, stored once in this process's object
+        # store), its place in it, and the loop's figures of it; None: `fit`.
+        self.supplied: dict[int, tuple[Shared[list[Any]], int, dict[str, Any] | None]] | None = (
             {} if driven else None
         )
         self.hooks = hooks
@@ -185,17 +186,20 @@ class TrainController:
         if isinstance(state, TERMINAL):
             self.result(state)  # raises what it failed with
 
-    def drive(self, samples: Shared[list[Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
-        """A driven job: train the next step on `samples` (the step's global batch, checked by
-        the caller), healing on the way; its row of the history (with `extra`, the loop's
-        figures of the step). Raises as `run` does, the job then ended."""
+    def drive(self, bundle: Shared[list[Any]], n: int, extra: dict[str, Any] | None) -> list[dict]:
+        """A driven job: train the next `n` steps, one on each item of `bundle` (a step's
+        global batch each, checked by the caller; stored once, sent in one call), healing on
+        the way; their rows of the history (the last with `extra`, the loop's figures). Raises
+        as `run` does, the job then ended."""
         assert self.supplied is not None
-        self.supplied[self.world.step] = (samples, extra)
+        first = self.world.step
+        for i in range(n):
+            self.supplied[first + i] = (bundle, i, extra if i == n - 1 else None)
         # Not entered: a step of a driven job is the loop's, not a transition of the job.
-        state = self.advance(Running(f"step {self.world.step + 1}"), until=(Waiting,))
+        state = self.advance(Running(f"step {first + 1}"), until=(Waiting,))
         if isinstance(state, TERMINAL):
             self.result(state)
-        return self.log.history[-1]
+        return self.log.history[-n:]
 
     def close(self, extra: dict[str, Any] | None) -> Result:
         """A driven job: finish it (the final checkpoint, with `extra`; the weights); its
@@ -399,7 +403,9 @@ class TrainController:
         its loop supplied, one a chunk, then wait for the next."""
         cfg = self.config
         if self.supplied is not None:
-            spans = [(s, s + 1) for s in sorted(self.supplied) if s >= self.world.step]
+            # the steps supplied and not trained, as one chunk (they are consecutive)
+            todo = [s for s in self.supplied if s >= self.world.step]
+            spans = [(self.world.step, self.world.step + len(todo))] if todo else []
         else:
             bounds = [*range(self.world.step, cfg.steps, cfg.report_every), cfg.steps]
             spans = list(itertools.pairwise(bounds))
@@ -410,7 +416,7 @@ class TrainController:
                 return Resizing(grow.reason, grow)
             while spans and len(in_flight) < 2 and not grow:
                 start, stop = spans.pop(0)
-                samples, keep_from = self.supplies(start)  # a driven job's, with the call
+                samples, keep_from = self.supplies(range(start, stop))  # a driven job's
                 futs = [
                     r.worker.run.call_one(
                         start, stop, self.balancer.sizes, self.feeders(r), samples, keep_from
@@ -423,7 +429,7 @@ class TrainController:
             if not any(detection.failed(r) for r in results):
                 per_rank = [r.metrics for r in results]
                 try:
-                    self.record(per_rank, extra=self.figures(start))
+                    self.record(per_rank, extra=self.figures(stop - 1))
                 except Exception as e:  # a sink ended the job (raymesh.tune prunes so)
                     return Stopped(f"a sink ended the job: {e!r}"[:200], e, self.drain(in_flight))
                 self.rebalance(per_rank)
@@ -564,9 +570,10 @@ class TrainController:
             for r in ranks:
                 r.worker.supply.call_one(samples, keep_from)
 
-    def supplies(self, step: int | None = None) -> tuple[dict[int, Shared[list[Any]]], int]:
-        """A driven job's samples of `step` (None: of every step kept), and the step the ranks
-        may forget those before; ({}, 0) for `fit`. The steps no heal can go back to are
+    def supplies(self, steps: range | None = None) -> tuple[dict[int, Shared[list[Any]]], int]:
+        """A driven job's samples of `steps` (None: of every step kept), as the bundles that
+        hold them by the step of each one's first item, and the step the ranks may forget
+        those before; ({}, 0) for `fit`. The steps no heal can go back to are
         forgotten here too: those a DDP world completed (survivors hold that state), or,
         sharded, those before the newest checkpoint surely committed (a sharded world heals
         from there)."""
@@ -581,12 +588,17 @@ class TrainController:
             keep_from = max(self.world.first_step, self.saved_at, every)
         for s in [s for s in self.supplied if s < keep_from]:
             del self.supplied[s]
-        steps = [step] if step is not None else sorted(self.supplied)
-        return {s: self.supplied[s][0] for s in steps if s in self.supplied}, keep_from
+        wanted = steps if steps is not None else sorted(self.supplied)
+        bundles = {}
+        for s in wanted:
+            if s in self.supplied:
+                bundle, i, _ = self.supplied[s]
+                bundles[s - i] = bundle
+        return bundles, keep_from
 
     def figures(self, step: int) -> dict[str, Any] | None:
         """What a driven job's loop reported of `step` (None: nothing, or `fit`)."""
-        return self.supplied[step][1] if self.supplied and step in self.supplied else None
+        return self.supplied[step][2] if self.supplied and step in self.supplied else None
 
     def feeders(self, rank: Rank) -> Feeders | None:
         """The pipeline's workers, for a rank that has not heard of their latest set."""

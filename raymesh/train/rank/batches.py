@@ -6,7 +6,8 @@ healed or resumed rank trains exactly the samples an uninterrupted run's rank wo
 read from the task's dataset, or (with a pipeline, `TrainConfig.data`) taken from its workers,
 made ahead (`raymesh.data.feed`). In a driven job (`train.drive`) the loop that drives it
 supplies each step's samples, in their order: step s's global batch is those samples, split
-the same way.
+the same way; given as columns (a dict of tensors whose rows are the samples), a batch is
+their rows, taken at once.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Batches:
         read: Callable[[Any], Any] | None,
         feed: Feed | None,
         device: torch.device,
-        supplied: Mapping[int, Sequence[Any]] | None = None,
+        supplied: Mapping[int, Sequence[Any] | dict[str, torch.Tensor]] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.config = config
@@ -78,6 +79,9 @@ class Batches:
             return to_device(self.feed.get(self.current, indices), self.device)
         if self.supplied is not None:
             samples = self.supplied[self.current]
+            if isinstance(samples, dict):  # columns
+                rows = torch.as_tensor(list(indices), dtype=torch.long)
+                return to_device({k: v[rows] for k, v in samples.items()}, self.device)
             collate = self.collate or default_collate
             return to_device(collate([samples[i] for i in indices]), self.device)
         assert self.read is not None

@@ -68,7 +68,7 @@ class TrainWorker(Actor):
         self.config = config
         # A driven job (train.drive): the loop supplies each step's samples (`supply`).
         self.driven = driven
-        self.supplied: dict[int, list[Any]] = {}
+        self.supplied: dict[int, Any] = {}  # step -> its samples: a list, or columns
         self.rank = -1
         self.world_size = 0
         self.next_step = 1  # the step the world this rank joined trains next (for hooks)
@@ -307,14 +307,16 @@ class TrainWorker(Actor):
 
     @endpoint
     def supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
-        """A driven job's samples of the steps in `samples` (step -> that step's global batch,
-        in order; this rank trains its share); the steps before `keep_from` are forgotten."""
+        """A driven job's samples: `samples[s]` holds the global batches of steps s, s + 1,
+        ... in order (this rank trains its share of each); the steps before `keep_from` are
+        forgotten."""
         self._supply(samples, keep_from)
 
     def _supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
         for step in [s for s in self.supplied if s < keep_from]:
             del self.supplied[step]
-        self.supplied.update(samples)
+        for first, batches in samples.items():
+            self.supplied.update((first + i, b) for i, b in enumerate(batches))
 
     def _step(self, step: int) -> tuple[float, dict[str, float]]:
         assert self.task is not None and self.model is not None
