@@ -1,7 +1,8 @@
-"""`raymesh rl JOB.toml [--steps N] [--resume]`: GRPO post-training from an RL job file
-(raymesh.rl.jobfile), with a line per step: mean reward, staleness, loss, clip fraction,
-samples used and dropped. A run whose reward scores nothing in a step ends with one line and
-exit status 1."""
+"""`raymesh rl JOB.toml [--steps N] [--resume]`: GRPO post-training, or PPO on an environment,
+from an RL job file (raymesh.rl.jobfile), with a line per step: GRPO's mean reward,
+staleness, loss, clip fraction, samples used and dropped; PPO's mean episode return,
+staleness, losses, clip fraction and environment steps. A run whose reward scores nothing in
+a step ends with one line and exit status 1."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ __all__ = ["add_parser", "progress_line", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("rl", help="post-train a policy with GRPO from a TOML file")
-    p.add_argument("job", help="TOML RL job file (policy, init, reward, prompts, [grpo])")
+    p = sub.add_parser("rl", help="RL from a TOML file: GRPO post-training, or PPO")
+    p.add_argument("job", help="TOML RL job file (policy, init, reward, prompts, [grpo]; or [ppo])")
     p.add_argument("--steps", type=int, help="override steps")
     p.add_argument(
         "--resume",
@@ -32,7 +33,15 @@ def run(args: argparse.Namespace) -> int:
 def progress_line(stats: dict[str, float], steps: int) -> str:
     """`raymesh rl`'s line for a step: reward, staleness, loss, clip fraction, samples used and
     dropped (their reward failed), time; a step where most completions were dropped says so,
-    as its samples are then few and its reward mean says little."""
+    as its samples are then few and its reward mean says little. PPO's (no samples): the
+    mean episode return, losses and environment steps."""
+    if "env_steps" in stats:
+        return (
+            f"step {int(stats['version'])}/{steps} return {stats['episode_return_mean']:.1f} "
+            f"staleness {stats['staleness_mean']:.2f} policy_loss {stats['policy_loss']:.4f} "
+            f"value_loss {stats['value_loss']:.4f} clip {stats['clip_fraction']:.3f} "
+            f"env_steps {int(stats['env_steps'])} took {stats['step_s']:.2f}s"
+        )
     samples, dropped = int(stats["samples"]), int(stats.get("dropped", 0))
     line = (
         f"step {int(stats['version'])}/{steps} reward {stats['reward_mean']:.4f} "
@@ -64,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     if result.resumed_from:
         print(f"resumed from version {result.resumed_from}")
     if result.replaced:
-        print(f"replaced {result.replaced} generator(s); remade keys {result.remade}")
+        print(f"replaced {result.replaced} worker(s); remade keys {result.remade}")
     if result.checkpoint is not None:
         print(f"saved {result.checkpoint}")
     return 0

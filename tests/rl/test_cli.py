@@ -237,3 +237,38 @@ def test_the_readmes_rl_job_file_reads_as_a_valid_job():
         warnings.simplefilter("always")
         assert python_lines(b"x = ", b'"a"()\ny = "\\d"\n') == 1.0
     assert caught == []
+
+
+PPO_JOB = """
+steps = 2
+env_runners = 1
+checkpoint = "{out}"
+[ppo]
+env = "CartPole-v1"
+epochs = 2
+minibatches = 2
+rollout_steps = 16
+envs_per_runner = 2
+[trainer]
+workers = 1
+"""
+
+
+def test_a_ppo_job_file_runs_prints_its_lines_and_checkpoints(tmp_path, capsys):
+    job = tmp_path / "ppo.toml"
+    job.write_text(PPO_JOB.format(out=tmp_path / "out"))
+    assert main(["rl", str(job)]) == 0
+    out, err = capsys.readouterr()
+    lines = [line.split() for line in err.splitlines() if line.startswith("step ")]
+    assert [s[1] for s in lines] == ["1/2", "2/2"] and all(s[2] == "return" for s in lines)
+    assert all(s[s.index("env_steps") + 1] == "32" for s in lines), lines
+    # a version is 2 epochs x 2 minibatches: 4 train steps of the learner job
+    assert f"saved {tmp_path / 'out' / 'step-00000008'}" in out
+    for change, message in (
+        (("[ppo]", 'reward = "x:y"\n[ppo]'), r"reward='x:y': a \[ppo\] job takes none"),
+        (("[ppo]", "[grpo]\n[ppo]"), r"give \[grpo\] or \[ppo\], not both"),
+        (('env = "CartPole-v1"', 'env = "CartPole-v1"\nwarp = 1'), r"\[ppo\] has unknown"),
+    ):
+        job.write_text(PPO_JOB.format(out=tmp_path / "out").replace(*change))
+        with pytest.raises(ValueError, match=message):
+            rl.load_rl_job(job)
