@@ -38,18 +38,29 @@ def fit(
         `progress`, after the ranks finish the chunk they were given) instead of stopping them.
     Raises ValueError for a bad config or build, `TrainError` when training fails.
     """
+    fn, config, hooks = prepare(build, config, "fit")
+    return TrainController.create(fn, config, progress=progress, hooks=hooks, warm=warm).run()
+
+
+def prepare(
+    build: Callable[[Context], Task] | str | None, config: TrainConfig, caller: str
+) -> tuple[Callable[[Context], Task], TrainConfig, FaultInjector | None]:
+    """What a job runs (`fit`, `drive`): the build function (imported here first, so a bad
+    name fails before any proc starts), the config naming it where another process can
+    import it, and the fault injector its `faults` ask for. TypeError, ValueError."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
     chosen = build if build is not None else config.build
     if chosen is None:
-        raise ValueError("no build function: pass one to fit(), or set TrainConfig(build=...)")
+        raise ValueError(
+            f"no build function: pass one to {caller}(), or set TrainConfig(build=...)"
+        )
     fn = resolve(chosen)
     if config.build is None and (name := _import_name(chosen, fn)) is not None:
         # Recorded in every checkpoint's manifest, so `raymesh export` and a serve replica
         # rebuild the model without being told the build function again.
         config = dataclasses.replace(config, build=name)
-    hooks = FaultInjector(config.faults) if config.faults else None
-    return TrainController.create(fn, config, progress=progress, hooks=hooks, warm=warm).run()
+    return fn, config, FaultInjector(config.faults) if config.faults else None
 
 
 def _import_name(chosen: Any, fn: Callable[..., Any]) -> str | None:

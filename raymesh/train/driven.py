@@ -34,21 +34,18 @@ Guarantees:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raymesh._common import resolve
 from raymesh.actor import Shared
-from raymesh.train.api import _import_name
+from raymesh.train.api import prepare
 from raymesh.train.checkpoint import read_manifest
 from raymesh.train.config import TrainConfig
 from raymesh.train.control.controller import TrainController
 from raymesh.train.control.warm import WarmRanks
-from raymesh.train.injector import FaultInjector
 from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
@@ -79,20 +76,12 @@ def drive(
     the decision weighs the weights and the optimizer alone. run_folder: False writes none (a
     loop that keeps its own: raymesh.rl's, until its run folder is this job's).
     Raises ValueError for a bad config, build or example; `TrainError` when starting fails."""
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a train.TrainConfig, not {type(config).__name__}")
-    chosen = build if build is not None else config.build
-    if chosen is None:
-        raise ValueError("no build function: pass one to drive(), or set TrainConfig(build=...)")
+    fn, config, hooks = prepare(build, config, "drive")
     if config.data is not None:
         raise ValueError(
             "drive(): TrainConfig(data=...) is a pipeline that makes the batches, and a driven "
             "job's loop supplies them; drop data=, or train with fit()"
         )
-    fn = resolve(chosen)
-    if config.build is None and (name := _import_name(chosen, fn)) is not None:
-        config = dataclasses.replace(config, build=name)
-    hooks = FaultInjector(config.faults) if config.faults else None
     controller = TrainController.create(
         fn, config, progress=progress, hooks=hooks, warm=warm, driven=True, run_folder=run_folder
     )
@@ -150,6 +139,8 @@ class DrivenJob:
         """Train the next `len(batches)` steps, one on each batch, in one call to the ranks
         (as `step` each, `report` in the last one's row); their rows."""
         self._open("steps")
+        if not batches:
+            return []
         if self.trained + len(batches) > self.config.steps:
             raise ValueError(
                 f"step: the job trained {self.trained} of its steps={self.config.steps}, and "
@@ -198,8 +189,11 @@ class DrivenJob:
             self.stop()
 
     def _open(self, what: str) -> None:
-        if self._result is not None:
-            raise RuntimeError(f"{what}: the job is closed")
+        if self._result is not None or self._controller.ended:
+            raise RuntimeError(
+                f"{what}: the job has ended (closed, stopped, or failed: what ended it was "
+                "raised then); start another with train.drive"
+            )
 
     def _checked(self, samples: Samples, field: str) -> Samples:
         n = self.config.global_batch_size

@@ -63,6 +63,8 @@ def test_fed_fits_order_a_driven_job_is_fit_and_heals_a_kill_bitwise_at_4_ranks(
     with pytest.raises(ValueError, match=r"trained 8 of its steps=8, and 1 more would pass it"):
         job.step(samples(STEPS))
     result = job.close()
+    with pytest.raises(RuntimeError, match="the job has ended"):
+        job.step(samples(0))
     [failure] = result.failures
     assert (failure.rank, failure.step, failure.kind) == (2, 5, "died")
     assert failure.steps_recomputed == 1
