@@ -1,6 +1,7 @@
-"""`rl.run`: a mesh of workers making rollouts and one learner, on one controller: GRPO's
-generators answering prompts, or PPO's environment runners (`raymesh.rl.roles` says what
-each spawns; the loop is the same).
+"""`rl.run`: a mesh of workers making rollouts and a learner that is a raymesh.train job the
+loop drives (`raymesh.rl.learner_job`), on one controller: GRPO's generators answering
+prompts, or PPO's environment runners (`raymesh.rl.roles` says what each spawns; the loop is
+the same).
 
 The loop, each step s (policy version s):
 1. Keep every generator busy with keys (a key is one prompt's group: key k answers prompt
@@ -135,18 +136,20 @@ def run(
     none; `steps` counts from the start, so a finished run resumed does nothing more. With
     `max_staleness=0` a resumed run ends with the weights of the run that was not interrupted.
 
-    trainer (GRPO): the learner's train job, driven a step at a time by this loop
+    trainer: the learner's train job, driven a step at a time by this loop
     (`train.drive`): a dict of `train.TrainConfig`'s fields (`workers`, `strategy`,
     `precision`, `gpus`, `cpus_per_worker`, `max_failures`, ...; an unknown one is refused by
     name), or a `TrainConfig`. A learner rank lost mid-step is replaced and the step trained
     again, so a synchronous run still ends with the fault-free run's weights. None: one rank.
-    The loop sets what it owns: `steps`, `seed`, `global_batch_size` (prompts_per_step x
-    group_size; a TrainConfig's must be that, or 1), `build` and `params` (the policy's), the
-    checkpoint (`checkpoint=`) and `resume`.
+    The loop sets what it owns: `steps`, `seed`, `global_batch_size` (GRPO: prompts_per_step
+    x group_size; PPO: a minibatch; a TrainConfig's must be that, or 1), `build` and `params`
+    (the policy's), the checkpoint (`checkpoint=`), `resume`, and PPO's `grad_clip`.
 
     PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
     the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
-    segment each a step.
+    segment each a step; a version is `epochs` passes of minibatches, each a train step of the
+    learner job. `checkpoint`, `checkpoint_every` and `resume` as GRPO's (the environments of
+    a resumed run start afresh).
 
     Every step's statistics carry its timing: `step_s` (the whole step), `learn_s` (the
     learner's update), `sync_s` (fetching the new version's reference from the learner; its
