@@ -61,18 +61,22 @@ def start_learner(
     job = train.drive(task, config, run_folder=False)
     if isinstance(algorithm, GRPO):
         return TrainedLearner(job)
-    version_samples = per_step * algorithm.rollout_steps * algorithm.envs_per_runner
-    return TrainedPPOLearner(job, algorithm, seed=config.seed, samples=version_samples)
+    samples = _version_samples(algorithm, per_step)
+    return TrainedPPOLearner(job, algorithm, seed=config.seed, samples=samples)
 
 
 def _shape(algorithm: GRPO | PPO, per_step: int) -> tuple[int, int, str]:
     """(samples a train step takes, train steps a version, what says so)."""
     if isinstance(algorithm, GRPO):
         return per_step * algorithm.group_size, 1, "a GRPO step takes prompts_per_step x group_size"
-    version_samples = per_step * algorithm.rollout_steps * algorithm.envs_per_runner
-    size, per_version = TrainedPPOLearner.shape(algorithm, version_samples)
+    size, per_version = TrainedPPOLearner.shape(algorithm, _version_samples(algorithm, per_step))
     what = "a PPO minibatch takes env_runners x rollout_steps x envs_per_runner / minibatches"
     return size, per_version, what
+
+
+def _version_samples(algorithm: PPO, runners: int) -> int:
+    """The environment steps of a PPO version: each runner's segment."""
+    return runners * algorithm.rollout_steps * algorithm.envs_per_runner
 
 
 def _config(
@@ -111,9 +115,8 @@ def _config(
             f"{what} = {samples} samples: leave it out",
         )
     build, params = None, {}
-    if (
-        isinstance(task, GRPOTask) and task.init is not None
-    ):  # the init's job: serve and export rebuild the model as trained
+    # With an init, its job's: serve and export rebuild the model as it was trained.
+    if isinstance(task, GRPOTask) and task.init is not None:
         recorded = job_config(resolve_checkpoint(task.init))
         build, params = recorded.build, recorded.params
     elif isinstance(task, GRPOTask):

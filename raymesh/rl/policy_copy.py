@@ -30,11 +30,10 @@ class PolicyCopy(Actor):
         installed. Returns the version."""
         if isinstance(state, ShardedState):  # copied into the model's tensors as it is read
             state.load_into(self.model, timeout=120)
-            self.version = version
-            return version
-        unknown = sorted(set(state) - set(self.model.state_dict()))
-        if unknown:
-            raise ValueError(f"version {version} holds keys this policy lacks: {unknown[:5]}")
-        self.model.load_state_dict(state, strict=False)
+        else:
+            unknown = sorted(set(state) - set(self.model.state_dict()))
+            if unknown:
+                raise ValueError(f"version {version} holds keys this policy lacks: {unknown[:5]}")
+            self.model.load_state_dict(state, strict=False)
         self.version = version
         return version

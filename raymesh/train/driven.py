@@ -86,11 +86,7 @@ def drive(
         fn, config, progress=progress, hooks=hooks, warm=warm, driven=True, run_folder=run_folder
     )
     job = DrivenJob(controller)
-    if example is not None:
-        controller.supplied = {0: (Shared([job._checked(example, "example")]), 0, None)}
-    controller.open()
-    if example is not None and job.trained > 0:
-        controller.supplied = {}  # measured on; a resumed job's next step is a later one
+    controller.open(Shared([job._checked(example, "example")]) if example is not None else None)
     return job
 
 

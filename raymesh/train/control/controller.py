@@ -180,11 +180,17 @@ class TrainController:
         (`TooManyFailures`, `TrainError`; `ValueError` for a config the cluster refutes)."""
         return self.result(self.advance(self.starting(), until=()))
 
-    def open(self) -> None:
-        """A driven job: start it (Starting, to Running). Raises as `run` does."""
+    def open(self, example: Shared[list[Any]] | None) -> None:
+        """A driven job: start it (Starting, to Running), its ranks measuring memory on
+        `example` (a bundle of one step's samples) when given. Raises as `run` does."""
+        assert self.supplied is not None
+        if example is not None:
+            self.supplied[0] = (example, 0, None)
         state = self.advance(self.starting(), until=(Running,))
         if isinstance(state, TERMINAL):
             self.result(state)  # raises what it failed with
+        if self.world.step > 0:  # resumed: the loop's next step is a later one
+            self.supplied.clear()
 
     def drive(self, bundle: Shared[list[Any]], n: int, extra: dict[str, Any] | None) -> list[dict]:
         """A driven job: train the next `n` steps, one on each item of `bundle` (a step's

@@ -59,9 +59,6 @@ class ShardedState:
         assert first.layout is not None and first.whole is not None
         return cls(first.layout, first.whole, tuple(p.shards for p in parts))
 
-    def keys(self) -> list[str]:
-        return [k for k, _ in self.layout] + list(self.whole.get())
-
     def get(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The full state (new tensors, writable); TimeoutError after `timeout` s a read."""
         shards = [p.get(timeout) for p in self.parts]
@@ -75,7 +72,8 @@ class ShardedState:
         must have every key of it (ValueError naming those it lacks, before any copy), and
         each its full shape."""
         own = module.state_dict()
-        missing = [k for k in self.keys() if k not in own]
+        whole = self.whole.get(timeout)
+        missing = [k for k in [*(k for k, _ in self.layout), *whole] if k not in own]
         if missing:
             raise ValueError(f"the state holds keys this module lacks: {missing[:5]}")
         shards = [p.get(timeout) for p in self.parts]
@@ -88,7 +86,7 @@ class ShardedState:
             for s in shards:
                 target[row : row + len(s[i])].copy_(s[i])
                 row += len(s[i])
-        for k, v in self.whole.get(timeout).items():
+        for k, v in whole.items():
             own[k].copy_(v)
 
 
@@ -100,7 +98,7 @@ def published(
     another, the state gathered on rank 0, stored once (`Shared`), None elsewhere."""
     state = _entries(model, names)
     if not sharded or not _by_rows(state):
-        full = full_state(model, sharded=sharded, names=names)
+        full = _full(model, state, sharded=sharded)
         return Shared(full) if full is not None else None
     sharded_entries = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
     # Stored as they are (the object store copies each once), on the CPU
@@ -119,7 +117,12 @@ def full_state(
     on rank 0; None on the others. COLLECTIVE when `sharded`. `names`: only these entries.
     Unsharded CPU tensors are the model's own (detached, not copied): the caller sends or
     stores them at once (`Shared` copies them into the object store)."""
-    state = _entries(model, names)
+    return _full(model, _entries(model, names), sharded=sharded)
+
+
+def _full(
+    model: torch.nn.Module, state: dict[str, Any], *, sharded: bool
+) -> dict[str, torch.Tensor] | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not sharded:  # every rank holds it all
         return {k: v.detach().cpu() for k, v in state.items()} if rank == 0 else None

@@ -217,10 +217,10 @@ def _weighed(out: Any, weight: float, stats: dict[str, float]) -> torch.Tensor:
             stats[k] = stats.get(k, 0.0) + float(v) * weight
     else:
         loss = out
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # what backward() takes
         got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else list(loss.shape)
         raise TypeError(
-            f"loss_fn returned {got}: return the batch's mean loss as a 0-d tensor, or "
+            f"loss_fn returned {got}: return the batch's mean loss as a one-number tensor, or "
             "(loss, {name: float}) with statistics to report beside it"
         )
     return loss * weight

@@ -315,8 +315,10 @@ class TrainWorker(Actor):
     def _supply(self, samples: dict[int, list[Any]], keep_from: int) -> None:
         for step in [s for s in self.supplied if s < keep_from]:
             del self.supplied[step]
-        for first, batches in samples.items():
-            self.supplied.update((first + i, b) for i, b in enumerate(batches))
+        for first, batches in samples.items():  # a bundle may start before keep_from
+            self.supplied.update(
+                (first + i, b) for i, b in enumerate(batches) if first + i >= keep_from
+            )
 
     def _step(self, step: int) -> tuple[float, dict[str, float]]:
         assert self.task is not None and self.model is not None
