@@ -6,6 +6,7 @@ ordering and stop() are tested on adopted procs there; these tests check the poo
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -65,6 +66,21 @@ def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
         ]
         refilled = _warm_pids()
         assert len(refilled) == len(warm) and not refilled & pids
+    finally:
+        procs.stop()
+
+
+def test_a_spawn_whose_warm_procs_died_waiting_starts_fresh_procs_in_their_place():
+    # A proc whose worker dies before it runs (killed waiting here; a Ray worker can also die
+    # as it registers with a loaded raylet) is no fault of the spawn: it is started again.
+    dead = _warm_pids()
+    for pid in dead:
+        os.kill(pid, signal.SIGKILL)
+    procs = this_host().spawn_procs(per_host={"procs": 2}, name="after-deaths")
+    try:
+        facts = procs.spawn("p", Probe).facts.call().get(timeout=60)
+        assert {f["pid"] for f in facts.values()} == set(procs.pids)
+        assert not set(procs.pids) & dead
     finally:
         procs.stop()
 

@@ -103,6 +103,8 @@ class FakeRank:
     name: str
     die_at: int | None = None  # the step (1-based) at which its proc dies
     hang_at: int | None = None  # the step (1-based) at which its trainer hangs
+    # it completes the step a peer dies in (its side of gloo's collective ended first)
+    ahead: bool = False
     dies_joining: bool = False  # its proc dies as it joins a world (setup)
     node_id: str = "node-0"
     alive: bool = True
@@ -182,6 +184,8 @@ class FakeRank:
             return Pending()
         dying = [r.die_at for r in self.pool.ranks if r.die_at and start < r.die_at <= stop]
         end = min(dying, default=stop + 1) - 1  # the ranks complete the steps before a death
+        if self.ahead and end < stop and self.die_at != end + 1:
+            end += 1
         step_s = self.pool.step_s
         metrics = tuple(
             StepMetrics(step=s, loss=float(s), step_s=step_s, end=0.0, compute_s=step_s, samples=1)
@@ -233,6 +237,7 @@ class FakePool:
 
     die: dict[int, int] = {}  # spawn index -> the step its proc dies at
     hang: dict[int, int] = {}  # spawn index -> the step its trainer hangs at
+    ahead: tuple[int, ...] = ()  # spawn indices that complete the step a peer dies in
     capacity: int | None = None
     spares_ready = 0
     step_s = 0.01  # each step's measured time, as the ranks report it
@@ -249,7 +254,13 @@ class FakePool:
 
     def _new(self, name: str) -> FakeRank:
         i = len(self.spawned)
-        rank = FakeRank(self, f"{name}-{i}", die_at=self.die.get(i), hang_at=self.hang.get(i))
+        rank = FakeRank(
+            self,
+            f"{name}-{i}",
+            die_at=self.die.get(i),
+            hang_at=self.hang.get(i),
+            ahead=i in self.ahead,
+        )
         self.spawned.append(rank)
         return rank
 
@@ -383,6 +394,19 @@ def test_a_dead_rank_is_healed_and_training_resumes_at_the_step_in_flight():
     )
     # One line, the root cause first: the survivor only saw its peer go.
     assert healing.reason == "rank 1 died: killed by SIGKILL; rank 0 saw its peer go"
+
+
+def test_a_step_only_a_survivor_completed_is_recorded_once_its_state_is_restored():
+    # Rank 2 dies in step 5; rank 0's side of the step's collective ended first, rank 1's did
+    # not. The world resumes from rank 0's state, after step 5: step 5 is in the history once,
+    # with rank 0's figures (a real 4-rank run lost a step's row this way).
+    c = controller(pool=pool_with(die={2: 5}, ahead=(0,)), workers=3, report_every=4)
+    states = drive(c)
+    assert [type(s) for s in states] == [Starting, Running, Healing, Running, Finishing, Finished]
+    assert states[3].reason.endswith("resuming at step 5"), states[3].reason
+    assert [h["step"] for h in c.log.history] == list(range(1, 9))
+    [row] = [h for h in c.log.history if h["step"] == 5]
+    assert row["loss"] is None and (row["partial_loss"], row["reported"]) == (5.0, [0])
 
 
 def test_the_run_folder_tells_every_state_the_failure_and_how_it_was_healed(tmp_path):

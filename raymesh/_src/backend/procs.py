@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ from raymesh._src.backend.proc_host import ProcHost, StartRuntime, inherited_ori
 from raymesh._src.shape import Point
 
 _RUNTIME_ENV: dict | None = None
+logger = logging.getLogger(__name__)
 
 
 def node_alive(node_id: str) -> bool:
@@ -168,19 +171,10 @@ def create_procs(
     warm = {} if gpu else {n: deque(pool.take(n, k)) for n, k in per_node.items()}
     # Ray sets OMP_NUM_THREADS to a proc's whole CPUs unless the driver set it; likewise here.
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, int(resources.get("CPU", 0)))
-    handles, readiness, shared = [], [], []  # shared: indices of the runtime's procs
     origin = inherited_origin()  # spawned by a proc of the local runtime's: its program's
-    for i, point in enumerate(points):
-        if warm.get(node_ids[i]):
-            w = warm[node_ids[i]].popleft()
-            handles.append(w.handle)
-            if w.origin is not None:
-                shared.append(i)
-            readiness += [
-                w.info,
-                w.handle.adopt.remote(mesh_name, point, start_runtime, threads, w.origin),
-            ]
-            continue
+
+    def fresh(i: int) -> tuple[Any, list[Any]]:
+        """A new proc in bundle i, and the refs that resolve once it is ready."""
         handle = ProcHost.options(
             num_cpus=resources.get("CPU", 0),
             num_gpus=resources.get("GPU", 0),
@@ -188,14 +182,28 @@ def create_procs(
                 pg, placement_group_bundle_index=i
             ),
             runtime_env=_RUNTIME_ENV,
-        ).remote(mesh_name, point, start_runtime, (), origin)
+        ).remote(mesh_name, points[i], start_runtime, (), origin)
+        return handle, [handle.info.remote()]
+
+    handles: list[Any] = []
+    readiness: list[list[Any]] = []  # per proc
+    shared: set[int] = set()  # indices of the runtime's procs
+    for i, point in enumerate(points):
+        if warm.get(node_ids[i]):
+            w = warm[node_ids[i]].popleft()
+            if w.origin is not None:
+                shared.add(i)
+            adopt = w.handle.adopt.remote(mesh_name, point, start_runtime, threads, w.origin)
+            handle, refs = w.handle, [w.info, adopt]
+        else:
+            handle, refs = fresh(i)
         handles.append(handle)
-        readiness.append(handle.info.remote())
+        readiness.append(refs)
     # Ray starts worker processes a few at a time (about one per core), each importing Python,
     # Ray and raymesh: allow for that on top of the placement timeout.
     start_timeout = timeout + 60 + 5 * max(per_node.values(), default=0)
     try:
-        ready = ray.get(readiness, timeout=start_timeout)
+        ready = _started(handles, readiness, fresh, shared, start_timeout, mesh_name)
     except Exception as e:
         kill(ProcGroup([RayProc(h, -1, "") for h in handles], pg))
         detail = (
@@ -213,7 +221,7 @@ def create_procs(
             pool.reserve(n)
             pool.fill({n: k}, after=agents[n].wait_idle.remote(*REFILL_IDLE, REFILL_WAIT_S))
     procs = [RayProc(h, i["pid"], i["node_id"], i["channel"]) for h, i in zip(handles, infos)]
-    if adopted := [procs[i].pid for i in shared]:
+    if adopted := [procs[i].pid for i in sorted(shared)]:
         runtime.forward_output_of(adopted)  # the runtime's procs print here, as our own do
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
     ray.get(
@@ -221,6 +229,53 @@ def create_procs(
         timeout=max(timeout, 60),
     )
     return ProcGroup(procs, pg)
+
+
+def _started(
+    handles: list[Any],
+    readiness: list[list[Any]],
+    fresh: Callable[[int], tuple[Any, list[Any]]],
+    shared: set[int],
+    timeout: float,
+    mesh_name: str,
+) -> list[Any]:
+    """What the procs' readiness refs resolve to, in order, once all are ready. A proc whose
+    worker process died before it ran is started again once, `fresh` in its bundle (updating
+    `handles`, `readiness` and `shared` in place): a Ray worker can die as it starts (its
+    registration with a loaded raylet failing), which is no fault of the spawn. A second
+    death, or `timeout` seconds, raise."""
+    deadline = time.monotonic() + timeout
+    retried: set[int] = set()
+    while True:
+        try:
+            flat = [r for refs in readiness for r in refs]
+            return list(ray.get(flat, timeout=max(0.1, deadline - time.monotonic())))
+        except ray.exceptions.RayActorError:
+            dead = [i for i, refs in enumerate(readiness) if _died(refs)]
+            if not dead or retried.intersection(dead):
+                raise
+            logger.warning(
+                "raymesh: %d proc(s) of mesh %r died before they ran; starting them again",
+                len(dead),
+                mesh_name,
+            )
+            for i in dead:
+                handles[i], readiness[i] = fresh(i)
+                shared.discard(i)
+                retried.add(i)
+
+
+def _died(refs: list[Any]) -> bool:
+    """Whether one of a proc's resolved readiness refs says its actor died."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # another failure (adopt() raised) is not a death
+            pass
+    return False
 
 
 def _check_feasible(

@@ -92,23 +92,29 @@ class Reporter:
     def record_late(
         self, chunk: FailedChunk, survivors: list[int], *, since: int, upto: int
     ) -> int | None:
-        """Record the steps in (`since`, `upto`] that the restored state holds but no rank
-        reported in time: survivors stuck in a collective with a hung rank answer once it is
-        killed, with the steps they completed before it hung. The step reached, if any."""
+        """Record the steps in (`since`, `upto`] that the restored state holds but were not
+        recorded when the chunk failed, from the survivors that completed them: a survivor can
+        complete a step its peers failed in (one gloo rank's collective can end before a lost
+        peer breaks the others'), and survivors stuck in a collective with a hung rank answer
+        once it is killed, with the steps they completed before it hung. The step reached, if
+        any."""
         late = [i for i in survivors if isinstance(chunk.results[i], TimeoutError)]
-        if not late or not chunk.replies:
-            return None
-        replies = dict(zip(late, detection.settle([chunk.replies[i] for i in late], 1.0)))
+        replies = (
+            dict(zip(late, detection.settle([chunk.replies[i] for i in late], 1.0)))
+            if late and chunk.replies
+            else {}
+        )
         new = {
             i: [m for m in r.metrics if since < m.step <= upto]
             for i in survivors
             if isinstance(r := replies.get(i, chunk.results[i]), ChunkResult)
         }
-        common = min((len(m) for m in new.values()), default=0)
-        if not common:
+        most = max((len(m) for m in new.values()), default=0)
+        if not most:
             return None
-        who = [i in new for i in range(len(chunk.results))]
-        return self.record([tuple(new[i][:common]) for i in sorted(new)], reported=who)
+        # the ranks that completed them all: the restored state is the furthest survivor's
+        who = [len(new.get(i, ())) == most for i in range(len(chunk.results))]
+        return self.record([tuple(new[i]) for i in sorted(new) if who[i]], reported=who)
 
     def mesh(self, snapshot: dict[str, Any] | None = None) -> None:
         """The "mesh" event: the procs of the ranks and the spares now (`snapshot`: as just
