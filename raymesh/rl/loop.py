@@ -206,11 +206,6 @@ def run(
     gens: list[_Gen] = []
     job: train.DrivenJob | None = None
     try:
-        learner = start_learner(roles.learner, algorithm, config, per_step=roles.per_step)
-        job = learner.job
-        start, position = learner.resumed()
-        if start:
-            logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
         incarnations = itertools.count()
 
         def new_worker(index: int) -> _Gen:
@@ -220,17 +215,22 @@ def run(
             cls, args, kwargs = roles.worker(index, next(incarnations))
             return _Gen(procs, procs.spawn(roles.name, cls, *args, **kwargs))
 
+        gens = [new_worker(i) for i in range(roles.workers)]
+        if roles.prompts:  # before the learner's procs start: it would fail at every step
+            measure = gens[0].actor.measure.call_one(list(roles.prompts))
+            context, lengths = measure.get(timeout=timeout_s)
+            check_context(roles.prompts, lengths, context, roles.max_tokens)
+        learner = start_learner(roles.learner, algorithm, config, per_step=roles.per_step)
+        job = learner.job
+        start, position = learner.resumed()
+        if start:
+            logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
         loop.check = roles.check
         try:
             loop.restore(position)
-        except ValueError as e:  # the manifest's position, checked before a worker starts
+        except ValueError as e:  # the manifest's position, checked before a step
             raise ValueError(f"{checkpoint}: {e}") from None
-        gens = [new_worker(i) for i in range(roles.workers)]
-        if roles.prompts:  # before a step: the learner would fail each time it saw one
-            measure = gens[0].actor.measure.call_one(list(roles.prompts))
-            context, lengths = measure.get(timeout=timeout_s)
-            check_context(roles.prompts, lengths, context, roles.max_tokens)
         sinks = [progress] if progress is not None else []
         folder = None
         if run_dir is not None:

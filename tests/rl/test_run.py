@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import shutil
 
 import pytest
@@ -112,7 +113,9 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         procs.stop().get(timeout=60)
 
 
-def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp_path, capsys):
+def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(
+    tmp_path, capsys, caplog
+):
     # A str method on the bytes a reward is given raises TypeError on every completion; a
     # reward returning a word is no number. Either ends the run at step 1 (it used to train
     # on nothing and return normally), the run folder saying why.
@@ -124,9 +127,13 @@ def test_a_reward_that_never_scores_ends_the_run_at_its_first_step_naming_it(tmp
     assert end["event"] == "end" and end["state"] == "Failed" and "RewardError" in end["reason"]
     assert not (tmp_path / "metrics.jsonl").exists()  # no step was taken
     # A prompt too long for the policy's context (32 tokens) with its completion: refused
-    # before the first step, naming it and the fix (the learner failed on it at every step).
+    # before the learner's procs start, naming it and the fix (the learner failed on it at
+    # every step).
+    caplog.set_level(logging.INFO, logger="raymesh")
+    caplog.clear()
     with pytest.raises(ValueError, match=r"^prompts\[1\]=b'xxx.*its 30 tokens and max_tokens=8 "):
         _run(rewards.es, prompts=["def ", "x" * 30], steps=1, generators=1)
+    assert not [r for r in caplog.records if "-> Starting" in r.getMessage()]
     # `raymesh rl`: one line naming the reward and the reason, and exit status 1.
     job = tmp_path / "job.toml"
     job.write_text(
