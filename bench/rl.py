@@ -81,7 +81,7 @@ def main() -> None:
     config = train.TrainConfig(
         workers=int(ranks), strategy=strategy, global_batch_size=int(ranks), activation_bytes=0
     )
-    learner = TrainedLearner(train.drive(GRPOTask(policy, algorithm), config, run_folder=False))
+    learner = TrainedLearner(train.drive(GRPOTask(policy, algorithm), config))
     meshes = [
         this_host().spawn_procs(per_host={"procs": 1}, name=f"bench-gen{i}")
         for i in range(GENERATORS)
@@ -199,7 +199,7 @@ def overhead(rounds: int, save: bool) -> None:
     samples, _ = completion_samples(rollouts, 0)
     warm = 3
     config = train.TrainConfig(steps=rounds + warm, global_batch_size=len(samples))
-    job = train.drive(GRPOTask(policy, algorithm), config, example=samples, run_folder=False)
+    job = train.drive(GRPOTask(policy, algorithm), config, example=samples)
 
     class Proc(OneProc, Actor):
         learn = endpoint(OneProc.learn)

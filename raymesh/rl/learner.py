@@ -208,10 +208,14 @@ class TrainedLearner:
         step, extra = self.job.resumed
         return step, extra.get("rl", {})
 
-    def learn(self, rollouts: list[Rollout]) -> Stats:
+    def learn(self, rollouts: list[Rollout], *, cycle_s: float) -> Stats:
         """One GRPO step on `rollouts` on every rank; the version goes up by one. The step's
-        statistics: loss, clip fraction (and KL), the loop's figures (`completion_samples`)."""
+        statistics: loss, clip fraction (and KL), the loop's figures (`completion_samples`),
+        and `tokens_per_s`: the tokens generated over the loop's cycle of `cycle_s` seconds
+        (from the previous update's start to this one's). The figures are in the step's row
+        of the run folder too."""
         samples, figures = completion_samples(rollouts, self.job.trained)
+        figures["tokens_per_s"] = figures["tokens"] / cycle_s
         row = self.job.step(samples, report=figures)
         keep = ("loss", "clip_fraction", "kl")
         return {**{k: row[k] for k in keep if k in row}, **figures, "version": row["step"]}
@@ -292,7 +296,10 @@ class TrainedPPOLearner:
         step, extra = self.job.resumed
         return step // self.per_version, extra.get("rl", {})
 
-    def learn(self, rollouts: list[Rollout]) -> Stats:
+    def learn(self, rollouts: list[Rollout], *, cycle_s: float) -> Stats:
+        """One PPO version on `rollouts`: `epochs` passes of minibatches, a train step each;
+        their mean losses and the loop's figures (in the version's last row of the run
+        folder), with `env_steps_per_s` over the loop's cycle (see `TrainedLearner.learn`)."""
         a, version = self.algorithm, self.version
         parts: list[Segment] = [r.data for r in rollouts]
         obs = torch.cat([p.obs for p in parts])
@@ -312,13 +319,11 @@ class TrainedPPOLearner:
                     {"obs": obs[i], "actions": actions[i], "old": old[i], "advantages": adv,
                      "returns": returns[i]}
                 )  # fmt: skip
-        rows = self.job.steps(batches)
         episodes = [e for p in parts for e in p.episodes]
         self.episodes.extend(episodes)
-        keys = ("policy_loss", "value_loss", "entropy", "clip_fraction")
-        return {
-            **{k: sum(r[k] for r in rows) / len(rows) for k in keys},
+        figures = {  # the loop's figures of the version, in its last step's row
             "env_steps": float(len(actions)),
+            "env_steps_per_s": len(actions) / cycle_s,
             "episodes": float(len(episodes)),
             "episode_return_mean": (
                 sum(self.episodes) / len(self.episodes) if self.episodes else math.nan
@@ -326,6 +331,9 @@ class TrainedPPOLearner:
             "staleness_mean": sum(version - r.version for r in rollouts) / max(1, len(rollouts)),
             "version": float(version + 1),
         }
+        rows = self.job.steps(batches, report=figures)
+        keys = ("policy_loss", "value_loss", "entropy", "clip_fraction")
+        return {**{k: sum(r[k] for r in rows) / len(rows) for k in keys}, **figures}
 
     def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]:
         return self.version, self.job.weights()

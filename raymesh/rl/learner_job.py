@@ -4,8 +4,9 @@ learner role on it.
 A GRPO step is one train step on its completions (`prompts_per_step x group_size` samples); a
 PPO version is `epochs` passes of minibatches, one train step each (`TrainedPPOLearner.shape`),
 with PPO's gradient clipping as the job's. The loop owns `steps`, `seed`, the global batch,
-the policy's `build` and `params`, the checkpoint and `resume`; the user's `trainer` gives the
-rest (ranks, strategy, precision, GPUs, failure budget), checked before any proc starts.
+the policy's `build` and `params`, the checkpoint, `resume` and the run folder; the user's
+`trainer` gives the rest (ranks, strategy, precision, GPUs, failure budget), checked before
+any proc starts.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def learner_config(
     seed: int,
     checkpoint: str | None,
     resume: bool,
+    run_dir: str | None,
 ) -> TrainConfig:
     """The learner job's config for `steps` policy versions of `per_step` rollouts each
-    (ValueError naming the `trainer` field that cannot be used)."""
+    (ValueError naming the `trainer` field that cannot be used). Its run folder is the RL
+    run's: `run_dir`, else the checkpoint folder, as a train job's."""
     samples, per_version, what = _shape(algorithm, per_step)
     config = _config(
         trainer,
@@ -47,6 +50,7 @@ def learner_config(
         seed=seed,
         checkpoint=checkpoint,
         resume=resume,
+        run_dir=run_dir,
     )
     if isinstance(algorithm, PPO):  # PPO clips its gradients: the job does it after backward
         config = dataclasses.replace(config, grad_clip=algorithm.max_grad_norm)
@@ -57,8 +61,10 @@ def start_learner(
     task: GRPOTask | PPOTask, algorithm: GRPO | PPO, config: TrainConfig, *, per_step: int
 ) -> TrainedLearner | TrainedPPOLearner:
     """Start the learner job (its ranks up, a checkpoint restored), as the role the loop
-    calls. The run folder is the loop's (`run_dir`), for now beside the job's."""
-    job = train.drive(task, config, run_folder=False)
+    calls. Its run folder is the RL run's: its "job" event says "kind": "rl" and the
+    algorithm, its rows carry the loop's figures of each version (reward, staleness, ...)."""
+    labels = {"kind": "rl", "algorithm": type(algorithm).__name__}
+    job = train.drive(task, config, labels=labels)
     if isinstance(algorithm, GRPO):
         return TrainedLearner(job)
     samples = _version_samples(algorithm, per_step)
@@ -89,6 +95,7 @@ def _config(
     seed: int,
     checkpoint: str | None,
     resume: bool,
+    run_dir: str | None,
 ) -> TrainConfig:
     """The learner job's config: `trainer`'s, with what the loop owns set (see `run`)."""
     if isinstance(trainer, dict):
@@ -132,4 +139,5 @@ def _config(
         params=params,
         checkpoint=CheckpointConfig(dir=checkpoint, keep=2) if checkpoint else None,
         resume="auto" if resume else False,
+        run_dir=run_dir,
     )

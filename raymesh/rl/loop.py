@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +47,6 @@ from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.learner_job import learner_config, start_learner
 from raymesh.rl.position import Position
 from raymesh.rl.roles import check_context, env_roles, text_roles
-from raymesh.rl.run_folder import RunFolder
 from raymesh.rl.sampling import Reward
 from raymesh.train import FailureRecord, ShardedState, TrainConfig
 
@@ -143,7 +141,8 @@ def run(
     again, so a synchronous run still ends with the fault-free run's weights. None: one rank.
     The loop sets what it owns: `steps`, `seed`, `global_batch_size` (GRPO: prompts_per_step
     x group_size; PPO: a minibatch; a TrainConfig's must be that, or 1), `build` and `params`
-    (the policy's), the checkpoint (`checkpoint=`), `resume`, and PPO's `grad_clip`.
+    (the policy's), the checkpoint (`checkpoint=`), `resume`, the run folder (`run_dir=`),
+    and PPO's `grad_clip`.
 
     PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
     the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
@@ -154,8 +153,12 @@ def run(
     Every step's statistics carry its timing: `step_s` (the whole step), `learn_s` (the
     learner's update), `sync_s` (fetching the new version's reference from the learner; its
     installation on the workers overlaps their next sampling) and `rollouts_per_s`.
-    `run_dir`: a folder to append them to, a JSON line per step in `metrics.jsonl` (with
-    `step`, the version), each line written whole, as raymesh.train's run folder.
+    The run folder is the learner job's, written as any train job's (`run_dir`, else the
+    `checkpoint` folder; `raymesh dashboard` shows it live): its "job" event says "kind": "rl"
+    and the algorithm, a row per train step in `metrics.jsonl` (GRPO: one a version; PPO: a
+    version's last) carries the loop's figures of the version (reward or episode return,
+    staleness, samples, ...; the timings are in the statistics only), and its end says how
+    the run ended (a loop's failure, such as `rl.RewardError`, as Failed, naming it).
 
     ValueError naming the argument for a bad one, before any proc starts."""
     algorithm = algorithm if algorithm is not None else GRPO()
@@ -202,6 +205,7 @@ def run(
         seed=seed,
         checkpoint=checkpoint,
         resume=resume,
+        run_dir=run_dir,
     )
     gens: list[_Gen] = []
     job: train.DrivenJob | None = None
@@ -232,28 +236,20 @@ def run(
         except ValueError as e:  # the manifest's position, checked before a step
             raise ValueError(f"{checkpoint}: {e}") from None
         sinks = [progress] if progress is not None else []
-        folder = None
-        if run_dir is not None:
-            name = type(algorithm).__name__
-            folder = RunFolder(Path(run_dir), steps=steps, algorithm=name, start=start)
-            sinks.insert(0, folder)
 
         def save() -> str:
             return str(learner.save(loop.position()))
 
         every = checkpoint_every if checkpoint is not None else 0
-        try:
-            result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
-            result.resumed_from = start
-            ended = job.close(extra={"rl": loop.position()})  # the final checkpoint
-            result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
-        except BaseException as e:
-            if folder is not None:
-                folder.end("Failed", f"{type(e).__name__}: {e}")
-            raise
-        if folder is not None:
-            folder.end("Finished", f"{len(result.history)} steps")
+        result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
+        result.resumed_from = start
+        ended = job.close(extra={"rl": loop.position()})  # the final checkpoint
+        result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
         return result
+    except BaseException as e:
+        if job is not None:  # its run folder says why the run ended
+            job.stop(e)
+        raise
     finally:
         for g in gens:
             try:
@@ -317,6 +313,7 @@ class _Loop:
         self.gens = gens
         self._publish(learner.weights())
         history = []
+        cycle = time.perf_counter()  # when the previous update began (a cycle of the loop)
         for step in range(start_step, steps):
             start = time.perf_counter()
             batch = self._collect(step)
@@ -324,7 +321,8 @@ class _Loop:
                 self.check(batch, step)  # e.g. RewardError: nothing in it could be scored
             self.taken.took(r.key for r in batch)
             learning = time.perf_counter()
-            stats = learner.learn(batch)
+            stats = learner.learn(batch, cycle_s=max(learning - cycle, 1e-9))
+            cycle = learning
             syncing = time.perf_counter()
             self._publish(learner.weights())
             end = time.perf_counter()
@@ -338,8 +336,6 @@ class _Loop:
                 # GRPO's samples are completions, PPO's environment steps
                 "samples_per_s": stats.get("samples", stats.get("env_steps", 0.0)) / took,
             }
-            if "tokens" in stats:
-                stats["tokens_per_s"] = stats["tokens"] / took
             history.append(stats)
             for sink in sinks:
                 sink(stats)

@@ -64,7 +64,7 @@ def drive(
     example: Samples | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     warm: WarmRanks | None = None,
-    run_folder: bool = True,
+    labels: dict[str, Any] | None = None,
 ) -> DrivenJob:
     """Start a job whose loop supplies each step's samples (see the module docstring); it
     returns once the ranks are up, the strategy decided and a checkpoint restored (`resume`).
@@ -73,8 +73,9 @@ def drive(
     samples each step takes; `config.steps` the most steps the loop will supply (the learning
     rate schedule's length). example: samples of one step, which the ranks measure activation
     memory on for the strategy decision; without it (and without `config.activation_bytes`)
-    the decision weighs the weights and the optimizer alone. run_folder: False writes none (a
-    loop that keeps its own: raymesh.rl's, until its run folder is this job's).
+    the decision weighs the weights and the optimizer alone. labels: what the run folder's
+    "job" event says beside the config, e.g. {"kind": "rl"} (the dashboard shows an RL run
+    so), JSON data.
     Raises ValueError for a bad config, build or example; `TrainError` when starting fails."""
     fn, config, hooks = prepare(build, config, "drive")
     if config.data is not None:
@@ -83,7 +84,7 @@ def drive(
             "job's loop supplies them; drop data=, or train with fit()"
         )
     controller = TrainController.create(
-        fn, config, progress=progress, hooks=hooks, warm=warm, driven=True, run_folder=run_folder
+        fn, config, progress=progress, hooks=hooks, warm=warm, driven=True, labels=labels
     )
     job = DrivenJob(controller)
     controller.open(Shared([job._checked(example, "example")]) if example is not None else None)
@@ -170,10 +171,11 @@ class DrivenJob:
             self._result = self._controller.close(extra)
         return self._result
 
-    def stop(self) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
         """End the job now, without a final checkpoint (what failed may be the model): its
-        procs stopped. Nothing after `close`."""
-        self._controller.end(None)
+        procs stopped, its run folder told it ended (Failed, with `error`: what failed in the
+        loop; else Stopped). Nothing after `close`."""
+        self._controller.stop(error)
 
     def __enter__(self) -> DrivenJob:
         return self
@@ -182,7 +184,7 @@ class DrivenJob:
         if kind is None:
             self.close()
         else:
-            self.stop()
+            self.stop(exc[0] if isinstance(exc[0], BaseException) else None)
 
     def _open(self, what: str) -> None:
         if self._result is not None or self._controller.ended:

@@ -220,24 +220,29 @@ def _events(run: Path) -> list[dict[str, Any]]:
 
 
 def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, browser):
-    from raymesh import dashboard
-    from raymesh.rl.run_folder import RunFolder
+    import json
+    import time
 
-    folder = RunFolder(tmp_path / "grpo", steps=3, algorithm="GRPO", start=0)
-    for version in (1, 2, 3):  # what rl.run's loop hands its run folder each step
-        folder(
-            {
-                "version": float(version),
-                "loss": 0.5 / version,
-                "reward_mean": 0.25 * version,
-                "staleness_mean": 1.0,
-                "samples": 32.0,
-                "samples_per_s": 200.0,
-                "tokens_per_s": 6400.0,
-                "step_s": 0.16,
-            }
-        )
-    folder.end("Finished", "3 steps")
+    from raymesh import dashboard
+
+    # What rl.run's learner job writes (a train job's run folder), abridged.
+    run = tmp_path / "grpo"
+    run.mkdir()
+    t = time.time()
+    events = [
+        {"t": t, "event": "job", "name": "grpo", "steps": 3, "kind": "rl", "algorithm": "GRPO"},
+        {"t": t, "event": "state", "state": "Running", "reason": "1 ranks", "step": 0},
+        {"t": t + 1, "event": "state", "state": "Finished", "reason": "closed", "step": 3},
+        {"t": t + 1, "event": "end", "state": "Finished", "reason": "closed", "step": 3},
+    ]
+    rows = [
+        {"step": step, "loss": 0.5 / step, "samples_per_s": 200.0, "end": t + step / 4,
+         "world_size": 1, "spares": 0, "reward_mean": 0.25 * step, "staleness_mean": 1.0,
+         "samples": 32.0, "tokens": 192.0, "tokens_per_s": 6400.0, "version": float(step)}
+        for step in (1, 2, 3)
+    ]  # fmt: skip
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with dashboard.start(tmp_path, port=0) as board:
         browser.get(board.run_url("grpo"))
         _wait("its data", lambda: browser.execute_script("return window.dashboard.ready"))

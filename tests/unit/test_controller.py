@@ -718,3 +718,29 @@ def test_an_elastic_job_with_room_for_fewer_starts_with_what_fits_and_grows_to_m
     states = drive(c, start=states[-1])
     assert [type(s) for s in states] == [Running, Resizing, Running, Finishing, Finished]
     assert len(c.pool.ranks) == 3 and [h["step"] for h in c.log.history] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("error", [ValueError("no completion scored\nthe detail"), None])
+def test_a_driven_job_its_loop_ends_tells_its_run_folder_how_and_why(tmp_path, error):
+    config = TrainConfig(workers=2, steps=8, global_batch_size=4, run_dir=str(tmp_path))
+    fake = FakePlacer(config)
+    c = TrainController(
+        config,
+        placer=fake,
+        pool=FakePool(lambda ctx: None, config, fake, None),
+        policies=Policies.of(config.failure),
+        driven=True,
+        labels={"kind": "rl", "algorithm": "GRPO"},
+    )
+    c.open(None)
+    c.stop(error)
+    c.stop(ValueError("later"))  # nothing once ended
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (events[0]["event"], events[0]["kind"], events[0]["algorithm"]) == ("job", "rl", "GRPO")
+    ends = [e for e in events if e["event"] == "end"]
+    if error is None:
+        assert [(e["state"], e["reason"]) for e in ends] == [("Stopped", "stopped by its loop")]
+    else:
+        reason = "its loop failed: ValueError: no completion scored"
+        assert [(e["state"], e["reason"]) for e in ends] == [("Failed", reason)]
+    assert c.pool.closed and not c.pool.reused

@@ -104,9 +104,10 @@ class TrainController:
         hooks: TrainHooks | None = None,
         data: Workers | None = None,
         driven: bool = False,
-        run_folder: bool = True,
+        labels: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self.labels = labels or {}  # the "job" event's fields beside the config's
         # A driven job's steps its loop supplied and not yet forgotten: each step's bundle
         # (the samples of the steps of one `drive` call, stored once in this process's object
         # store), its place in it, and the loop's figures of it; None: `fit`.
@@ -119,7 +120,7 @@ class TrainController:
         self.policies = policies
         # The pipeline's preprocessing procs (TrainConfig.data), beside the ranks, not in them.
         self.data = data
-        self.log = RunLog(sinks(config.run_folder() if run_folder else None, progress))
+        self.log = RunLog(sinks(config.run_folder(), progress))
         self.reporter = Reporter(
             self.log,
             pool,
@@ -156,11 +157,11 @@ class TrainController:
         hooks: TrainHooks | None = None,
         warm: WarmRanks | None = None,
         driven: bool = False,
-        run_folder: bool = True,
+        labels: dict[str, Any] | None = None,
     ) -> TrainController:
         """A controller for `config` with the real rooms: ranks placed on the Ray cluster,
-        taken from `warm` first. `driven`: a job its loop drives a step at a time;
-        `run_folder`: whether it writes its run folder."""
+        taken from `warm` first. `driven`: a job its loop drives a step at a time; `labels`:
+        what the run folder's "job" event says beside the config (a loop's kind of run)."""
         placer = Placer(config.scaling, config.parallelism)
         return cls(
             config,
@@ -171,7 +172,7 @@ class TrainController:
             hooks=hooks,
             data=Workers(config.data, config.seed) if config.data is not None else None,
             driven=driven,
-            run_folder=run_folder,
+            labels=labels,
         )
 
     # ---- the run loop ------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class TrainController:
 
     def starting(self) -> State:
         cfg = self.config
-        self.reporter.job(cfg)
+        self.reporter.job(cfg, self.labels)
         state = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
         self.enter(state)
         return state
@@ -272,6 +273,19 @@ class TrainController:
         self.pool.close(reuse=reuse)
         if self.data is not None:
             self.data.stop()
+
+    def stop(self, error: BaseException | None) -> None:
+        """A driven job: its loop ends it now, the run folder told so (Failed with `error`,
+        the loop's failure; else Stopped), its procs stopped. Nothing once ended."""
+        if self.ended:
+            return
+        if error is not None:
+            first = (str(error).splitlines() or [""])[0]
+            state: State = Failed(f"its loop failed: {type(error).__name__}: {first}"[:300], error)
+        else:
+            state = Stopped("stopped by its loop", RuntimeError("stopped by its loop"), False)
+        self.enter(state)
+        self.end(state)
 
     def result(self, state: State) -> Result:
         """The job's result, from its terminal `state`; or raise what it failed with."""

@@ -45,8 +45,9 @@ class Reporter:
         self.data = data
         self.told_spares = -1  # spares in the newest "mesh" event
 
-    def job(self, config: TrainConfig) -> None:
-        """The "job" event: what runs, from where (the controller's pid and host)."""
+    def job(self, config: TrainConfig, labels: dict[str, Any]) -> None:
+        """The "job" event: what runs, from where (the controller's pid and host), with
+        `labels` (a driven job's loop's kind of run, e.g. raymesh.rl's "kind": "rl")."""
         run_dir = config.run_folder()
         self.log.emit(
             "job",
@@ -58,6 +59,7 @@ class Reporter:
             global_batch_size=config.global_batch_size,
             spares=config.spares,
             report_every=config.report_every,
+            **labels,
         )
 
     def record(
