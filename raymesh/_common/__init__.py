@@ -16,7 +16,7 @@ from raymesh._common.futures import Pending
 from raymesh._common.http_error import HTTPError, RefusalLog, error_json, printable
 from raymesh._common.ranges import Range
 from raymesh._common.server import ServerThread, exposure, free_port, is_loopback, url_of
-from raymesh._common.tables import TABLES, from_table, read_toml, split_job
+from raymesh._common.tables import TABLES, from_table, read_toml, section_of, split_job
 from raymesh._common.tls import Tls
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "read_toml",
     "replace_text",
     "resolve",
+    "section_of",
     "split_job",
     "url_of",
 ]

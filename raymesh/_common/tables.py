@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["TABLES", "from_table", "read_toml", "split_job"]
+__all__ = ["TABLES", "from_table", "read_toml", "section_of", "split_job"]
 
 T = TypeVar("T")
 
@@ -87,3 +87,9 @@ def from_table(cls: type[T], data: Any, table: str | None = None) -> T:
         if table is None or str(e).startswith((f"{table}.", f"[{table}]")):
             raise
         raise ValueError(f"{where} {e}") from None
+
+
+def section_of(cls: type[T], config: Any) -> T:
+    """The section `cls` (a dataclass) of a config written flat (`train.TrainConfig`,
+    `rl.RLConfig`): built from the config's fields of the same names, so it checks them."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]

@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     try:
-        result = rl.run(**job.run_kwargs(), progress=line)
+        result = rl.run(job, progress=line)
     except rl.RewardError as e:  # the run's own failure: one line, not a traceback
         return errors.say("rl", e, errors.FAILED)
     if result.resumed_from:

@@ -14,6 +14,8 @@
     )
 
 What is here:
+- `RLConfig`: `run`'s keyword arguments as one config in sections, checked on construction;
+  a job file is one (`load_rl_job`);
 - `run`: GRPO post-training of a byte-level policy with a mesh of `Generator` procs and a
   learner that is a raymesh.train job the loop drives (`trainer=`: its ranks, strategy,
   precision; a lost rank heals under the loop), on one controller, asynchronous up to
@@ -46,9 +48,10 @@ from raymesh.rl.algorithms import (
     ppo_loss,
 )
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.config import RLConfig
 from raymesh.rl.environments import ActorCritic, EnvRunner, Segment
 from raymesh.rl.generator import Generator
-from raymesh.rl.jobfile import RLJob, load_rl_job
+from raymesh.rl.jobfile import load_rl_job
 from raymesh.rl.learner import GRPOTask, PPOTask, completion_samples
 from raymesh.rl.loop import RLResult, run
 from raymesh.rl.sampling import Completions, RewardError, sample_seed, score
@@ -62,7 +65,7 @@ __all__ = [
     "GRPOTask",
     "Generator",
     "PPOTask",
-    "RLJob",
+    "RLConfig",
     "RLResult",
     "RewardError",
     "Rollout",

@@ -1,5 +1,5 @@
-"""An RL job from a TOML file (`raymesh rl job.toml`): a file of its own, whose top level is
-`rl.run`'s arguments and whose `[grpo]` or `[ppo]` table is the algorithm's. GRPO:
+"""An RL job from a TOML file (`raymesh rl job.toml`): an `RLConfig`, in a file of its own,
+whose top level is its fields and whose `[grpo]` or `[ppo]` table is the algorithm. GRPO:
 
     policy = "raymesh.examples.tinygpt:build"     # the trained model's build function
     init = "runs/tinygpt"                          # start from its checkpoint
@@ -27,128 +27,42 @@ PPO on a gymnasium environment (no policy, reward, prompts or init; `policy` opt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import bad, check_int, check_seconds, from_table, read_toml
+from raymesh._common import bad, from_table, read_toml
 from raymesh.rl.algorithms import GRPO, PPO
+from raymesh.rl.config import RLConfig
 
-__all__ = ["RLJob", "load_rl_job"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RLJob:
-    """`rl.run`'s arguments, from a job file (see the module); checked on construction."""
-
-    steps: int
-    policy: str | None = None  # GRPO: required; PPO: None is rl.ActorCritic
-    reward: str | None = None  # GRPO only
-    prompts: list[str] = field(default_factory=list)
-    prompts_file: str | None = None
-    init: str | None = None
-    params: dict[str, Any] | None = None  # [params]: the build function's ctx.params
-    checkpoint: str | None = None
-    checkpoint_every: int = 0  # also save every this many steps (0: only at the end)
-    resume: bool = False  # continue from the newest checkpoint (`raymesh rl --resume`)
-    run_dir: str | None = None  # metrics.jsonl: a JSON line per step
-    prompts_per_step: int = 4
-    generators: int = 2
-    max_staleness: int = 0
-    seed: int = 0
-    timeout_s: float = 300.0
-    env_runners: int = 2  # PPO's runner procs
-    grpo: GRPO | None = None  # [grpo]; neither table: GRPO's defaults
-    ppo: PPO | None = None  # [ppo]: its env at least
-    trainer: dict[str, Any] | None = None  # [trainer]: the learner job's TrainConfig fields
-
-    def __post_init__(self) -> None:
-        if self.ppo is not None:
-            self._check_ppo()
-            return
-        if self.grpo is None:
-            object.__setattr__(self, "grpo", GRPO())
-        for key in ("policy", "reward"):
-            value = getattr(self, key)
-            if not isinstance(value, str) or ":" not in value:
-                raise bad(key, value, "name a function as 'module:function'")
-        for key in ("steps", "prompts_per_step", "generators"):
-            check_int(key, getattr(self, key), minimum=1)
-        self._check_common()
-        if self.prompts and self.prompts_file is not None:
-            raise bad("prompts_file", self.prompts_file, "give prompts or prompts_file, not both")
-        if self.prompts_file is not None:
-            path = Path(self.prompts_file)
-            if not path.is_file():
-                raise bad("prompts_file", self.prompts_file, "no such file: a prompt per line")
-            lines = [line for line in path.read_text("utf-8").splitlines() if line.strip()]
-            object.__setattr__(self, "prompts", lines)
-        if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
-            raise bad("prompts", self.prompts, "give a non-empty list of strings")
-
-    def _check_ppo(self) -> None:
-        if self.grpo is not None:
-            raise bad("ppo", self.ppo, "give [grpo] or [ppo], not both")
-        for key in ("reward", "init", "params", "prompts_file"):
-            if getattr(self, key) is not None:
-                raise bad(key, getattr(self, key), "a [ppo] job takes none: leave it out")
-        if self.prompts:
-            raise bad("prompts", self.prompts, "a [ppo] job takes none: leave it out")
-        if self.policy is not None and (not isinstance(self.policy, str) or ":" not in self.policy):
-            raise bad(
-                "policy", self.policy, "name a function as 'module:function', or leave it out"
-            )
-        check_int("steps", self.steps, minimum=1)
-        check_int("env_runners", self.env_runners, minimum=1)
-        self._check_common()
-
-    def _check_common(self) -> None:
-        check_int("max_staleness", self.max_staleness, minimum=0)
-        check_int("checkpoint_every", self.checkpoint_every, minimum=0)
-        if not isinstance(self.resume, bool):
-            raise bad("resume", self.resume, "use true or false")
-        check_int("seed", self.seed)
-        check_seconds("timeout_s", self.timeout_s)
-        if self.trainer is not None and not isinstance(self.trainer, dict):
-            raise bad("trainer", self.trainer, "give a [trainer] table of TrainConfig fields")
-
-    def run_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `rl.run`."""
-        common = {
-            "policy": self.policy,
-            "steps": self.steps,
-            "max_staleness": self.max_staleness,
-            "seed": self.seed,
-            "checkpoint": self.checkpoint,
-            "checkpoint_every": self.checkpoint_every,
-            "resume": self.resume,
-            "run_dir": self.run_dir,
-            "timeout_s": self.timeout_s,
-            "trainer": self.trainer,
-        }
-        if self.ppo is not None:
-            return {**common, "algorithm": self.ppo, "env_runners": self.env_runners}
-        return {
-            **common,
-            "prompts": self.prompts,
-            "reward": self.reward,
-            "algorithm": self.grpo,
-            "prompts_per_step": self.prompts_per_step,
-            "generators": self.generators,
-            "init": self.init,
-            "params": self.params,
-        }
+__all__ = ["load_rl_job"]
 
 
-def load_rl_job(path: str | Path, **overrides: Any) -> RLJob:
-    """The RLJob of the file `path`, with `overrides` (None values skipped) on top. ValueError
-    naming the file and the field."""
+def load_rl_job(path: str | Path, **overrides: Any) -> RLConfig:
+    """The RLConfig of the job file `path` (see the module), with `overrides` (None values
+    skipped) on top: its top-level keys are RLConfig's fields, its `[grpo]` or `[ppo]` table
+    the algorithm, `[trainer]` and `[params]` tables those fields; `prompts_file` a file of a
+    prompt per line, instead of `prompts`. ValueError naming the file and the field."""
     data = read_toml(path)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        for name, cls in (("grpo", GRPO), ("ppo", PPO)):
-            if name in data:
-                data[name] = from_table(cls, data[name], name)
-        return from_table(RLJob, data)
+        if "algorithm" in data:
+            raise bad("algorithm", data["algorithm"], "give a [grpo] or a [ppo] table")
+        tables = {name: cls for name, cls in (("grpo", GRPO), ("ppo", PPO)) if name in data}
+        if len(tables) == 2:
+            raise bad("ppo", data["ppo"], "give [grpo] or [ppo], not both")
+        for name, cls in tables.items():
+            data["algorithm"] = from_table(cls, data.pop(name), name)
+        if "prompts_file" in data:
+            data["prompts"] = _prompts(data.pop("prompts_file"), given="prompts" in data)
+        return from_table(RLConfig, data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _prompts(file: Any, *, given: bool) -> list[str]:
+    """The non-blank lines of `file` (`prompts_file`)."""
+    if given:
+        raise bad("prompts_file", file, "give prompts or prompts_file, not both")
+    if not isinstance(file, str) or not Path(file).is_file():
+        raise bad("prompts_file", file, "no such file: a prompt per line")
+    return [line for line in Path(file).read_text("utf-8").splitlines() if line.strip()]

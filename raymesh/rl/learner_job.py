@@ -17,6 +17,7 @@ from typing import Any
 from raymesh import train
 from raymesh._common import bad
 from raymesh.rl.algorithms import GRPO, PPO
+from raymesh.rl.config import SaveConfig
 from raymesh.rl.learner import GRPOTask, PPOTask, TrainedLearner, TrainedPPOLearner
 from raymesh.train import CheckpointConfig, TrainConfig
 from raymesh.train.checkpoint import resolve_checkpoint
@@ -33,13 +34,12 @@ def learner_config(
     per_step: int,
     steps: int,
     seed: int,
-    checkpoint: str | None,
-    resume: bool,
-    run_dir: str | None,
+    save: SaveConfig,
 ) -> TrainConfig:
     """The learner job's config for `steps` policy versions of `per_step` rollouts each
-    (ValueError naming the `trainer` field that cannot be used). Its run folder is the RL
-    run's: `run_dir`, else the checkpoint folder, as a train job's."""
+    (ValueError naming the `trainer` field that cannot be used). Its checkpoints and run
+    folder are the RL run's (`save`): the run folder `run_dir`, else the checkpoint folder,
+    as a train job's."""
     samples, per_version, what = _shape(algorithm, per_step)
     config = _config(
         trainer,
@@ -48,9 +48,7 @@ def learner_config(
         samples=samples,
         what=what,
         seed=seed,
-        checkpoint=checkpoint,
-        resume=resume,
-        run_dir=run_dir,
+        save=save,
     )
     if isinstance(algorithm, PPO):  # PPO clips its gradients: the job does it after backward
         config = dataclasses.replace(config, grad_clip=algorithm.max_grad_norm)
@@ -93,9 +91,7 @@ def _config(
     samples: int,
     what: str,
     seed: int,
-    checkpoint: str | None,
-    resume: bool,
-    run_dir: str | None,
+    save: SaveConfig,
 ) -> TrainConfig:
     """The learner job's config: `trainer`'s, with what the loop owns set (see `run`)."""
     if isinstance(trainer, dict):
@@ -137,7 +133,7 @@ def _config(
         global_batch_size=samples,
         build=build,
         params=params,
-        checkpoint=CheckpointConfig(dir=checkpoint, keep=2) if checkpoint else None,
-        resume="auto" if resume else False,
-        run_dir=run_dir,
+        checkpoint=CheckpointConfig(dir=save.checkpoint, keep=2) if save.checkpoint else None,
+        resume="auto" if save.resume else False,
+        run_dir=save.run_dir,
     )

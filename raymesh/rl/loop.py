@@ -28,27 +28,28 @@ TimeoutError, never a hang.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raymesh import train
-from raymesh._common import bad, check_int, check_seconds
 from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
-from raymesh.rl.algorithms import GRPO, PPO, Stats
+from raymesh.rl.algorithms import PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
+from raymesh.rl.config import RLConfig
 from raymesh.rl.learner_job import learner_config, start_learner
 from raymesh.rl.position import Position
 from raymesh.rl.roles import check_context, env_roles, text_roles
-from raymesh.rl.sampling import Reward
-from raymesh.train import FailureRecord, ShardedState, TrainConfig
+from raymesh.train import FailureRecord, ShardedState
 
 __all__ = ["RLResult", "run"]
 
@@ -90,31 +91,17 @@ class _Gen:
 
 
 def run(
+    config: RLConfig | None = None,
+    /,
     *,
-    policy: str | Callable[..., Any] | None = None,
-    prompts: Sequence[str | bytes] | None = None,
-    reward: Reward | str | ActorMesh[Any] | None = None,
-    algorithm: GRPO | PPO | None = None,
-    steps: int,
-    prompts_per_step: int = 4,
-    generators: int = 2,
-    env_runners: int = 2,
-    max_staleness: int = 0,
-    seed: int = 0,
-    init: str | None = None,
-    params: dict[str, Any] | None = None,
-    checkpoint: str | None = None,
-    checkpoint_every: int = 0,
-    resume: bool = False,
-    run_dir: str | None = None,
-    timeout_s: float = 300.0,
-    reward_timeout_s: float = 60.0,
     progress: Callable[[Stats], None] | None = None,
     stop: Callable[[Stats], bool] | None = None,
-    trainer: TrainConfig | dict[str, Any] | None = None,
+    **fields: Any,
 ) -> RLResult:
-    """Train `policy` with `algorithm`, for at most `steps` policy updates; the run ends early
-    after the first step whose statistics `stop` accepts. `progress` gets each step's.
+    """Run `config` (an `rl.RLConfig`), or the RLConfig of `fields` (its fields as keyword
+    arguments: `rl.run(policy=..., steps=...)`; with a config, they replace its own): train
+    `policy` with `algorithm`, for at most `steps` policy updates; the run ends early after the
+    first step whose statistics `stop` accepts. `progress` gets each step's.
 
     GRPO (the default): post-train `policy` (a raymesh.train build function, or its
     "module:function" name, of a byte-level model or of a transformers causal LM with its
@@ -160,53 +147,33 @@ def run(
     staleness, samples, ...; the timings are in the statistics only), and its end says how
     the run ended (a loop's failure, such as `rl.RewardError`, as Failed, naming it).
 
-    ValueError naming the argument for a bad one, before any proc starts."""
-    algorithm = algorithm if algorithm is not None else GRPO()
-    check_int("steps", steps, minimum=1)
-    check_int("max_staleness", max_staleness, minimum=0)
-    check_int("checkpoint_every", checkpoint_every, minimum=0)
-    check_seconds("timeout_s", timeout_s)
-    check_seconds("reward_timeout_s", reward_timeout_s)
-    if checkpoint is None and (resume or checkpoint_every):
-        name, value = ("resume", resume) if resume else ("checkpoint_every", checkpoint_every)
-        raise bad(name, value, "give checkpoint= the folder the run saves in and resumes from")
+    ValueError naming the field for a bad one, before any proc starts; TypeError for a
+    keyword that is no RLConfig field."""
+    names = [f.name for f in dataclasses.fields(RLConfig)]
+    if unknown := sorted(set(fields) - set(names)):
+        raise TypeError(f"rl.run: {unknown} are no rl.RLConfig fields; the fields are {names}")
+    if config is None:
+        config = RLConfig(**fields)
+    elif not isinstance(config, RLConfig):
+        raise TypeError(f"rl.run: give an rl.RLConfig, not {type(config).__name__}")
+    elif fields:
+        config = dataclasses.replace(config, **fields)
+    algorithm, rollout = config.algorithm, config.rollout
     if isinstance(algorithm, PPO):
-        roles = env_roles(
-            policy=policy,
-            prompts=prompts,
-            reward=reward,
-            algorithm=algorithm,
-            runners=env_runners,
-            seed=seed,
-            init=init,
-            params=params,
-        )
-    elif isinstance(algorithm, GRPO):
-        roles = text_roles(
-            policy=policy,
-            prompts=prompts,
-            reward=reward,
-            algorithm=algorithm,
-            per_step=prompts_per_step,
-            generators=generators,
-            seed=seed,
-            init=init,
-            params=params,
-            reward_timeout_s=reward_timeout_s,
-        )
+        roles = env_roles(config.task, runners=rollout.env_runners, seed=config.seed)
     else:
-        raise bad("algorithm", algorithm, "give rl.GRPO(...) or rl.PPO(env=...)")
-    config = learner_config(
-        trainer,
+        roles = text_roles(config.task, rollout, seed=config.seed)
+    learner_job = learner_config(
+        config.trainer,
         roles.learner,
         algorithm,
         per_step=roles.per_step,
-        steps=steps,
-        seed=seed,
-        checkpoint=checkpoint,
-        resume=resume,
-        run_dir=run_dir,
+        steps=config.steps,
+        seed=config.seed,
+        save=config.save,
     )
+    steps, max_staleness, timeout_s = config.steps, rollout.max_staleness, rollout.timeout_s
+    checkpoint = config.checkpoint
     gens: list[_Gen] = []
     job: train.DrivenJob | None = None
     try:
@@ -224,13 +191,19 @@ def run(
             measure = gens[0].actor.measure.call_one(list(roles.prompts))
             context, lengths = measure.get(timeout=timeout_s)
             check_context(roles.prompts, lengths, context, roles.max_tokens)
-        learner = start_learner(roles.learner, algorithm, config, per_step=roles.per_step)
+        learner = start_learner(roles.learner, algorithm, learner_job, per_step=roles.per_step)
         job = learner.job
         start, position = learner.resumed()
         if start:
             logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
         loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
         loop.check = roles.check
+        loop.tell = functools.partial(job.tell, "replaced", role=roles.title)
+        # The run folder's roles beside the learner's ranks (the job's own "mesh" events).
+        job.tell("role", role=roles.title, count=len(gens), pids=[g.procs.pids[0] for g in gens])
+        if isinstance(config.reward, ActorMesh):
+            job.tell("role", role="reward actors", count=len(config.reward))
+        job.tell("role", role="learner", count=job.world_size)
         try:
             loop.restore(position)
         except ValueError as e:  # the manifest's position, checked before a step
@@ -240,7 +213,7 @@ def run(
         def save() -> str:
             return str(learner.save(loop.position()))
 
-        every = checkpoint_every if checkpoint is not None else 0
+        every = config.checkpoint_every  # (0 without a checkpoint folder: SaveConfig)
         result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
         result.resumed_from = start
         ended = job.close(extra={"rl": loop.position()})  # the final checkpoint
@@ -285,6 +258,7 @@ class _Loop:
         self.arrived = threading.Event()  # a sampling call's reply (or failure) came in
         self.taken = Position()  # which keys the learner has taken
         self.check: Callable[[list[Rollout], int], None] | None = None  # a step's batch
+        self.tell: Callable[..., None] | None = None  # a replaced worker, to the run folder
 
     def position(self) -> dict[str, Any]:
         """Which keys have been taken (JSON data, saved with a checkpoint)."""
@@ -408,6 +382,10 @@ class _Loop:
                 g.procs.stop()
                 self.gens[i] = self.new_generator(i)
                 self.replaced += 1
+                if self.tell is not None:
+                    cause = (str(e).splitlines() or [type(e).__name__])[0][:300]
+                    pid = self.gens[i].procs.pids[0]
+                    self.tell(index=i, cause=cause, keys=list(g.keys), pid=pid)
                 if self.published is not None:
                     self.gens[i].actor.load.call_one(*self.published)
                 continue

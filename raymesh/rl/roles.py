@@ -1,6 +1,8 @@
 """What each algorithm's run spawns (`Roles`): GRPO's generators answering prompts
-(`text_roles`), PPO's environment runners (`env_roles`), and the learner of each. Each checks
-its arguments before any proc starts: ValueError naming the argument.
+(`text_roles`), PPO's environment runners (`env_roles`), and the learner of each, from the
+run's checked `RLConfig` sections. Each checks what those cannot before any proc starts (a
+name that imports nothing, a reward mesh without `score`, an unknown environment):
+ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raymesh._common import bad, check_int, resolve
+from raymesh._common import bad, resolve
 from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import GRPO, PPO
+from raymesh.rl.config import RolloutConfig, TaskConfig
 from raymesh.rl.environments import EnvRunner, spaces
 from raymesh.rl.generator import Generator
 from raymesh.rl.learner import GRPOTask, PPOTask
@@ -32,6 +35,7 @@ class Roles:
     when a step's batch must not be learned from (GRPO: no completion in it was scored)."""
 
     name: str
+    title: str  # the workers' role, as the run folder names it ("generators", "env runners")
     learner: GRPOTask | PPOTask
     worker: Callable[[int, int], _Spawn]
     workers: int
@@ -44,35 +48,14 @@ class Roles:
     max_tokens: int = 0
 
 
-def text_roles(
-    *,
-    policy: Any,
-    prompts: Sequence[str | bytes] | None,
-    reward: Any,
-    algorithm: GRPO,
-    per_step: int,
-    generators: int,
-    seed: int,
-    init: str | None,
-    params: dict[str, Any] | None,
-    reward_timeout_s: float,
-) -> Roles:
-    items = [p.encode() if isinstance(p, str) else p for p in prompts or ()]
-    if not items or not all(isinstance(p, bytes) for p in items):
-        raise bad("prompts", f"{len(items)} prompt(s)", "give a non-empty list of strings")
-    check_int("prompts_per_step", per_step, minimum=1)
-    check_int("generators", generators, minimum=1)
-    if policy is None:
-        raise bad(
-            "policy", policy, 'give a train build function, e.g. "raymesh.examples.tinygpt:build"'
-        )
+def text_roles(task: TaskConfig, rollout: RolloutConfig, *, seed: int) -> Roles:
+    """GRPO's roles for `task` (checked as plain data by its section; here what needs an
+    import or a live mesh: the policy's and the reward's names, the reward mesh's `score`)."""
+    assert isinstance(task.algorithm, GRPO) and task.policy is not None  # (TaskConfig's checks)
+    algorithm, policy, reward = task.algorithm, task.policy, task.reward
+    init, params = task.init, task.params
+    items = [p.encode() if isinstance(p, str) else p for p in task.prompts or ()]
     resolve(policy, "policy")  # a name that imports nothing fails here, not in every proc
-    if params is not None and not isinstance(params, dict):
-        raise bad("params", params, "give a dict: the build function's ctx.params")
-    if params is not None and init is not None:
-        raise bad("params", params, "init's checkpoint brings its job's params: leave it out")
-    if reward is None:
-        raise bad("reward", reward, "give a function (prompt, completion) -> float")
     if isinstance(reward, ActorMesh):
         try:
             reward.score  # noqa: B018 (the check: AttributeError naming the endpoints it has)
@@ -87,14 +70,20 @@ def text_roles(
 
     return Roles(
         name="gen",
+        title="generators",
         learner=GRPOTask(policy, algorithm, init=init, params=params),
         worker=lambda i, n: (
             Generator,
             (policy, reward, algorithm),
-            {"seed": seed, "init": init, "params": params, "reward_timeout_s": reward_timeout_s},
+            {
+                "seed": seed,
+                "init": init,
+                "params": params,
+                "reward_timeout_s": rollout.reward_timeout_s,
+            },
         ),
-        workers=generators,
-        per_step=per_step,
+        workers=rollout.generators,
+        per_step=rollout.prompts_per_step,
         request=request,
         check=functools.partial(check_scored, reward=reward_name(reward)),
         prompts=tuple(items),
@@ -121,31 +110,16 @@ def check_context(
             )
 
 
-def env_roles(
-    *,
-    policy: Any,
-    prompts: Any,
-    reward: Any,
-    algorithm: PPO,
-    runners: int,
-    seed: int,
-    init: str | None,
-    params: dict[str, Any] | None,
-) -> Roles:
-    for name, value in (
-        ("prompts", prompts),
-        ("reward", reward),
-        ("init", init),
-        ("params", params),
-    ):
-        if value is not None:
-            raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
-    check_int("env_runners", runners, minimum=1)
+def env_roles(task: TaskConfig, *, runners: int, seed: int) -> Roles:
+    """PPO's roles for `task` (see `text_roles`; here: the environment and the policy's name)."""
+    assert isinstance(task.algorithm, PPO)
+    algorithm, policy = task.algorithm, task.policy
     spaces(algorithm.env)  # an unknown environment fails here, not in every proc
     if policy is not None:
         resolve(policy, "policy")
     return Roles(
         name="runner",
+        title="env runners",
         learner=PPOTask(policy, algorithm),
         worker=lambda i, n: (
             EnvRunner,

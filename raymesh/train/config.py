@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raymesh._common import bad, check_int, from_table, read_toml, split_job
+from raymesh._common import bad, check_int, from_table, read_toml, section_of, split_job
 from raymesh.data import Pipeline
 from raymesh.train.faults import Fault
 from raymesh.train.sections import (
@@ -27,7 +27,6 @@ from raymesh.train.sections import (
     Schedule,
     StepConfig,
     Strategy,
-    section_of,
 )
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]

@@ -47,6 +47,7 @@ from raymesh.train.config import TrainConfig
 from raymesh.train.control.controller import TrainController
 from raymesh.train.control.warm import WarmRanks
 from raymesh.train.rank.full_state import ShardedState
+from raymesh.train.reporting import JOB_EVENTS
 from raymesh.train.result import Result
 from raymesh.train.task import Context, Task
 
@@ -155,6 +156,18 @@ class DrivenJob:
         `trained_only`: only the parameters that train (a LoRA model's adapters)."""
         self._open("weights")
         return self._controller.weights(trained_only)
+
+    def tell(self, event: str, /, **data: Any) -> None:
+        """Add an event of the loop's to the run folder's events.jsonl (and to every sink),
+        `{"t", "event": event, **data}` (JSON data): raymesh.rl tells its roles and a
+        replaced generator so. `event` must not be one of the job's own (`JOB_EVENTS`):
+        ValueError naming it."""
+        if event in JOB_EVENTS or not isinstance(event, str) or not event:
+            raise ValueError(
+                f"tell: event={event!r}: the job writes its own {sorted(JOB_EVENTS)}; name the "
+                "loop's event otherwise"
+            )
+        self._controller.log.emit(event, **data)
 
     def save(self, *, extra: dict[str, Any] | None = None) -> str:
         """Checkpoint now, with `extra` (JSON data, read back by `resumed`), as `fit`'s

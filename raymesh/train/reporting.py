@@ -24,7 +24,16 @@ from typing import Any
 
 from raymesh._common import append_lines
 
-__all__ = ["Event", "Progress", "Report", "ReportSink", "RunFolder", "TensorBoard", "sinks"]
+__all__ = [
+    "JOB_EVENTS",
+    "Event",
+    "Progress",
+    "Report",
+    "ReportSink",
+    "RunFolder",
+    "TensorBoard",
+    "sinks",
+]
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,12 @@ class Report:
             **{k: v for k, v in self.rows[-1].items() if k.startswith("data_")},
             **({"eval_loss": evals[-1]} if evals else {}),
         }
+
+
+# The events a job writes itself (see `Event`); a driven job's loop adds its own (`tell`).
+JOB_EVENTS = frozenset(
+    {"job", "state", "end", "strategy", "placement", "mesh", "failure", "healed", "rebalance"}
+)
 
 
 @dataclass(frozen=True)

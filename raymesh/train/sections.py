@@ -23,8 +23,8 @@ records it in each checkpoint's manifest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from raymesh._common import Range, bad, check_int, check_seconds
 from raymesh.data import Pipeline
@@ -40,7 +40,6 @@ __all__ = [
     "ScalingConfig",
     "StepConfig",
     "Strategy",
-    "section_of",
 ]
 
 Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
@@ -49,13 +48,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS = ("fp32", "bf16", "fp16")
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES = ("constant", "linear", "cosine")
-
-S = TypeVar("S")
-
-
-def section_of(cls: type[S], config: Any) -> S:
-    """The section `cls` of `config`: its fields of the same names."""
-    return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)

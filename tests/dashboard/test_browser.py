@@ -232,6 +232,18 @@ def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, brows
     events = [
         {"t": t, "event": "job", "name": "grpo", "steps": 3, "kind": "rl", "algorithm": "GRPO"},
         {"t": t, "event": "state", "state": "Running", "reason": "1 ranks", "step": 0},
+        {"t": t, "event": "role", "role": "generators", "count": 2, "pids": [4101, 4102]},
+        {"t": t, "event": "role", "role": "reward actors", "count": 4},
+        {"t": t, "event": "role", "role": "learner", "count": 1},
+        {
+            "t": t + 0.5,
+            "event": "replaced",
+            "role": "generators",
+            "index": 1,
+            "cause": "SIGKILL",
+            "keys": [4, 5],
+            "pid": 4103,
+        },
         {"t": t + 1, "event": "state", "state": "Finished", "reason": "closed", "step": 3},
         {"t": t + 1, "event": "end", "state": "Finished", "reason": "closed", "step": 3},
     ]
@@ -250,6 +262,15 @@ def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, brows
         _wait("the reward chart", lambda: card.is_displayed() and "reward" in card.text)
         throughput = browser.find_element("id", "throughput-chart").text
         assert "tokens/s" in throughput, throughput
+        # It leads with the reward (the newest row's), then shows its roles and replacements.
+        assert browser.find_element("id", "reward-stat").is_displayed()
+        assert browser.find_element("id", "reward").text == "0.750"
+        roles = browser.find_element("id", "roles-card")
+        _wait("the roles", lambda: roles.is_displayed() and "reward actors" in roles.text)
+        rows = [r.text for r in roles.find_elements("css selector", "#roles tbody tr")]
+        assert rows == ["generators 2 4101, 4102 1", "reward actors 4 0", "learner 1 0"], rows
+        [replaced] = roles.find_elements("css selector", "#replacements tbody tr")
+        assert "SIGKILL" in replaced.text and "4103" in replaced.text, replaced.text
         assert "finished" in browser.find_element("tag name", "body").text.lower()
         assert _errors(browser) == []
         _screenshot(browser, tmp_path, "rl-job.png")

@@ -66,6 +66,8 @@ def test_raymesh_rl_runs_an_asynchronous_job_and_saves_a_checkpoint_serving_rebu
     events = [json.loads(line) for line in (tmp_path / "out" / "run" / "events.jsonl").open()]
     states = [e["state"] for e in events if e["event"] == "state"]
     assert states == ["Starting", "Running", "Finishing", "Finished"], states
+    roles = [(e["role"], e["count"]) for e in events if e["event"] == "role"]
+    assert roles == [("generators", 1), ("learner", 1)], roles
     # The dashboard reads the run folder as a job's: finished, at step 3, with its reward.
     run = Runs(tmp_path / "out").get("run")
     assert run is not None
@@ -231,7 +233,8 @@ def test_the_readmes_rl_job_file_reads_as_a_valid_job():
     assert job.policy == "raymesh.examples.tinygpt:build" and job.init == "runs/tinygpt"
     assert job.checkpoint == "runs/tinygpt-grpo" and job.max_staleness == 1
     longest = max(len(p.encode()) for p in job.prompts)
-    assert longest + job.grpo.max_tokens <= 64  # within tinygpt's context (block_size)
+    assert isinstance(job.algorithm, rl.GRPO)
+    assert longest + job.algorithm.max_tokens <= 64  # within tinygpt's context (block_size)
     from raymesh.examples.rewards import python_lines
 
     # 4 lines: one compiles with a word; a comment, a bare number and a syntax error do not.
@@ -271,7 +274,7 @@ def test_a_ppo_job_file_runs_prints_its_lines_and_checkpoints(tmp_path, capsys):
     # a version is 2 epochs x 2 minibatches: 4 train steps of the learner job
     assert f"saved {tmp_path / 'out' / 'step-00000008'}" in out
     for change, message in (
-        (("[ppo]", 'reward = "x:y"\n[ppo]'), r"reward='x:y': a \[ppo\] job takes none"),
+        (("[ppo]", 'reward = "x:y"\n[ppo]'), r"reward='x:y': environment RL \(rl\.PPO\)"),
         (("[ppo]", "[grpo]\n[ppo]"), r"give \[grpo\] or \[ppo\], not both"),
         (('env = "CartPole-v1"', 'env = "CartPole-v1"\nwarp = 1'), r"\[ppo\] has unknown"),
     ):

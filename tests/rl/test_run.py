@@ -90,6 +90,16 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         assert [r["samples"] for r in killed.history] == [32] * 4  # none lost, none twice
         differ = [k for k, v in scored.weights.items() if not torch.equal(killed.weights[k], v)]
         assert differ == [], (differ, kills)
+        # Its run folder (the checkpoint folder) tells the roles and the replaced generator.
+        events = [json.loads(line) for line in (tmp_path / "ckpt" / "events.jsonl").open()]
+        roles = [(e["role"], e["count"]) for e in events if e["event"] == "role"]
+        assert roles == [("generators", 1), ("learner", 2)], roles
+        [replaced] = [e for e in events if e["event"] == "replaced"]
+        assert (replaced["role"], replaced["index"], replaced["keys"]) == (
+            "generators",
+            0,
+            killed.remade,
+        )
         # Resumed from its checkpoint of version 3 (the newest, of version 4, dropped), the
         # run ends there again: the loop's position and the optimizer came back whole.
         shutil.rmtree(tmp_path / "ckpt" / "step-00000004")

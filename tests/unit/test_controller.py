@@ -34,6 +34,7 @@ from raymesh.train.control.states import (
     Running,
     Starting,
 )
+from raymesh.train.driven import DrivenJob
 from raymesh.train.estimate import MemoryEstimate
 from raymesh.train.protocol import ChunkResult, RankStatus, ReplicaState, SetupInfo, StepMetrics
 from raymesh.train.rank.monitor import PHASES
@@ -733,10 +734,15 @@ def test_a_driven_job_its_loop_ends_tells_its_run_folder_how_and_why(tmp_path, e
         labels={"kind": "rl", "algorithm": "GRPO"},
     )
     c.open(None)
-    c.stop(error)
+    job = DrivenJob(c)
+    job.tell("role", role="generators", count=2)  # the loop's own event
+    with pytest.raises(ValueError, match=r"^tell: event='state': the job writes its own"):
+        job.tell("state", state="Finished")
+    job.stop(error)
     c.stop(ValueError("later"))  # nothing once ended
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert (events[0]["event"], events[0]["kind"], events[0]["algorithm"]) == ("job", "rl", "GRPO")
+    assert [e["count"] for e in events if e["event"] == "role"] == [2]
     ends = [e for e in events if e["event"] == "end"]
     if error is None:
         assert [(e["state"], e["reason"]) for e in ends] == [("Stopped", "stopped by its loop")]

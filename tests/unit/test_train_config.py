@@ -96,3 +96,12 @@ def test_the_fine_tuning_example_is_a_valid_job_file():
     config = load_config(job, build=True)
     assert (config.precision, config.activation_checkpointing) == ("bf16", True)
     assert config.params["lora_r"] > 0 and config.eval_every
+
+
+def test_fp16_on_cpu_ranks_is_refused_before_any_proc_starts():
+    # gpus=False: the placer knows the ranks run on CPU without asking the cluster (no Ray)
+    from raymesh import train
+
+    config = TrainConfig(precision="fp16", gpus=False, global_batch_size=4, steps=1)
+    with pytest.raises(ValueError, match=r"^precision='fp16': the ranks run on CPU .*'bf16'"):
+        train.fit("raymesh.examples.mlp:build", config)

@@ -542,6 +542,14 @@ function renderHeader(session) {
   set("#steps", num(s.steps) == null ? "?" : String(s.steps));
   const bar = $("#progress-bar");
   if (bar) bar.style.width = num(s.steps) ? `${Math.min(100, (100 * step) / s.steps).toFixed(1)}%` : "0";
+  // An RL run leads with its reward: GRPO's mean reward, or PPO's mean episode return.
+  const reward = num(s.reward) ?? num(last.reward_mean) ?? num(last.episode_return_mean);
+  const rewardStat = $("#reward-stat");
+  if (rewardStat) {
+    rewardStat.hidden = s.kind !== "rl" && reward == null;
+    set("#reward-label", last.episode_return_mean !== undefined ? "episode return" : "reward");
+    set("#reward", reward == null ? NA : reward.toFixed(3));
+  }
   set("#loss", fmtLoss(s.loss ?? last.loss));
   set("#sps", fmtRate(s.samples_per_s ?? last.samples_per_s));
   set("#world", fmtCell(s.world_size ?? last.world_size));
@@ -552,6 +560,26 @@ function renderHeader(session) {
   set("#elapsed", num(s.started) && num(s.updated) ? fmtDuration(s.updated - s.started) : NA);
   const fc = $("#failure-count");
   if (fc) fc.classList.toggle("bad", (s.failures || 0) > 0);
+}
+
+// An RL run's roles ("role" events: generators or env runners, reward actors, the learner)
+// and the workers it replaced ("replaced" events), from raymesh.rl's loop.
+function renderRoles(roles, replaced, t0) {
+  $("#roles-card").hidden = roles.length === 0 && replaced.length === 0;
+  const count = (role) => replaced.filter((r) => r.role === role).length;
+  fill($("#roles tbody"), ...roles.map((r) => h("tr", null,
+    h("td", {text: r.role || NA}),
+    h("td", {class: "num", text: fmtCell(r.count)}),
+    h("td", {class: "small", text: Array.isArray(r.pids) ? r.pids.join(", ") : ""}),
+    h("td", {class: "num" + (count(r.role) ? " bad" : ""), text: String(count(r.role))}))));
+  $("#replacements").hidden = replaced.length === 0;
+  fill($("#replacements tbody"), ...replaced.map((r) => h("tr", {class: "replaced"},
+    h("td", {class: "num", text: fmtRel(r.t, t0)}),
+    h("td", {text: r.role || NA}),
+    h("td", {class: "num", text: fmtCell(r.index)}),
+    h("td", {class: "num", text: fmtCell(r.pid)}),
+    h("td", {class: "num", text: Array.isArray(r.keys) ? String(r.keys.length) : NA}),
+    h("td", null, h("div", {class: "cause", text: r.cause || ""})))));
 }
 
 // ---------------------------------------------------------------- job page
@@ -586,6 +614,7 @@ class JobView {
       renderStrategy(newest(session.events, "strategy"));
       renderPlacement(newest(session.events, "placement"));
       renderRebalances(ofKind(session.events, "rebalance"));
+      renderRoles(ofKind(session.events, "role"), ofKind(session.events, "replaced"), t0);
     }
     if (dirty.rows) {
       if (dirty.rowsCut) this.cols = new Columns();
@@ -632,8 +661,9 @@ class JobView {
       this.charts.reward.update({
         key: "reward", data: [c.step, c.reward, c.staleness],
         opts: {...base, axes: [stepAxis, yAxis("reward"), {scale: "stale", side: 1, grid: {show: false}, size: 50}],
-          series: [{label: "step"}, {label: "reward", stroke: "#2ca02c", width: 2, value: (u, v) => (v == null ? NA : v.toFixed(3))},
-            {label: "staleness", scale: "stale", stroke: "#7f7f7f", dash: [4, 3], value: (u, v) => (v == null ? NA : v.toFixed(2))}]},
+          // spanGaps: PPO has a reward in a version's last row only (a row is a train step)
+          series: [{label: "step"}, {label: "reward", stroke: "#2ca02c", width: 2, spanGaps: true, value: (u, v) => (v == null ? NA : v.toFixed(3))},
+            {label: "staleness", scale: "stale", stroke: "#7f7f7f", dash: [4, 3], spanGaps: true, value: (u, v) => (v == null ? NA : v.toFixed(2))}]},
       });
     }
     const stepped = uPlot.paths.stepped({align: 1});

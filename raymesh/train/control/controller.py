@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raymesh._common import bad
 from raymesh.actor import ActorError, Shared, SupervisionError
 from raymesh.data.workers import Workers
 from raymesh.train.config import TrainConfig
@@ -163,6 +164,13 @@ class TrainController:
         taken from `warm` first. `driven`: a job its loop drives a step at a time; `labels`:
         what the run folder's "job" event says beside the config (a loop's kind of run)."""
         placer = Placer(config.scaling, config.parallelism)
+        if config.precision == "fp16" and not placer.gpus:  # before any proc starts
+            raise bad(
+                "precision",
+                "fp16",
+                "the ranks run on CPU (gpus=False, or no GPU in the cluster), and fp16 needs "
+                "loss scaling on GPU ranks; use precision='bf16' or 'fp32'",
+            )
         return cls(
             config,
             placer=placer,
