@@ -166,7 +166,14 @@ class Run:
             ),
             "samples_per_s": row.get("samples_per_s"),
             "kind": job.get("kind", "train"),  # "rl": a raymesh.rl run
-            "reward": row.get("reward_mean", row.get("episode_return_mean")),  # an RL run's
+            "reward": next(  # an RL run's newest (a row healed late may have none)
+                (
+                    r.get("reward_mean", r.get("episode_return_mean"))
+                    for r in reversed(self.rows)
+                    if "reward_mean" in r or "episode_return_mean" in r
+                ),
+                None,
+            ),
             "failures": sum(e["event"] == "failure" for e in self.events),
             "world_size": row.get("world_size"),
             "spares": row.get("spares"),

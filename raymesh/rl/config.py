@@ -36,6 +36,14 @@ def _function(name: str, value: Any, what: str) -> None:
     raise bad(name, value, f"name a function as 'module:function', or give {what}")
 
 
+def _short(value: Any) -> Any:
+    """`value`, or what it is when its repr would flood a message (a list of many prompts)."""
+    if len(repr(value)) <= 80:
+        return value
+    size = f" of {len(value)}" if hasattr(value, "__len__") else ""
+    return f"<{type(value).__name__}{size}>"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """What is learned: GRPO post-trains `policy` (a train build function) on `prompts`
@@ -53,7 +61,7 @@ class TaskConfig:
         if isinstance(self.algorithm, PPO):
             for name in ("prompts", "reward", "init", "params"):
                 if getattr(self, name) is not None:
-                    value = getattr(self, name)
+                    value = _short(getattr(self, name))
                     raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
             if self.policy is not None:
                 _function("policy", self.policy, "a build function, or leave it out")
@@ -72,7 +80,7 @@ class TaskConfig:
             or not prompts
             or not all(isinstance(p, (str, bytes)) for p in prompts)
         ):
-            raise bad("prompts", prompts, "give a non-empty list of strings")
+            raise bad("prompts", _short(prompts), "give a non-empty list of strings")
         if self.reward is None:
             raise bad("reward", None, "give a function (prompt, completion) -> float")
         if not isinstance(self.reward, ActorMesh):

@@ -27,6 +27,7 @@ PPO on a gymnasium environment (no policy, reward, prompts or init; `policy` opt
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,17 @@ def load_rl_job(path: str | Path, **overrides: Any) -> RLConfig:
     try:
         if "algorithm" in data:
             raise bad("algorithm", data["algorithm"], "give a [grpo] or a [ppo] table")
+        keys = {f.name for f in dataclasses.fields(RLConfig)} - {"algorithm"}
+        keys |= {"grpo", "ppo", "prompts_file"}
+        if unknown := sorted(set(data) - keys):
+            raise ValueError(f"unknown key(s) {unknown}; the keys are {sorted(keys)}")
         tables = {name: cls for name, cls in (("grpo", GRPO), ("ppo", PPO)) if name in data}
         if len(tables) == 2:
             raise bad("ppo", data["ppo"], "give [grpo] or [ppo], not both")
         for name, cls in tables.items():
             data["algorithm"] = from_table(cls, data.pop(name), name)
+        if "prompts_file" in data and "ppo" in tables:  # refused unread
+            raise bad("prompts_file", data["prompts_file"], "a [ppo] job takes none: leave it out")
         if "prompts_file" in data:
             data["prompts"] = _prompts(data.pop("prompts_file"), given="prompts" in data)
         return from_table(RLConfig, data)

@@ -6,7 +6,7 @@ PPO version is `epochs` passes of minibatches, one train step each (`TrainedPPOL
 with PPO's gradient clipping as the job's. The loop owns `steps`, `seed`, the global batch,
 the policy's `build` and `params`, the checkpoint, `resume` and the run folder; the user's
 `trainer` gives the rest (ranks, strategy, precision, GPUs, failure budget), checked before
-any proc starts.
+any proc of the run starts (fp16 on CPU ranks: before the job's own start).
 """
 
 from __future__ import annotations

@@ -221,7 +221,10 @@ def run(
         return result
     except BaseException as e:
         if job is not None:  # its run folder says why the run ended
-            job.stop(e)
+            try:
+                job.stop(e)
+            except Exception as told:  # the loop's error is the one to raise
+                logger.warning("raymesh.rl: ending the learner job failed: %s", told)
         raise
     finally:
         for g in gens:

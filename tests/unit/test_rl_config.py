@@ -93,3 +93,16 @@ def test_a_job_file_is_an_rl_config(tmp_path):
         bad.write_text(top + job.read_text() + table)
         with pytest.raises(ValueError, match=rf"^{bad}: .*{message}"):
             rl.load_rl_job(bad)
+
+
+def test_a_job_files_keys_are_its_own_and_a_ppo_job_refuses_prompts_unread(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('steps = 1\nwarp = 2\n[ppo]\nenv = "CartPole-v1"\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['warp'\]; the keys are \[.*'grpo'"):
+        rl.load_rl_job(job)
+    job.write_text('steps = 1\nprompts_file = "/nonexistent"\n[ppo]\nenv = "CartPole-v1"\n')
+    with pytest.raises(ValueError, match=r"prompts_file='/nonexistent': a \[ppo\] job takes none"):
+        rl.load_rl_job(job)
+    # a long value is summarised, not printed whole
+    with pytest.raises(ValueError, match=r"^prompts='<list of 500>': environment RL"):
+        rl.RLConfig(steps=1, algorithm=rl.PPO(env="CartPole-v1"), prompts=["def "] * 500)

@@ -266,13 +266,15 @@ def _started(
 
 
 def _died(refs: list[Any]) -> bool:
-    """Whether one of a proc's resolved readiness refs says its actor died."""
+    """Whether one of a proc's resolved readiness refs says its actor's process died (not
+    that its constructor raised, which would raise again)."""
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     for ref in done:
         try:
             ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            return True
+        except ray.exceptions.ActorDiedError as e:
+            if not e.actor_init_failed:
+                return True
         except Exception:  # another failure (adopt() raised) is not a death
             pass
     return False

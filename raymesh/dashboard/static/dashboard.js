@@ -542,12 +542,16 @@ function renderHeader(session) {
   set("#steps", num(s.steps) == null ? "?" : String(s.steps));
   const bar = $("#progress-bar");
   if (bar) bar.style.width = num(s.steps) ? `${Math.min(100, (100 * step) / s.steps).toFixed(1)}%` : "0";
-  // An RL run leads with its reward: GRPO's mean reward, or PPO's mean episode return.
-  const reward = num(s.reward) ?? num(last.reward_mean) ?? num(last.episode_return_mean);
+  // An RL run leads with its reward: GRPO's mean reward, or PPO's mean episode return (the
+  // newest row that has one: a row healed late, or a PPO minibatch's, may not).
   const rewardStat = $("#reward-stat");
   if (rewardStat) {
+    let reward = null;
+    for (let i = session.rows.length - 1; i >= 0 && reward == null; i--) reward = num(session.rows[i].reward_mean) ?? num(session.rows[i].episode_return_mean);
+    reward ??= num(s.reward);
+    const job = newest(session.events, "job") || {};
     rewardStat.hidden = s.kind !== "rl" && reward == null;
-    set("#reward-label", last.episode_return_mean !== undefined ? "episode return" : "reward");
+    set("#reward-label", job.algorithm === "PPO" ? "episode return" : "reward");
     set("#reward", reward == null ? NA : reward.toFixed(3));
   }
   set("#loss", fmtLoss(s.loss ?? last.loss));
@@ -614,7 +618,10 @@ class JobView {
       renderStrategy(newest(session.events, "strategy"));
       renderPlacement(newest(session.events, "placement"));
       renderRebalances(ofKind(session.events, "rebalance"));
-      renderRoles(ofKind(session.events, "role"), ofKind(session.events, "replaced"), t0);
+      // this session's (a resumed run appends a "job" event and its roles again)
+      const since = (newest(session.events, "job") || {t: -Infinity}).t;
+      const mine = (name) => ofKind(session.events, name).filter((e) => e.t >= since);
+      renderRoles(mine("role"), mine("replaced"), t0);
     }
     if (dirty.rows) {
       if (dirty.rowsCut) this.cols = new Columns();

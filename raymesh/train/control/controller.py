@@ -292,8 +292,10 @@ class TrainController:
             state: State = Failed(f"its loop failed: {type(error).__name__}: {first}"[:300], error)
         else:
             state = Stopped("stopped by its loop", RuntimeError("stopped by its loop"), False)
-        self.enter(state)
-        self.end(state)
+        try:
+            self.enter(state)  # a sink that raises here must not leave the procs running
+        finally:
+            self.end(state)
 
     def result(self, state: State) -> Result:
         """The job's result, from its terminal `state`; or raise what it failed with."""
@@ -476,7 +478,8 @@ class TrainController:
             if reported:
                 common = min(len(m) for m in reported)
                 who = [isinstance(r, ChunkResult) for r in results]
-                self.record([m[:common] for m in reported], reported=who)
+                figures = self.figures(start + common - 1)  # a driven job's, of the last
+                self.record([m[:common] for m in reported], reported=who, extra=figures)
             # A rank that timed out never reached the chunks behind this one: what they have
             # is all they will have (waiting a timeout more only doubled a hang's detection).
             # The others answer them within the grace of a failure, or are stuck in one.
@@ -522,7 +525,10 @@ class TrainController:
         t_replaced = time.monotonic()
         self.reform(world, fresh=fresh, source=source)
         last = int(self.log.history[-1]["step"]) if self.log.history else self.resumed_from
-        self.reach(self.reporter.record_late(chunk, survivors, since=last, upto=self.world.step))
+        late = self.reporter.record_late(
+            chunk, survivors, since=last, upto=self.world.step, figures=self.figures
+        )
+        self.reach(late)
         logger.info(
             "raymesh.train: healing took %.2fs: find the lost ranks %.2fs, stop and replace "
             "them %.2fs, re-form and restore %.2fs",

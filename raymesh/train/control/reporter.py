@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,20 @@ class Reporter:
         return report.step
 
     def record_late(
-        self, chunk: FailedChunk, survivors: list[int], *, since: int, upto: int
+        self,
+        chunk: FailedChunk,
+        survivors: list[int],
+        *,
+        since: int,
+        upto: int,
+        figures: Callable[[int], dict[str, Any] | None],
     ) -> int | None:
         """Record the steps in (`since`, `upto`] that the restored state holds but were not
         recorded when the chunk failed, from the survivors that completed them: a survivor can
         complete a step its peers failed in (one gloo rank's collective can end before a lost
         peer breaks the others'), and survivors stuck in a collective with a hung rank answer
-        once it is killed, with the steps they completed before it hung. The step reached, if
+        once it is killed, with the steps they completed before it hung. `figures(step)`: a
+        driven job's loop's figures of 0-based `step`, for the last row. The step reached, if
         any."""
         late = [i for i in survivors if isinstance(chunk.results[i], TimeoutError)]
         replies = (
@@ -116,7 +124,8 @@ class Reporter:
             return None
         # the ranks that completed them all: the restored state is the furthest survivor's
         who = [len(new.get(i, ())) == most for i in range(len(chunk.results))]
-        return self.record([tuple(new[i]) for i in sorted(new) if who[i]], reported=who)
+        rows = [tuple(new[i]) for i in sorted(new) if who[i]]
+        return self.record(rows, reported=who, extra=figures(rows[0][-1].step - 1))
 
     def mesh(self, snapshot: dict[str, Any] | None = None) -> None:
         """The "mesh" event: the procs of the ranks and the spares now (`snapshot`: as just
