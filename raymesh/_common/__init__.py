@@ -9,7 +9,7 @@ users meet these through the subsystems (`serve.Tls`, `ServeConfig`'s checks, jo
 """
 
 from raymesh._common.auth import MIN_TOKEN_CHARS, BearerAuth, BearerToken, check_token
-from raymesh._common.fields import bad, check_int, check_seconds, is_int
+from raymesh._common.fields import bad, brief, check_int, check_seconds, is_int
 from raymesh._common.folders import append_lines, new_folder, replace_text
 from raymesh._common.functions import resolve
 from raymesh._common.futures import Pending
@@ -32,6 +32,7 @@ __all__ = [
     "Tls",
     "append_lines",
     "bad",
+    "brief",
     "check_int",
     "check_seconds",
     "check_token",

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["bad", "check_int", "check_seconds", "is_int"]
+__all__ = ["bad", "brief", "check_int", "check_seconds", "is_int"]
 
 
 def bad(field: str, value: Any, fix: str) -> ValueError:
     """`ValueError("field=value: fix")`, to raise."""
     return ValueError(f"{field}={value!r}: {fix}")
+
+
+def brief(value: Any, limit: int = 60) -> Any:
+    """`value`, or a description of it when its repr is long (a value that goes into `bad`'s
+    message: a list of 500 prompts, a hostile manifest's table)."""
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 16 else ""
+    if text and len(text) <= limit:
+        return value
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"<{type(value).__name__}: {text[:limit]}...>"
 
 
 def is_int(value: Any) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raymesh._common import bad, check_int, check_seconds, section_of
+from raymesh._common import bad, brief, check_int, check_seconds, section_of
 from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import GRPO, PPO
 from raymesh.train import TrainConfig
@@ -34,14 +34,6 @@ def _function(name: str, value: Any, what: str) -> None:
     if callable(value) or (isinstance(value, str) and ":" in value):
         return
     raise bad(name, value, f"name a function as 'module:function', or give {what}")
-
-
-def _short(value: Any) -> Any:
-    """`value`, or what it is when its repr would flood a message (a list of many prompts)."""
-    if len(repr(value)) <= 80:
-        return value
-    size = f" of {len(value)}" if hasattr(value, "__len__") else ""
-    return f"<{type(value).__name__}{size}>"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +53,7 @@ class TaskConfig:
         if isinstance(self.algorithm, PPO):
             for name in ("prompts", "reward", "init", "params"):
                 if getattr(self, name) is not None:
-                    value = _short(getattr(self, name))
+                    value = brief(getattr(self, name))
                     raise bad(name, value, "environment RL (rl.PPO) takes none: leave it out")
             if self.policy is not None:
                 _function("policy", self.policy, "a build function, or leave it out")
@@ -80,7 +72,7 @@ class TaskConfig:
             or not prompts
             or not all(isinstance(p, (str, bytes)) for p in prompts)
         ):
-            raise bad("prompts", _short(prompts), "give a non-empty list of strings")
+            raise bad("prompts", brief(prompts), "give a non-empty list of strings")
         if self.reward is None:
             raise bad("reward", None, "give a function (prompt, completion) -> float")
         if not isinstance(self.reward, ActorMesh):

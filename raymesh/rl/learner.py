@@ -196,17 +196,29 @@ def completion_logp(model: nn.Module, batch: dict, temperature: float) -> torch.
     return F.log_softmax(picked / temperature, dim=-1).gather(2, tokens[:, :, None])[:, :, 0]
 
 
-class TrainedLearner:
+class _OnJob:
+    """A learner role on a driven train job whose policy versions are `per_version` train
+    steps each: what the loop calls of either algorithm's to checkpoint and resume."""
+
+    job: DrivenJob
+    per_version = 1
+
+    def resumed(self) -> tuple[int, dict[str, Any]]:
+        """(the version the job starts from, the loop's position saved with it)."""
+        step, extra = self.job.resumed
+        return step // self.per_version, extra.get("rl", {})
+
+    def save(self, position: dict[str, Any]) -> str:
+        """Checkpoint the policy with the loop's `position`; the step folder."""
+        return self.job.save(extra={"rl": position})
+
+
+class TrainedLearner(_OnJob):
     """GRPO's learner role on a driven train job (`train.drive` of a `GRPOTask`): the loop
     calls its `learn`, `weights`, `save` and `resumed`."""
 
     def __init__(self, job: DrivenJob) -> None:
         self.job = job
-
-    def resumed(self) -> tuple[int, dict[str, Any]]:
-        """(the version the job starts from, the loop's position saved with it)."""
-        step, extra = self.job.resumed
-        return step, extra.get("rl", {})
 
     def learn(self, rollouts: list[Rollout], *, cycle_s: float) -> Stats:
         """One GRPO step on `rollouts` on every rank; the version goes up by one. The step's
@@ -224,10 +236,6 @@ class TrainedLearner:
         """(the current version, what trains of its weights, stored once: a sharded learner's
         shards where its ranks are, which each reader assembles)."""
         return self.job.trained, self.job.weights(trained_only=True)
-
-    def save(self, position: dict[str, Any]) -> str:
-        """Checkpoint the policy with the loop's `position`; the step folder."""
-        return self.job.save(extra={"rl": position})
 
 
 @dataclass(frozen=True)
@@ -267,7 +275,7 @@ def _ppo(algorithm: PPO, model: nn.Module, batch: dict) -> tuple[torch.Tensor, S
     )
 
 
-class TrainedPPOLearner:
+class TrainedPPOLearner(_OnJob):
     """PPO's learner role on a driven train job (of a `PPOTask`): `learn(rollouts)` makes
     `epochs` passes over the runners' segments (advantages and returns already computed where
     the values were) in shuffled minibatches, one train step each (gradients clipped to
@@ -291,10 +299,6 @@ class TrainedPPOLearner:
     @property
     def version(self) -> int:
         return self.job.trained // self.per_version
-
-    def resumed(self) -> tuple[int, dict[str, Any]]:
-        step, extra = self.job.resumed
-        return step // self.per_version, extra.get("rl", {})
 
     def learn(self, rollouts: list[Rollout], *, cycle_s: float) -> Stats:
         """One PPO version on `rollouts`: `epochs` passes of minibatches, a train step each;
@@ -337,6 +341,3 @@ class TrainedPPOLearner:
 
     def weights(self) -> tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]:
         return self.version, self.job.weights()
-
-    def save(self, position: dict[str, Any]) -> str:
-        return self.job.save(extra={"rl": position})

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from raymesh._common import bad, is_int
+from raymesh._common import bad, brief, is_int
 
 __all__ = ["Position"]
 
@@ -48,38 +48,28 @@ class Position:
         written, or when its keys reach more than `span_limit` past `taken_below`; nothing is
         changed then."""
         if not isinstance(data, dict):
-            raise bad("extra.rl", _short(data), "a position is a table {taken_below, taken}")
+            raise bad("extra.rl", brief(data), "a position is a table {taken_below, taken}")
         below = data.get("taken_below", 0)
         if not is_int(below) or not 0 <= below <= _MAX_KEY:
-            raise bad("extra.rl.taken_below", _short(below), f"give an integer 0..{_MAX_KEY}")
+            raise bad("extra.rl.taken_below", brief(below), f"give an integer 0..{_MAX_KEY}")
         taken = data.get("taken", [])
         if not isinstance(taken, list) or len(taken) > span_limit:
             raise bad(
                 "extra.rl.taken",
-                _short(taken),
+                brief(taken),
                 f"give a list of at most {span_limit} keys (the keys taken past taken_below)",
             )
         for key in taken:
             if not is_int(key) or not below < key <= below + span_limit:
                 raise bad(
                     "extra.rl.taken",
-                    _short(taken),
-                    f"holds {_short(key)}: give keys above taken_below={below} and at most "
+                    brief(taken),
+                    f"holds {brief(key)}: give keys above taken_below={below} and at most "
                     f"{span_limit} past it",
                 )
         above = set(taken)
         if len(above) < len(taken):
-            raise bad("extra.rl.taken", _short(taken), "give each key once")
+            raise bad("extra.rl.taken", brief(taken), "give each key once")
         self.below, self.above = below, above
         next_key = max([below, *(k + 1 for k in above)])
         return next_key, [k for k in range(below, next_key) if k not in above]
-
-
-def _short(value: Any, limit: int = 60) -> Any:
-    """`value`, or a description of it when its repr is long (it goes into an error)."""
-    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 16 else ""
-    if text and len(text) <= limit:
-        return value
-    if isinstance(value, (list, dict)):
-        return f"<{type(value).__name__} of {len(value)}>"
-    return f"<{type(value).__name__}: {text[:limit]}...>"

@@ -50,7 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import bad
+import torch
+
 from raymesh.actor import ActorError, Shared, SupervisionError
 from raymesh.data.workers import Workers
 from raymesh.train.config import TrainConfig
@@ -82,6 +83,7 @@ from raymesh.train.control.world import World, replaced_by
 from raymesh.train.hooks import TrainHooks
 from raymesh.train.protocol import ChunkResult, Feeders, SetupInfo, StepMetrics
 from raymesh.train.rank.full_state import Part, ShardedState
+from raymesh.train.rank.measure import check_precision
 from raymesh.train.reporting import sinks
 from raymesh.train.result import Result, RunLog, TrainError
 from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
@@ -164,13 +166,8 @@ class TrainController:
         taken from `warm` first. `driven`: a job its loop drives a step at a time; `labels`:
         what the run folder's "job" event says beside the config (a loop's kind of run)."""
         placer = Placer(config.scaling, config.parallelism)
-        if config.precision == "fp16" and not placer.gpus:  # before any proc starts
-            raise bad(
-                "precision",
-                "fp16",
-                "the ranks run on CPU (gpus=False, or no GPU in the cluster), and fp16 needs "
-                "loss scaling on GPU ranks; use precision='bf16' or 'fp32'",
-            )
+        if not placer.gpus:  # the ranks' own check, before any proc starts
+            check_precision(config.precision, torch.device("cpu"))
         return cls(
             config,
             placer=placer,

@@ -70,8 +70,9 @@ def check_precision(precision: str, device: torch.device) -> None:
     """ValueError when `device` cannot train in `precision`, naming the fix."""
     if precision == "fp16" and device.type != "cuda":
         raise ValueError(
-            f"precision='fp16': the ranks run on {device.type}, and fp16 needs loss scaling on "
-            "GPU ranks; use precision='bf16' on CPU"
+            f"precision='fp16': the ranks run on {device.type.upper()} (no CUDA GPU for them: "
+            "gpus=False, or none in the cluster), and fp16 needs loss scaling on GPU ranks; use "
+            "precision='bf16' on CPU, or 'fp32'"
         )
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(
