@@ -229,8 +229,15 @@ def _ask(port: int, head: bytes, timeout: float = 10.0) -> bytes:
 
 
 def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slots():
+    posted = threading.Event()  # the slow body's request has reached the app: it holds a slot
+
+    async def app(scope, receive, send):
+        if scope["method"] == "POST":
+            posted.set()
+        await _echo(scope, receive, send)
+
     server = ServerThread(
-        _echo,
+        app,
         host="127.0.0.1",
         port=0,
         name="test-slots",
@@ -265,6 +272,9 @@ def test_clients_that_trickle_or_never_finish_their_request_cannot_hold_the_slot
     try:
         for t in threads:
             t.start()
+        # Only once its head is in does the slow body hold a slot: an asker connecting before
+        # that fills the cap first, and uvicorn would turn the slow body's request away (503).
+        assert posted.wait(10), "the slow body's head never reached the app"
         # The three hold every slot but the asker's own: uvicorn turns requests away...
         wait_for(lambda: _ask(server.port, get).startswith(b"HTTP/1.1 503"), 10, what="a full cap")
         # ...until their deadlines pass: each is answered 408 and closed, and the slots free.
