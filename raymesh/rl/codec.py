@@ -52,7 +52,17 @@ def codec_of(model: torch.nn.Module, policy: Any) -> Codec:
 
         folder = folder_of(model)
         if has_tokenizer(folder):
-            return _Tokenizer(load_tokenizer(folder))
+            tokenizer = load_tokenizer(folder)
+            embeddings: Any = model.get_input_embeddings  # (transformers' and PEFT's)
+            rows = embeddings().num_embeddings
+            if len(tokenizer) > rows:  # its last ids would index past the embedding
+                raise ValueError(
+                    f"policy={policy!r}: the tokenizer in {str(folder)!r} has {len(tokenizer)} "
+                    f"tokens, its model embeds {rows}: save the model's own tokenizer beside "
+                    "it, or grow its embeddings to the tokenizer "
+                    "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained)"
+                )
+            return _Tokenizer(tokenizer)
         raise ValueError(
             f"policy={policy!r}: its model's folder {str(folder)!r} holds no tokenizer; save "
             "one beside the model (tokenizer.save_pretrained)"

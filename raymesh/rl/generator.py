@@ -22,7 +22,8 @@ from raymesh.rl.buffer import Rollout
 from raymesh.rl.codec import codec_of, context_of
 from raymesh.rl.policy_copy import PolicyCopy
 from raymesh.rl.sampling import Completions, Reward, sample_group, sample_seed, score
-from raymesh.train.export import rebuild
+from raymesh.train.checkpoint import resolve_checkpoint
+from raymesh.train.export import job_config, rebuild
 
 __all__ = ["Generator"]
 
@@ -54,7 +55,15 @@ class Generator(PolicyCopy):
         self.algorithm = algorithm
         self.seed = seed
         # the learner's model, built the same way
-        task = rebuild(init, build=policy, seed=seed, params=params)
+        try:
+            task = rebuild(init, build=policy, seed=seed, params=params)
+        except ValueError as e:
+            if init is None:
+                raise
+            # e.g. a policy of another vocabulary or size than the one init's job trained
+            trained = job_config(resolve_checkpoint(init)).build
+            fix = f" (init's job trained policy={trained!r})" if trained != policy else ""
+            raise ValueError(f"init={init!r} does not fit policy={policy!r}{fix}: {e}") from None
         self.codec = codec_of(task.model, policy)
         self.model = task.model.eval()
         self.context = context_of(self.model)

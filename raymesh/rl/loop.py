@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from raymesh import train
-from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, this_host
+from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, SupervisionError, this_host
 from raymesh.rl.algorithms import PPO, Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.config import RLConfig
@@ -189,7 +189,14 @@ def run(
         gens = [new_worker(i) for i in range(roles.workers)]
         if roles.prompts:  # before the learner's procs start: it would fail at every step
             measure = gens[0].actor.measure.call_one(list(roles.prompts))
-            context, lengths = measure.get(timeout=timeout_s)
+            try:
+                context, lengths = measure.get(timeout=timeout_s)
+            except SupervisionError as e:
+                if e.failure.kind != "init_error":
+                    raise
+                # Its constructor refused what it was given (the policy, its init, the
+                # reward): bad input, said as such before the learner's procs start.
+                raise ValueError(f"the {roles.title} could not start: {e.failure.cause}") from e
             check_context(roles.prompts, lengths, context, roles.max_tokens)
         learner = start_learner(roles.learner, algorithm, learner_job, per_step=roles.per_step)
         job = learner.job

@@ -139,6 +139,22 @@ def test_the_example_job_sigkilled_resumes_asynchronously_taking_each_sample_onc
     ckpt = train.CheckpointConfig(dir=str(init))
     config = train.TrainConfig(steps=1, global_batch_size=4, seed=1, checkpoint=ckpt)
     train.fit("raymesh.examples.tinygpt:build", config)
+    # A policy of another size than init's model is refused by name before the learner starts.
+    with pytest.raises(
+        ValueError,
+        match=r"^the generators could not start: .*init='.*' does "
+        r"not fit policy='tests.rl.rewards:build' \(init's job trained policy="
+        r"'raymesh.examples.tinygpt:build'\).* of another shape",
+    ):
+        rl.run(
+            policy="tests.rl.rewards:build",
+            init=str(init),
+            prompts=["def "],
+            reward="tests.rl.rewards:es",
+            steps=1,
+            prompts_per_step=1,
+            generators=1,
+        )
     job = _example(tmp_path, "killed", init)
     saved = tmp_path / "killed"
     log = tmp_path / "controller.log"  # a file, not a pipe: nothing blocks the controller
