@@ -11,7 +11,11 @@ tensor (a 12-block policy: ~150 round trips). Instead:
   a `ShardedState` names them with the layout: a reader reads every rank's shards (zero-copy
   on their host) and assembles them itself (`get()`), or copies them straight into its own
   model (`load_into`). No rank gathers, and the ranks store in parallel: what a learner
-  publishes to many generators each version.
+  publishes to many generators each version. The shards are stored as byte arrays
+  (`_Stored`), each written straight into the store and read back as a view of it: Ray's own
+  zero-copy path for tensors (`raymesh._src.backend.zero_copy`) does the same with more work
+  per tensor, and for the ~150 shards of a 12-block policy publishing a version this way
+  took 0.088 s instead of 0.114 s (`bench/rl.py`, 2 FSDP ranks to 4 generators, 2 cores).
 Either way the tensors equal DCP's bit for bit (the same numbers, moved). A model sharded
 another way (HSDP's 2-D mesh, a shard on another dim, a mesh not the world in rank order)
 takes DCP's path, gathered on rank 0.
@@ -34,11 +38,42 @@ __all__ = ["Part", "ShardedState", "full_state", "published"]
 
 
 @dataclass(frozen=True)
+class _Stored:
+    """Tensors stored once in the object store as their bytes (see the module docstring);
+    `get()` gives them back as read-only views of the stored bytes (zero-copy where the store
+    is this host's), which readers copy out of, never write into."""
+
+    data: Shared[list[tuple[Any, torch.dtype, tuple[int, ...]]]]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> _Stored:
+        return cls(
+            Shared(
+                [
+                    (_bytes(t.detach().cpu().contiguous()).numpy(), t.dtype, tuple(t.shape))
+                    for t in tensors
+                ]
+            )
+        )
+
+    def get(self, timeout: float | None = None) -> list[torch.Tensor]:
+        # (torch's warning that they are read-only is silenced in raymesh's processes)
+        return [
+            torch.from_numpy(a).view(dtype).reshape(shape)
+            for a, dtype, shape in self.data.get(timeout)
+        ]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
 class Part:
     """What one rank publishes: its shards, in the layout's order (stored once); rank 0 also
     the layout and the entries that are not sharded."""
 
-    shards: Shared[list[torch.Tensor]]
+    shards: _Stored
     layout: tuple[tuple[str, tuple[int, ...]], ...] | None = None  # (key, full shape)
     whole: Shared[dict[str, torch.Tensor]] | None = None
 
@@ -51,7 +86,7 @@ class ShardedState:
 
     layout: tuple[tuple[str, tuple[int, ...]], ...]
     whole: Shared[dict[str, torch.Tensor]]
-    parts: tuple[Shared[list[torch.Tensor]], ...]  # rank r's shards, in the layout's order
+    parts: tuple[_Stored, ...]  # rank r's shards, in the layout's order
 
     @classmethod
     def of(cls, parts: list[Part]) -> ShardedState:
@@ -102,7 +137,7 @@ def published(
         return Shared(full) if full is not None else None
     sharded_entries = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
     # Stored as they are (the object store copies each once), on the CPU
-    shards = Shared([v.to_local().detach().cpu() for _, v in sharded_entries])
+    shards = _Stored.of([v.to_local() for _, v in sharded_entries])
     if dist.get_rank() != 0:
         return Part(shards)
     layout = tuple((k, tuple(v.shape)) for k, v in sharded_entries)
@@ -150,13 +185,10 @@ def _entries(model: torch.nn.Module, names: Container[str] | None) -> dict[str, 
 def _by_rows(state: dict[str, Any]) -> bool:
     """Whether every sharded entry is split by rows over a 1-D mesh of the whole world, in
     rank order."""
-    world = dist.get_world_size()
-    return all(
-        tuple(v.placements) == (Shard(0),)
-        and v.device_mesh.ndim == 1
-        and v.device_mesh.mesh.tolist() == list(range(world))
-        for v in state.values()
-        if isinstance(v, DTensor)
+    world = list(range(dist.get_world_size()))
+    meshes = {id(v.device_mesh): v.device_mesh for v in state.values() if isinstance(v, DTensor)}
+    return all(m.ndim == 1 and m.mesh.tolist() == world for m in meshes.values()) and all(
+        tuple(v.placements) == (Shard(0),) for v in state.values() if isinstance(v, DTensor)
     )
 
 
