@@ -61,8 +61,8 @@ def completion_samples(rollouts: list[Rollout], version: int) -> tuple[list[dict
     count: a scored completion's, up to and with its end-of-text token; 0 for a dropped one),
     `advantage` and `scale` (the step's samples over its counted tokens, the same for all: it
     makes the ranks' weighted means the global token-level mean). Numbers, not tensors, where
-    one number will do: a step's samples travel to the ranks, and each tensor costs its own
-    serialization."""
+    one number will do (a step's samples travel to the ranks packed, a buffer per tensor key:
+    `raymesh.train.packed`)."""
     out: list[dict] = []
     rewards: list[float] = []
     lag: list[int] = []

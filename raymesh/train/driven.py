@@ -25,7 +25,9 @@ Guarantees:
   `fit`'s ranks do (the split, micro batches and loss weighting are `fit`'s), so the gradient
   is the global batch's mean for any world size. `Task.dataset` is not read (None is fine).
   They are a list (each sample what `Task.collate_fn` takes), or columns: a dict of tensors
-  whose rows are the samples (a batch is their rows, no collate_fn; cheaper to send).
+  whose rows are the samples (a batch is their rows, no collate_fn; cheaper to send). A list
+  of dicts travels packed, one buffer per tensor key (`raymesh.train.packed`), and each
+  sample reaches the ranks as it was given.
 - `steps([samples, ...])` trains several steps in one call to the ranks (PPO's minibatches of
   one update): the same steps as one `step` each, with one round trip.
 - `loss_fn(model, batch)` may return `(loss, {name: float})`: each statistic is weighed as the
@@ -46,6 +48,7 @@ from raymesh.train.checkpoint import read_manifest
 from raymesh.train.config import TrainConfig
 from raymesh.train.control.controller import TrainController
 from raymesh.train.control.warm import WarmRanks
+from raymesh.train.packed import pack
 from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.reporting import JOB_EVENTS
 from raymesh.train.result import Result
@@ -145,7 +148,8 @@ class DrivenJob:
                 f"{len(batches)} more would pass it; give TrainConfig(steps=...) the most steps "
                 "the loop supplies, or close() it"
             )
-        bundle = Shared([self._checked(b, "samples") for b in batches])  # one put, one read
+        # one put, one read; each step's tensors packed (`raymesh.train.packed`)
+        bundle = Shared([pack(self._checked(b, "samples")) for b in batches])
         return self._controller.drive(bundle, len(batches), report)
 
     def weights(self, *, trained_only: bool = False) -> Shared[dict[str, Any]] | ShardedState:

@@ -36,6 +36,7 @@ from raymesh.train.checkpoint import Checkpointer, Manifest
 from raymesh.train.config import TrainConfig
 from raymesh.train.hooks import RankHooks
 from raymesh.train.materialize import materialize, place
+from raymesh.train.packed import unpack
 from raymesh.train.protocol import (
     ChunkResult,
     Feeders,
@@ -317,7 +318,7 @@ class TrainWorker(Actor):
             del self.supplied[step]
         for first, batches in samples.items():  # a bundle may start before keep_from
             self.supplied.update(
-                (first + i, b) for i, b in enumerate(batches) if first + i >= keep_from
+                (first + i, unpack(b)) for i, b in enumerate(batches) if first + i >= keep_from
             )
 
     def _step(self, step: int) -> tuple[float, dict[str, float]]:
