@@ -25,8 +25,11 @@ raymesh runs 2 generator procs and one learner proc. Its rows: `raymesh`, one ve
 (`max_staleness=1`, the asynchronous loop), with the warm procs ready before the call (as a
 runtime that stays up, issue 37, keeps them for every program); `raymesh_sync`, the same
 synchronous (`max_staleness=0`); `raymesh_cold`, asynchronous right after Ray's start, while
-the pool's procs are still importing torch (today's first program on a machine). Sides
-alternate order per seed.
+the pool's procs are still importing torch (today's first program on a machine). Issue 52's
+rows: `raymesh_fsdp2`, the asynchronous loop with the learner a raymesh.train job sharding the
+policy over 2 ranks (FSDP), against `trl_2proc`, TRL's GRPOTrainer under `accelerate launch
+--cpu --num_processes 2` (data parallel over gloo, each process half the batch: TRL has no
+FSDP on a CPU). Sides alternate order per seed.
 Prints one JSON object (and the load average at start and end).
 """
 
@@ -56,7 +59,13 @@ SIDES: dict[str, tuple[int, bool]] = {
     "raymesh_sync": (0, True),
     "raymesh_cold": (1, False),
     "trl": (0, False),
+    "raymesh_fsdp2": (1, True),
+    "trl_2proc": (0, False),
 }
+# Issue 52's rows: the learner sharded over 2 ranks (a raymesh.train job, FSDP), and TRL under
+# `accelerate launch` with 2 processes (data parallel over gloo; CPU: no FSDP for TRL here)
+TRAINERS: dict[str, dict[str, Any]] = {"raymesh_fsdp2": {"workers": 2, "strategy": "fsdp"}}
+PROCESSES = {"trl_2proc": 2}
 
 
 def reward_bytes(prompt: bytes, completion: bytes) -> float:
@@ -64,7 +73,9 @@ def reward_bytes(prompt: bytes, completion: bytes) -> float:
     return sum(97 <= b <= 122 for b in completion) / max(1, len(completion))
 
 
-def raymesh_side(seed: int, staleness: int, warm: bool) -> dict[str, Any]:
+def raymesh_side(
+    seed: int, staleness: int, warm: bool, trainer: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from raymesh import cluster, rl
     from raymesh._src.backend import pool
 
@@ -83,6 +94,7 @@ def raymesh_side(seed: int, staleness: int, warm: bool) -> dict[str, Any]:
         generators=2,
         max_staleness=staleness,
         seed=seed,
+        trainer=trainer,
         progress=lambda _: first or first.append(time.perf_counter() - start),
     )
     wall = time.perf_counter() - start
@@ -97,7 +109,7 @@ def raymesh_side(seed: int, staleness: int, warm: bool) -> dict[str, Any]:
     }
 
 
-def trl_side(seed: int) -> dict[str, Any]:
+def trl_side(seed: int, processes: int = 1) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import (
@@ -220,8 +232,9 @@ def trl_side(seed: int) -> dict[str, Any]:
     args = GRPOConfig(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-grpo-trl-{seed}"),
         use_cpu=True,
+        bf16=False,  # fp32, as raymesh's side (TRL's default is bf16, emulated on this CPU)
         seed=seed,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // processes,
         num_generations=GROUP,
         max_completion_length=MAX_TOKENS,
         temperature=1.0,
@@ -266,10 +279,27 @@ def trl_side(seed: int) -> dict[str, Any]:
     }
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "trl", "transformers", "accelerate", "ray"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
 def _side(name: str, seed: int) -> dict[str, Any]:
     """One side in a fresh process (no state carried over from the other side)."""
+    launch = [sys.executable]
+    if name in PROCESSES:  # accelerate's launcher starts the processes (torchrun, gloo)
+        launch += ["-m", "accelerate.commands.launch", "--cpu", "--num_machines", "1"]
+        launch += ["--num_processes", str(PROCESSES[name]), "--mixed_precision", "no"]
+        launch += ["--dynamo_backend", "no"]
     out = subprocess.run(
-        [sys.executable, __file__, "--side", name, "--seed", str(seed)],
+        [*launch, __file__, "--side", name, "--seed", str(seed)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -288,12 +318,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side is not None:
-        if args.side == "trl":
-            result = trl_side(args.seed)
+        if args.side.startswith("trl"):
+            result = trl_side(args.seed, PROCESSES.get(args.side, 1))
         else:
             staleness, warm = SIDES[args.side]
-            result = raymesh_side(args.seed, staleness, warm)
-        print(json.dumps(result))
+            result = raymesh_side(args.seed, staleness, warm, TRAINERS.get(args.side))
+        if os.environ.get("RANK", "0") == "0":  # one line, from the first of TRL's processes
+            print(json.dumps(result))
         return
     load_start = os.getloadavg()
     sides = list(SIDES)
@@ -324,6 +355,8 @@ def main() -> None:
         "final_reward_mean": {s: round(v, 3) for s, v in final.items()},
         "final_reward_by_seed": {s: [round(r["final_reward"], 3) for r in runs[s]] for s in sides},
         "target": "raymesh wall <= 0.5x TRL, final reward within noise",
+        "target_2_ranks": "raymesh_fsdp2 wall <= 1.0x trl_2proc, final reward within noise",
+        "versions": _versions(),
         "runs": runs,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
