@@ -4,6 +4,7 @@
     python bench/rl.py --save          # also write bench/results/rl.json
     python bench/rl.py --learner 1:ddp # the learner job's ranks and strategy (default 2:fsdp)
     python bench/rl.py --overhead      # the second part: the learner's step, driven job vs proc
+    python bench/rl.py --heal          # the third: time lost to a learner rank SIGKILLed
 
 Issue 52's target: publishing a version of a 2-rank FSDP learner's policy to 4 generators
 within 1.3x the cost of one `ray.put` of its state dict and 4 `ray.get`s of it (issue 36's:
@@ -29,6 +30,16 @@ policy is examples/grpo.toml's (TinyGPT, 0.12M parameters), 4 prompts x 8 comple
 tokens a step, both with one intra-op thread; the two alternate in blocks of 10 steps (a
 step's aftermath, freeing its objects, lands in its own side's time), medians over
 `--rounds` steps of each after 3 to warm up.
+
+`--heal`, issue 52's target: a learner rank SIGKILLed mid-run at `max_staleness=0` costs at
+most 2 steps' time, the weights bitwise the run's without the kill. GRPO as the rl test suite
+runs it (tests.rl.rewards' 1-layer TinyGPT, 4 prompts x 8 completions of 8 tokens, 2
+generators), 12 steps, the learner a 2-rank DDP train job, without a spare and with one warm
+spare (`spares=1`, on both sides); the faulted run SIGKILLs rank 1 in step 6
+(`raymesh.testing.kill`). Each of `--rounds` rounds runs both, alternating which goes
+first; "lost" is the faulted run's wall time over the clean one's of the same round, in
+seconds and in the clean run's median steps; `recovery_s` is the job's own (detection to the
+first step trained after the heal).
 """
 
 from __future__ import annotations
@@ -63,9 +74,12 @@ def main() -> None:
     p.add_argument("--save", action="store_true", help="write bench/results/rl.json")
     p.add_argument("--learner", default="2:fsdp", help="the learner job's RANKS:STRATEGY")
     p.add_argument("--overhead", action="store_true", help="the learner's step, job vs proc")
+    p.add_argument("--heal", action="store_true", help="time lost to a learner rank's SIGKILL")
     args = p.parse_args()
     if args.overhead:
         return overhead(args.rounds, args.save)
+    if args.heal:
+        return heal(args.rounds, args.save)
     ranks, strategy = args.learner.split(":")
 
     import ray
@@ -236,6 +250,92 @@ def overhead(rounds: int, save: bool) -> None:
     print(json.dumps(out, indent=1))
     if save:
         Path(__file__).with_name("results").joinpath("rl_overhead.json").write_text(
+            json.dumps(out, indent=1)
+        )
+
+
+def heal(rounds: int, save: bool) -> None:
+    import sys
+
+    import torch
+
+    from raymesh import cluster, rl
+    from raymesh.testing import kill
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.rl.rewards
+    load_start = os.getloadavg()
+    cluster.ensure_ray()
+    steps, at = 12, 6
+
+    def run(faults: list[Any], spares: int) -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        result = rl.run(
+            policy="tests.rl.rewards:build",
+            prompts=["def ", "x = ", "import ", "class "],
+            reward="tests.rl.rewards:es",
+            algorithm=rl.GRPO(group_size=8, max_tokens=8),
+            steps=steps,
+            prompts_per_step=4,
+            generators=2,
+            seed=3,
+            params={"lr": 0.1},
+            trainer={"workers": 2, "spares": spares, "faults": faults},
+        )
+        return time.perf_counter() - t0, result
+
+    out_rounds = []
+    for i in range(2 * rounds):
+        spares = i % 2  # without a spare, then with one
+        sides = ["clean", "faulted"] if i % 4 < 2 else ["faulted", "clean"]
+        got = {
+            side: run([kill(rank=1, at_step=at)] if side == "faulted" else [], spares)
+            for side in sides
+        }
+        (clean_s, clean), (faulted_s, faulted) = got["clean"], got["faulted"]
+        step_s = statistics.median(row["step_s"] for row in clean.history)
+        failures = [f for f in faulted.learner_failures if f.kind == "died"]
+        bitwise = all(torch.equal(clean.weights[k], faulted.weights[k]) for k in clean.weights)
+        out_rounds.append(
+            {
+                "spares": spares,
+                "clean_s": round(clean_s, 3),
+                "faulted_s": round(faulted_s, 3),
+                "lost_s": round(faulted_s - clean_s, 3),
+                "step_s": round(step_s, 4),
+                "lost_steps": round((faulted_s - clean_s) / step_s, 2),
+                "recovery_s": [round(f.recovery_s or 0.0, 3) for f in failures],
+                "steps_recomputed": [f.steps_recomputed for f in failures],
+                "bitwise": bitwise,
+            }
+        )
+        print(json.dumps(out_rounds[-1]), file=sys.stderr)
+    out = {
+        "bench": "rl learner heal",
+        "steps": steps,
+        "killed": f"rank 1 of a 2-rank DDP learner in step {at}",
+        "rounds": out_rounds,
+        **{
+            f"spares_{n}": {
+                key: round(
+                    statistics.median(
+                        x
+                        for r in out_rounds
+                        if r["spares"] == n
+                        for x in (r[key] if isinstance(r[key], list) else [r[key]])
+                    ),
+                    3,
+                )
+                for key in ("lost_s", "lost_steps", "recovery_s", "step_s")
+            }
+            for n in (0, 1)
+        },
+        "target": "time lost <= 2 steps, weights bitwise",
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(json.dumps(out, indent=1))
+    if save:
+        Path(__file__).with_name("results").joinpath("rl_heal.json").write_text(
             json.dumps(out, indent=1)
         )
 
