@@ -151,11 +151,7 @@ def main() -> None:
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
     }
-    print(json.dumps(out, indent=1))
-    if args.save:
-        Path(__file__).with_name("results").joinpath("rl.json").write_text(
-            json.dumps(out, indent=1)
-        )
+    _report(out, "rl.json", args.save)
 
 
 def _reward(prompt: bytes, completion: bytes) -> float:
@@ -247,11 +243,7 @@ def overhead(rounds: int, save: bool) -> None:
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
     }
-    print(json.dumps(out, indent=1))
-    if save:
-        Path(__file__).with_name("results").joinpath("rl_overhead.json").write_text(
-            json.dumps(out, indent=1)
-        )
+    _report(out, "rl_overhead.json", save)
 
 
 def heal(rounds: int, save: bool) -> None:
@@ -314,30 +306,27 @@ def heal(rounds: int, save: bool) -> None:
         "steps": steps,
         "killed": f"rank 1 of a 2-rank DDP learner in step {at}",
         "rounds": out_rounds,
-        **{
-            f"spares_{n}": {
-                key: round(
-                    statistics.median(
-                        x
-                        for r in out_rounds
-                        if r["spares"] == n
-                        for x in (r[key] if isinstance(r[key], list) else [r[key]])
-                    ),
-                    3,
-                )
-                for key in ("lost_s", "lost_steps", "recovery_s", "step_s")
-            }
-            for n in (0, 1)
-        },
+        **{f"spares_{n}": _medians([r for r in out_rounds if r["spares"] == n]) for n in (0, 1)},
         "target": "time lost <= 2 steps, weights bitwise",
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
     }
-    print(json.dumps(out, indent=1))
+    _report(out, "rl_heal.json", save)
+
+
+def _medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """--heal's medians over `rounds` (recovery_s: over every failure of them)."""
+    out = {k: statistics.median(r[k] for r in rounds) for k in ("lost_s", "lost_steps", "step_s")}
+    out["recovery_s"] = statistics.median(x for r in rounds for x in r["recovery_s"])
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _report(out: dict[str, Any], name: str, save: bool) -> None:
+    """Print `out`, and with `save` write it to bench/results/`name` too."""
+    text = json.dumps(out, indent=1)
+    print(text)
     if save:
-        Path(__file__).with_name("results").joinpath("rl_heal.json").write_text(
-            json.dumps(out, indent=1)
-        )
+        Path(__file__).with_name("results").joinpath(name).write_text(text)
 
 
 if __name__ == "__main__":
