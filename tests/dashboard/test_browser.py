@@ -219,6 +219,9 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
+XSS = '<img src=x onerror="window.pwned=1">'
+
+
 def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, browser):
     import json
     import time
@@ -244,9 +247,13 @@ def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, brows
             "keys": [4, 5],
             "pid": 4103,
         },
+        # Another party's lines in the folder: markup and the wrong types, shown as text.
+        {"t": t, "event": "role", "role": XSS, "count": {"n": 1}, "pids": [XSS, None]},
+        {"t": t + 0.6, "event": "replaced", "role": [XSS], "index": XSS, "pid": "x", "keys": 7,
+         "cause": XSS * 50},
         {"t": t + 1, "event": "state", "state": "Finished", "reason": "closed", "step": 3},
         {"t": t + 1, "event": "end", "state": "Finished", "reason": "closed", "step": 3},
-    ]
+    ]  # fmt: skip
     rows = [
         {"step": step, "loss": 0.5 / step, "samples_per_s": 200.0, "end": t + step / 4,
          "world_size": 1, "spares": 0, "reward_mean": 0.25 * step, "staleness_mean": 1.0,
@@ -268,9 +275,12 @@ def test_an_rl_runs_page_charts_its_reward_and_tokens_per_second(tmp_path, brows
         roles = browser.find_element("id", "roles-card")
         _wait("the roles", lambda: roles.is_displayed() and "reward actors" in roles.text)
         rows = [r.text for r in roles.find_elements("css selector", "#roles tbody tr")]
-        assert rows == ["generators 2 4101, 4102 1", "reward actors 4 0", "learner 1 0"], rows
-        [replaced] = roles.find_elements("css selector", "#replacements tbody tr")
+        assert rows[:3] == ["generators 2 4101, 4102 1", "reward actors 4 0", "learner 1 0"]
+        assert rows[3] == f'{XSS} {{"n":1}} {XSS}, 0', rows[3]
+        replaced, hostile = roles.find_elements("css selector", "#replacements tbody tr")
         assert "SIGKILL" in replaced.text and "4103" in replaced.text, replaced.text
+        assert XSS in hostile.text
+        assert browser.execute_script("return window.pwned") is None  # no markup ran
         assert "finished" in browser.find_element("tag name", "body").text.lower()
         assert _errors(browser) == []
         _screenshot(browser, tmp_path, "rl-job.png")

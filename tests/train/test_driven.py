@@ -79,7 +79,9 @@ def test_fed_fits_order_a_driven_job_is_fit_and_heals_a_kill_bitwise_at_4_ranks(
     assert states == ["Starting", "Running", "Healing", "Running", "Finishing", "Finished"]
 
 
-def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_data(fit, tmp_path):
+def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_data(
+    fit, tmp_path, caplog
+):
     def run(folder: Path, faults=()) -> tuple[train.Result, list[dict], Any]:
         ckpt = train.CheckpointConfig(dir=str(folder), every=2)
         config = _config(workers=2, strategy="fsdp", checkpoint=ckpt, faults=faults)
@@ -121,10 +123,14 @@ def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_dat
         (clean_dir / f"step-{step:08d}").rmdir()
     ckpt = train.CheckpointConfig(dir=str(clean_dir))
     config = _config(workers=2, strategy="fsdp", checkpoint=ckpt)
+    caplog.clear()
     with train.drive(with_accuracy, config, warm=warm) as job:
         assert job.resumed == (STEPS - 2, {"position": [1, 2, 3]})
         while job.trained < STEPS:
             job.step(samples(job.trained))
+    # Without periodic saves its samples are kept back to the last save: said once.
+    said = [r.message for r in caplog.records if "keeps every step's samples" in r.message]
+    assert len(said) == 1 and f"(step {STEPS - 2})" in said[0], said
     assert job.close().resumed_from == STEPS - 2
     assert equal(clean.state_dict(), job.close().state_dict())
 

@@ -148,6 +148,7 @@ class TrainController:
         self.resumed_from = 0
         self.resumed_path: str | None = None  # the checkpoint the job started from
         self.saved_at = 0  # the step of a driven job's newest save (`save`), committed
+        self.warned_unbounded = False  # that a sharded driven job keeps every step's samples
         self.ended = False
 
     @classmethod
@@ -617,6 +618,15 @@ class TrainController:
             # The newest multiple of `every` may still be committing: one before it is safe.
             every = (self.world.step // ckpt.every - 1) * ckpt.every if ckpt.every else 0
             keep_from = max(self.world.first_step, self.saved_at, every)
+            if not ckpt.every and not self.warned_unbounded:
+                self.warned_unbounded = True
+                logger.warning(
+                    "raymesh.train: a sharded driven job heals from its newest checkpoint, so "
+                    "with checkpoint.every=0 it keeps every step's samples from its last save "
+                    "or resume on (step %d) for that; set checkpoint=CheckpointConfig(every=N, "
+                    "...) to keep at most 2N steps' samples",
+                    keep_from,
+                )
         for s in [s for s in self.supplied if s < keep_from]:
             del self.supplied[s]
         wanted = steps if steps is not None else sorted(self.supplied)
