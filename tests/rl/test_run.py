@@ -1,9 +1,9 @@
-"""`rl.run` end to end on real procs: GRPO learns on a learner of 2 ranks, and a run with the
-same seed whose generator was SIGKILLed mid-rollout (replaced, its keys made again once) and
-whose learner lost a rank mid-step (healed under the loop), or whose reward is a mesh of
-reward actors, or that resumed from a checkpoint, ends with bitwise-equal weights; a reward
-actor that raises, hangs, returns no float or dies drops only its samples; a reward that never
-scores ends the run; PPO learns CartPole through a SIGKILLed environment runner."""
+"""`rl.run` end to end on real procs: GRPO learns with 4 generators, 4 reward actors and a
+learner of 2 ranks, and a run with the same seed whose generator was SIGKILLed mid-rollout
+(replaced, its keys made again once) and whose learner lost a rank mid-step (healed under the
+loop), or that resumed from a checkpoint, ends with bitwise-equal weights; a reward actor that
+raises, hangs, returns no float or dies drops only its samples; a reward that never scores ends
+the run; PPO learns CartPole through a SIGKILLed environment runner."""
 
 from __future__ import annotations
 
@@ -51,10 +51,12 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
     # Four reward actors, on procs this test watches itself: one is SIGKILLed below.
     procs = this_host().spawn_procs(per_host={"procs": 4}, escalate=False)
     try:
-        # The reward as a mesh of reward actors (as a reward model would be); the learner a
-        # train job of 2 DDP ranks.
+        # The reward as a mesh of reward actors (as a reward model would be); 4 generators;
+        # the learner a train job of 2 DDP ranks.
         learner = {"workers": 2}
-        scored = _run(procs.spawn("reward-model", rewards.RewardModel), trainer=learner)
+        scored = _run(
+            procs.spawn("reward-model", rewards.RewardModel), generators=4, trainer=learner
+        )
         by_step = [row["reward_mean"] for row in scored.history]
         assert scored.version == 4 and len(scored.history) == 4
         assert all(
