@@ -23,9 +23,9 @@ from raymesh.serve.api import deploy
 from raymesh.serve.app import App, Reply
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.config import ADMIN_TOKEN_ENV, TOKEN_ENV, ServeConfig
-from raymesh.serve.dispatcher import ModelError, Unavailable
 from raymesh.serve.jobfile import load_serving
 from raymesh.serve.model import ModelSpec
+from raymesh.serve.routing.dispatcher import ModelError, Unavailable
 from raymesh.serve.scaling import AutoscalePolicy, ReplicaScale
 
 __all__ = [

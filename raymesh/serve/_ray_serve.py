@@ -28,9 +28,9 @@ from ray import serve
 from raymesh._common import HTTPError, error_json, free_port
 from raymesh.serve.app import App, Endpoint, Reply
 from raymesh.serve.batching import BatchConfig
-from raymesh.serve.dispatcher import ModelError
-from raymesh.serve.front import answer_predict, guard_of
+from raymesh.serve.http.front import answer_predict, guard_of
 from raymesh.serve.model import LoadedModel, ModelSpec
+from raymesh.serve.routing.dispatcher import ModelError
 from raymesh.serve.sections import FrontConfig, ReplicaConfig
 
 __all__ = ["RayServeApp", "deploy"]
@@ -112,7 +112,7 @@ def deploy(
     `replicas.start_timeout_s`. Starts Serve's HTTP proxy on the front's host and port (port 0:
     a free one) unless Serve is already running, whose proxy is then used as it is.
 
-    Every request passes the front's guard first (raymesh.serve.guard.Guard: its token, body
+    Every request passes the front's guard first (raymesh.serve.http.guard.Guard: its token, body
     limit, body deadline and finite numbers), as on raymesh's own front."""
     from starlette.requests import Request
     from starlette.responses import Response

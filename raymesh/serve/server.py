@@ -20,11 +20,11 @@ from typing import Any
 from raymesh._common import ServerThread, url_of
 from raymesh.serve.app import App, Endpoint, Reply
 from raymesh.serve.batching import BatchConfig
-from raymesh.serve.front import make_app
+from raymesh.serve.http.front import make_app
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelSpec
-from raymesh.serve.replica import ReplicaProc, spawn_replica
-from raymesh.serve.router import Router
+from raymesh.serve.routing.replica import ReplicaProc, spawn_replica
+from raymesh.serve.routing.router import Router
 from raymesh.serve.sections import FrontConfig, RouterConfig
 
 __all__ = ["Server"]

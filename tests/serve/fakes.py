@@ -29,7 +29,7 @@ import torch
 from raymesh.actor import ActorError
 from raymesh.serve import ModelSpec, ServeConfig
 from raymesh.serve.model import ModelInfo, PromptTooLong
-from raymesh.serve.replica import ReplicaProc
+from raymesh.serve.routing.replica import ReplicaProc
 from raymesh.serve.server import Server
 from raymesh.train import TrainConfig
 from raymesh.train.checkpoint import Manifest

@@ -273,7 +273,7 @@ def test_a_full_queue_is_503_with_retry_after_and_what_it_took_is_answered() -> 
 def test_the_latency_window_stays_bounded_however_many_requests(
     replicas: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raymesh.serve import autoscaler
+    from raymesh.serve.routing import autoscaler
 
     monkeypatch.setattr(autoscaler, "LATENCY_SAMPLES", 50)
     # cooldown_s: the autoscaled window is never closed by a decision during the test either

@@ -576,7 +576,7 @@ def test_a_reload_of_an_unreadable_checkpoint_fails_promptly_and_is_not_left_in_
     from types import SimpleNamespace
 
     from raymesh.serve.model import ModelSpec
-    from raymesh.serve.reloader import Reloader
+    from raymesh.serve.routing.reloader import Reloader
 
     ck, step, model, _ = _saved(tmp_path)
     (step / "manifest.json").unlink()

@@ -435,7 +435,7 @@ PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
 
 
 def package_of(module: str) -> str:
-    """`raymesh.serve.front` -> `raymesh.serve`; `raymesh.actor` -> itself."""
+    """`raymesh.serve.http.front` -> `raymesh.serve`; `raymesh.actor` -> itself."""
     return ".".join(module.split(".")[:2])
 
 
@@ -475,7 +475,7 @@ def test_the_export_check_allows_a_packages_front_and_its_own_modules():
 
     assert reaches_into(imp("raymesh.serve.model", "raymesh.train.config"))
     assert not reaches_into(imp("raymesh.serve.model", "raymesh.train"))
-    assert not reaches_into(imp("raymesh.serve.model", "raymesh.serve.router"))
+    assert not reaches_into(imp("raymesh.serve.model", "raymesh.serve.routing.router"))
     assert not reaches_into(imp("raymesh.serve.model", "raymesh.actor"))
     assert not reaches_into(imp("raymesh.serve.model", "raymesh._common"))
     assert reaches_into(imp("raymesh.serve.model", "raymesh._common.tables"))

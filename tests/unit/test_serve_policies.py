@@ -232,7 +232,7 @@ def test_the_token_comes_from_the_environment_when_not_given(monkeypatch):
     ],
 )
 def test_an_input_of_the_wrong_shape_is_named_by_its_place(x, shape, integer, why):
-    from raymesh.serve.inputs import check_input
+    from raymesh.serve.http.inputs import check_input
 
     assert check_input(x, shape, integer) == why
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, ModelSpec
-from raymesh.serve.replica import ReplicaProc
+from raymesh.serve.routing.replica import ReplicaProc
 from raymesh.serve.sections import ReplicaConfig
 
 logger = logging.getLogger("raymesh.serve")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.pool import ReplicaPool
+from raymesh.serve.routing.pool import ReplicaPool
 from raymesh.serve.scaling import AutoscalePolicy, ReplicaScale
 
 logger = logging.getLogger("raymesh.serve")

@@ -1,12 +1,12 @@
 """The router: the server's one front over its replicas, on one asyncio event loop (the HTTP
 server's). It composes, and starts and stops together:
-- the `ReplicaPool` (raymesh.serve.pool): the replicas, each doing one thing at a time, a lost
+- the `ReplicaPool` (`pool`, beside this): the replicas, each doing one thing at a time, a lost
   one replaced, kept at a target;
-- the `Dispatcher` (raymesh.serve.dispatcher): requests batched out to free replicas and their
+- the `Dispatcher` (`dispatcher`, beside this): requests batched out to free replicas and their
   results back, a batch or stream whose replica is lost sent again elsewhere;
-- the `Autoscaler` (raymesh.serve.autoscaler): `AutoscalePolicy`'s decisions on the pool's
+- the `Autoscaler` (`autoscaler`, beside this): `AutoscalePolicy`'s decisions on the pool's
   target, from what the dispatcher measured;
-- the `Reloader` (raymesh.serve.reloader): new weights on every replica, one at a time.
+- the `Reloader` (`reloader`, beside this): new weights on every replica, one at a time.
 
 Every `TICK_S` it has the autoscaler decide and the pool start or retire replicas. Starting and
 stopping procs blocks, so it runs on the pool's threads; the loop never blocks on a replica.
@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from raymesh.actor import Channel
-from raymesh.serve.autoscaler import Autoscaler
 from raymesh.serve.batching import BatchConfig
-from raymesh.serve.dispatcher import Dispatcher, Outcome
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, ModelSpec
-from raymesh.serve.pool import ReplicaPool, Slot
-from raymesh.serve.reloader import Reloader
-from raymesh.serve.replica import ReplicaProc, spawn_replica
+from raymesh.serve.routing.autoscaler import Autoscaler
+from raymesh.serve.routing.dispatcher import Dispatcher, Outcome
+from raymesh.serve.routing.pool import ReplicaPool, Slot
+from raymesh.serve.routing.reloader import Reloader
+from raymesh.serve.routing.replica import ReplicaProc, spawn_replica
 from raymesh.serve.sections import RouterConfig
 
 __all__ = ["Router"]

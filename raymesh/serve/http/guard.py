@@ -16,7 +16,7 @@ Guarantees, for each request `read_json` is given:
 - it nests at most `MAX_DEPTH` levels (400 naming the top-level field that goes deeper): a
   body of 100000 `[` is refused, not a RecursionError and a 500.
 Whether a finite number fits the model's dtype (3.5e38 is inf in float32) is the route's
-check, which knows the field and the dtype (`raymesh.serve.inputs.check_range`).
+check, which knows the field and the dtype (`raymesh.serve.http.inputs.check_range`).
 """
 
 from __future__ import annotations

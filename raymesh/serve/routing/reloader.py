@@ -19,7 +19,7 @@ from pathlib import Path
 
 from raymesh.actor import ActorError
 from raymesh.serve.model import ModelSpec, check_under_root
-from raymesh.serve.pool import ReplicaPool, Slot, wait_reply
+from raymesh.serve.routing.pool import ReplicaPool, Slot, wait_reply
 
 logger = logging.getLogger("raymesh.serve")
 

@@ -1,6 +1,6 @@
 """A replica: one actor on a proc of its own, holding the model and answering batches.
 
-The replica pool (raymesh.serve.pool) starts and stops replicas; a replica only computes. The
+The replica pool (`pool`, beside this) starts and stops replicas; a replica only computes. The
 router gives a replica one thing at a time (a slot is busy until its batch, stream or reload
 ends), so a batch, a token stream and a reload never overlap on one replica: a reload lands
 between two batches, and a batch sees either the old weights or the new. A token stream runs

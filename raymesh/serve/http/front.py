@@ -40,12 +40,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raymesh._common import BearerAuth, RefusalLog
 from raymesh.serve.batching import Overloaded
-from raymesh.serve.dispatcher import ModelError, Unavailable
-from raymesh.serve.guard import Guard, HTTPError
-from raymesh.serve.inputs import LARGEST, check_input, check_range
+from raymesh.serve.http.guard import Guard, HTTPError
+from raymesh.serve.http.inputs import LARGEST, check_input, check_range
 from raymesh.serve.metrics import Metrics
 from raymesh.serve.model import ModelInfo, PromptTooLong
-from raymesh.serve.router import Router
+from raymesh.serve.routing.dispatcher import ModelError, Unavailable
+from raymesh.serve.routing.router import Router
 from raymesh.serve.sections import FrontConfig
 
 __all__ = ["answer_predict", "guard_of", "make_app"]

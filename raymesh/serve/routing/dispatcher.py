@@ -36,7 +36,7 @@ from typing import Any
 from raymesh.actor import ActorError, Channel, Future
 from raymesh.serve.batching import BatchConfig, BatchQueue, Overloaded
 from raymesh.serve.metrics import Metrics
-from raymesh.serve.pool import ReplicaPool, Slot, wait_reply
+from raymesh.serve.routing.pool import ReplicaPool, Slot, wait_reply
 
 logger = logging.getLogger("raymesh.serve")
 
