@@ -12,14 +12,14 @@ order and the checkpoints.
 from raymesh import preload
 from raymesh.train.api import fit
 from raymesh.train.config import CheckpointConfig, TrainConfig, load_config
-from raymesh.train.control.failure import FailureRecord, TooManyFailures
+from raymesh.train.control.failure import TooManyFailures
 from raymesh.train.control.placement import use_gpus
 from raymesh.train.control.warm import WarmRanks
 from raymesh.train.driven import DrivenJob, drive
 from raymesh.train.export import export_hf
 from raymesh.train.plot import save_picture
 from raymesh.train.rank.full_state import ShardedState
-from raymesh.train.result import Result, TrainError
+from raymesh.train.result import FailureRecord, Result, TrainError
 from raymesh.train.task import Context, Task
 
 # A training rank imports these (with DCP and DTensor, ~2 s and ~0.1 GB here): let warm procs

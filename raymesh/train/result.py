@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +17,32 @@ from typing import Any
 import torch
 
 from raymesh.data import PipelineReport
-from raymesh.train.control.failure import FailureRecord
 from raymesh.train.protocol import LostRank, StepMetrics
 from raymesh.train.reporting import Event, Report, ReportSink
 from raymesh.train.strategy import StrategyDecision
 
-__all__ = ["Result", "RunLog", "TrainError"]
+__all__ = ["FailureRecord", "Result", "RunLog", "TrainError"]
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failure: which rank, at which step (the step in flight), why, and how it ended."""
+
+    rank: int
+    step: int
+    cause: str
+    # "died" (the process is gone), "error" (a step raised), "hung" (no progress), "stuck" (a
+    # survivor still blocked in a collective with a failed peer: gloo cannot abort a group
+    # whose peers are alive, so it is replaced too, as a consequence, not counted as a failure)
+    kind: str
+    time: float = field(default_factory=time.time)
+    recovery_s: float | None = None  # from detection to the first step completed after healing
+    steps_recomputed: int | None = None  # steps trained again because of this failure
+    action: str | None = None  # how it was healed: "replace" or "shrink" (None: not yet)
+    replaced_by: str | None = None  # the proc that took its place ("spare-3 (pid 4242)")
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} at step {self.step}: {self.kind}: {self.cause}"
 
 
 class TrainError(RuntimeError):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from PIL import Image
 
-from raymesh.train.control.failure import FailureRecord
 from raymesh.train.estimate import MemoryEstimate
 from raymesh.train.plot import figure, save_picture
-from raymesh.train.result import Result
+from raymesh.train.result import FailureRecord, Result
 from raymesh.train.strategy import StrategyDecision
 
 

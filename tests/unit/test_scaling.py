@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from raymesh.train.control.failure import FailurePolicy, FailureRecord, GrowPolicy
+from raymesh.train.control.failure import FailurePolicy, GrowPolicy
+from raymesh.train.result import FailureRecord
 
 
 def _failures(n: int) -> list[FailureRecord]:

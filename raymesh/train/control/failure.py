@@ -9,33 +9,14 @@ logs the reason and carries the decision out.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["FailureDecision", "FailurePolicy", "FailureRecord", "GrowPolicy", "TooManyFailures"]
+from raymesh.train.result import FailureRecord
+
+__all__ = ["FailureDecision", "FailurePolicy", "GrowPolicy", "TooManyFailures"]
 
 Action = Literal["replace", "shrink", "grow", "abort"]
-
-
-@dataclass(frozen=True)
-class FailureRecord:
-    """One failure: which rank, at which step (the step in flight), why, and how it ended."""
-
-    rank: int
-    step: int
-    cause: str
-    # "died" (the process is gone), "error" (a step raised), "hung" (no progress), "stuck" (a
-    # survivor still blocked in a collective with a failed peer: gloo cannot abort a group
-    # whose peers are alive, so it is replaced too, as a consequence, not counted as a failure)
-    kind: str
-    time: float = field(default_factory=time.time)
-    recovery_s: float | None = None  # from detection to the first step completed after healing
-    steps_recomputed: int | None = None  # steps trained again because of this failure
-    action: str | None = None  # how it was healed: "replace" or "shrink" (None: not yet)
-    replaced_by: str | None = None  # the proc that took its place ("spare-3 (pid 4242)")
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} at step {self.step}: {self.kind}: {self.cause}"
 
 
 @dataclass(frozen=True)
