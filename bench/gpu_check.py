@@ -239,7 +239,7 @@ def memory_estimate(r: Record, args: argparse.Namespace) -> None:
     (torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)).sum().item()
     budget = gpu_budget_bytes(0)
     r.put(budget_bytes=budget, baseline_bytes=torch.cuda.memory_allocated(dev))
-    ctx = Context(rank=0, world_size=1, local_rank=0, local_world_size=1, device=dev, seed=0)
+    ctx = Context.alone(device=dev)
     # (build, batch): the batch is what fit gives one rank with its example's default batch
     builds = {"mlp": (mlp.build, 64), "mlp_large": (mlp.build_large, 64)}
     for name, (build, batch_size) in {**builds, "tinygpt": (tinygpt.build, 32)}.items():

@@ -168,10 +168,7 @@ class OneProc:
 
         torch.set_num_threads(1)  # as a train rank of cpus_per_worker=1
         torch.manual_seed(0)
-        ctx = Context(
-            rank=0, world_size=1, local_rank=0, local_world_size=1,
-            device=torch.device("cpu"), seed=0,
-        )  # fmt: skip
+        ctx = Context.alone()
         self.task = GRPOTask(policy, algorithm)(ctx)
 
     def learn(self, samples: list[dict]) -> float:

@@ -93,15 +93,7 @@ def rebuild(
         )
     fn = resolve(build)
     torch.manual_seed(seed)  # as training seeds before build: the same init
-    ctx = Context(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        device=torch.device(device),
-        seed=seed,
-        config=config,
-    )
+    ctx = Context.alone(device=device, seed=seed, config=config)
     task = fn(ctx)
     if not isinstance(task, Task):
         raise ValueError(f"build={build!r} returned {type(task).__name__}: return a train.Task")

@@ -44,6 +44,17 @@ class Context:
     seed: int  # TrainConfig.seed
     config: Any = None  # the TrainConfig
 
+    @classmethod
+    def alone(
+        cls, *, device: torch.device | str = "cpu", seed: int = 0, config: Any = None
+    ) -> Context:
+        """The Context of a process that builds the model on its own, rank 0 of 1 (an export,
+        a test, a reader of published weights)."""
+        return cls(
+            rank=0, world_size=1, local_rank=0, local_world_size=1,
+            device=torch.device(device), seed=seed, config=config,
+        )  # fmt: skip
+
     @property
     def params(self) -> dict[str, Any]:
         """The job's hyperparameters (`TrainConfig.params`; a raymesh.tune trial's)."""

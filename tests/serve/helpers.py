@@ -45,9 +45,7 @@ def mlp_checkpoint(dir: Path, seed: int) -> Path:
     from raymesh.examples.mlp import build
 
     torch.manual_seed(seed)
-    ctx = Context(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
-    )
+    ctx = Context.alone()
     task = build(ctx)
     Checkpointer(dir, keep=1).save(
         seed,
@@ -67,9 +65,7 @@ def mlp_outputs(dir: Path, xs: list[list[float]]) -> list[list[float]]:
     from raymesh.examples.mlp import build
     from raymesh.train.checkpoint import export_state_dict
 
-    ctx = Context(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
-    )
+    ctx = Context.alone()
     model = build(ctx).model
     model.load_state_dict(export_state_dict(Checkpointer(dir).latest()))  # type: ignore[arg-type]
     with torch.inference_mode():

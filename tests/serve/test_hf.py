@@ -87,9 +87,7 @@ def test_a_causal_lm_of_no_known_folder_generates_unchecked_against_its_context(
     """A checkpoint alone rebuilt by its build from a config, or from a record naming no base
     folder: no tokenizer to count a prompt with, so no context check (decided at load), and
     the user's generate function serves a prompt however long."""
-    ctx = train.Context(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU, seed=0, config=None
-    )
+    ctx = train.Context.alone(device=CPU)
     task = llama_from_config(ctx)
     for build in ("tests.serve.test_hf:llama_from_config", "user_job:build"):  # build, record
         run = tmp_path / build.split(":")[0]
@@ -184,9 +182,7 @@ def test_a_checkpoint_whose_build_lived_in_the_users_script_is_served_from_its_r
     build = runpy.run_path(str(_script(tmp_path)), run_name="__main__")["build"]
     config = train.TrainConfig(build="user_job:build", params={"model": str(runs["tiny"])})
     torch.manual_seed(0)
-    ctx = train.Context(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU, seed=0, config=config
-    )
+    ctx = train.Context.alone(device=CPU, config=config)
     trained = step_and_save(build(ctx), tmp_path / "run", config).model.eval()
     want = list(hf.generate(trained, "def f(", 8, 0.0, 0))
     ids = [list(b"import os")]

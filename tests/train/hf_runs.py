@@ -36,15 +36,7 @@ def built(config: TrainConfig) -> Task:
     from raymesh.train.materialize import materialize
 
     torch.manual_seed(config.seed)
-    ctx = Context(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        device=torch.device("cpu"),
-        seed=config.seed,
-        config=config,
-    )
+    ctx = Context.alone(seed=config.seed, config=config)
     task = hf.build(ctx)
     materialize(task.model, ctx.device, task.init_weights, task.optimizer)
     return task

@@ -92,10 +92,7 @@ def test_fsdp_heals_from_its_checkpoint_bitwise_and_a_save_carries_the_loops_dat
             # What the job publishes: its ranks' shards, read while their procs live.
             published = job.weights()
             assert isinstance(published, train.ShardedState) and len(published.parts) == 2
-            ctx = train.Context(
-                rank=0, world_size=1, local_rank=0, local_world_size=1,
-                device=torch.device("cpu"), seed=9,
-            )  # fmt: skip
+            ctx = train.Context.alone(seed=9)
             model = mlp_build(ctx).model  # a reader's own copy (a generator's): loaded in place
             published.load_into(model)
             with pytest.raises(ValueError, match=r"keys this module lacks: \['blocks.0.0.weight'"):

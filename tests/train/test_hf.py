@@ -234,15 +234,7 @@ def test_bad_params_name_the_key_and_the_fix(tiny, text, change, message):
 
     params = {"model": str(tiny), "text": str(text)} | change
     params = {k: v for k, v in params.items() if v is not DROP}
-    ctx = Context(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        device=torch.device("cpu"),
-        seed=0,
-        config=TrainConfig(params=params),
-    )
+    ctx = Context.alone(config=TrainConfig(params=params))
     with pytest.raises(ValueError, match=message):
         hf.build(ctx)
 
@@ -362,15 +354,7 @@ def test_a_run_whose_build_lived_in_the_users_script_exports_from_its_checkpoint
     assert (named is None) == (kind == "full")
     config = train.TrainConfig(build=named, params={"model": str(tiny), "lora": kind == "lora"})
     torch.manual_seed(0)
-    ctx = train.Context(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        device=torch.device("cpu"),
-        seed=0,
-        config=config,
-    )
+    ctx = train.Context.alone(config=config)
     task = build(ctx)
     step_and_save(task, tmp_path / "run", config)
     want = logits(task.model, IDS)

@@ -121,9 +121,7 @@ def test_estimate_of_the_large_example_mlp_follows_from_its_layer_sizes():
     from raymesh.examples import mlp
     from raymesh.train.task import Context
 
-    ctx = Context(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
-    )
+    ctx = Context.alone()
     task = mlp.build_large(ctx)  # a 32-1024x4-4 MLP with AdamW
     hidden = 1024 * 1024 + 1024
     n = (32 * 1024 + 1024) + 3 * hidden + (1024 * 4 + 4)

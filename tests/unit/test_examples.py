@@ -10,9 +10,7 @@ from torch import nn
 from raymesh.examples import mlp, tinygpt
 from raymesh.train.task import Context, Task
 
-CTX = Context(
-    rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), seed=0
-)
+CTX = Context.alone()
 
 
 def small_gpt() -> tinygpt.TinyGPT:

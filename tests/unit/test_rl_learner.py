@@ -17,10 +17,7 @@ class Learner:
     """A one-rank learner in this process: the rank's task, stepped as a rank steps it."""
 
     def __init__(self, policy: str, algorithm: rl.GRPO) -> None:
-        ctx = Context(
-            rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
-            seed=0,
-        )  # fmt: skip
+        ctx = Context.alone()
         torch.manual_seed(0)
         self.task = GRPOTask(policy, algorithm)(ctx)
         self.model = self.task.model
