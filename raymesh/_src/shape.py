@@ -45,7 +45,7 @@ class Extent(Mapping[str, int]):
             raise ValueError(f"{len(self.labels)} axis names for {len(self.sizes)} sizes")
         _check_labels(self.labels)
         for label, size in zip(self.labels, self.sizes):
-            if not isinstance(size, int) or size < 1:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"axis {label!r} has size {size!r}; sizes must be ints >= 1")
 
     @classmethod

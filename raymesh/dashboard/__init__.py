@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from raymesh._common import ServerThread, Tls
+from raymesh._common import ServerThread, Tls, is_int
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "Tls", "start"]
 
@@ -98,7 +98,7 @@ def start(
         raise ImportError(
             f'the dashboard needs Starlette and uvicorn ({e}): pip install "raymesh[dashboard]"'
         ) from None
-    if not isinstance(port, int) or not 0 <= port <= 65535:
+    if not is_int(port) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}: give a TCP port, 0 to 65535 (0: any free port)")
     if tls is not None and not isinstance(tls, Tls):
         raise TypeError(

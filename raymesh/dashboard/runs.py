@@ -389,7 +389,7 @@ def _id(root: Path, path: Path) -> str:
 
 
 def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raymesh._common import is_int
 from raymesh.topology.model import GIB
 
 __all__ = ["JobShape"]
@@ -38,9 +39,9 @@ class JobShape:
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "grad_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"JobShape: {name}={value!r}; it must be an integer >= 1")
-        if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
+        if not is_int(self.memory_bytes) or self.memory_bytes < 0:
             raise ValueError(
                 f"JobShape: memory_bytes={self.memory_bytes!r}; it must be an integer >= 0 "
                 "(0: any device will do)"

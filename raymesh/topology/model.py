@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raymesh._common import check_int
+
 __all__ = ["Device", "Host", "Link", "NumaNode", "Topology"]
 
 GIB = 1 << 30
@@ -128,8 +130,7 @@ class Device:
     source: str = "nvml"  # "nvml": read on its host; "ray": only Ray's GPU count said so
 
     def __post_init__(self) -> None:
-        if not isinstance(self.index, int) or self.index < 0:
-            raise ValueError(f"Device: index={self.index!r} must be an integer >= 0")
+        check_int("Device: index", self.index, 0)
         if self.memory_bytes is not None and self.memory_bytes < 0:
             raise ValueError(f"Device {self.index}: memory_bytes={self.memory_bytes!r} is < 0")
         if self.source not in ("nvml", "ray"):

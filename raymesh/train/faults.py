@@ -7,6 +7,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from raymesh._common import check_int
+
 __all__ = ["Fault", "InjectedFault", "fail", "hang", "kill", "parse_fault", "slow"]
 
 _KINDS = ("kill", "fail", "hang", "slow")
@@ -32,10 +34,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"fault kind={self.kind!r}: use one of {list(_KINDS)}")
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"fault rank={self.rank!r}: must be an integer >= 0")
-        if not isinstance(self.at_step, int) or self.at_step < 1:
-            raise ValueError(f"fault at_step={self.at_step!r}: must be an integer >= 1")
+        check_int("fault rank", self.rank, 0)
+        check_int("fault at_step", self.at_step, 1)
         if self.when not in _WHEN:
             raise ValueError(f"fault when={self.when!r}: use one of {list(_WHEN)}")
         if self.kind == "slow" and self.when != "step":

@@ -33,6 +33,8 @@ def test_the_cli_syntax_reads_when_join():
         ({"when": "later"}, "when='later'"),
         ({"kind": "slow", "factor": 2.0, "when": "join"}, "fires at a step"),
         ({"at_step": 0}, "at_step=0"),
+        ({"rank": True}, "rank=True: give an integer >= 0"),  # a bool is no rank
+        ({"at_step": True}, "at_step=True"),
     ],
 )
 def test_bad_faults_name_the_field(kwargs, match):

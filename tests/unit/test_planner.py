@@ -356,6 +356,7 @@ def test_hsdp_with_tp_groups_follow_the_rank_layout():
         ({"world_size": 4, "strategy": "zero3"}, r"strategy='zero3'; use one of"),
         ({"world_size": 0}, r"world_size=0; it must be an integer >= 1"),
         ({"world_size": 4, "memory_bytes": -1}, r"memory_bytes=-1"),
+        ({"world_size": 4, "memory_bytes": True}, r"memory_bytes=True"),
         ({"world_size": 4, "device": "tpu"}, r"device='tpu'"),
     ],
 )

@@ -52,7 +52,7 @@ def test_extent_rejects_a_mismatched_number_of_labels_and_sizes():
         Extent(("a", "b"), (2,))
 
 
-@pytest.mark.parametrize("size", [0, -1, 1.5, "2", None])
+@pytest.mark.parametrize("size", [0, -1, 1.5, "2", None, True])
 def test_extent_rejects_sizes_that_are_not_positive_ints(size):
     with pytest.raises(ValueError, match="sizes must be ints >= 1"):
         Extent(("procs",), (size,))
