@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+from raymesh.cli import errors
 
 if TYPE_CHECKING:
     from raymesh.topology import Host, Link, Topology
@@ -44,14 +45,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return errors.run("topology", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     from raymesh import cluster, topology
 
     if not args.probe_timeout > 0:
-        print(
-            f"raymesh topology: --probe-timeout {args.probe_timeout:g}: must be > 0 seconds",
-            file=sys.stderr,
-        )
-        return 2
+        raise ValueError(f"--probe-timeout {args.probe_timeout:g}: give a number of seconds > 0")
     cluster.ensure_ray()  # connect first, so that the time shown is discovery's own
     start = time.monotonic()
     topo = topology.discover(probe_timeout=args.probe_timeout)

@@ -107,6 +107,10 @@ def test_topology_command_prints_json_and_a_table_for_the_session_cluster(capsys
     assert [h.node_id for h in topo.hosts] == [backend.current_node_id()]  # joined, started none
     assert cli_main(["topology", "--probe-timeout", "10"]) == 0  # in-process, the same Ray
     text = capsys.readouterr().out
+    # A mistake is one line naming the flag and the fix, and the usage status, as every command
+    assert cli_main(["topology", "--probe-timeout", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said == "raymesh topology: --probe-timeout 0: give a number of seconds > 0\n", said
     assert "raymesh topology: 1 host(s)" in text and "network (one-way latency" in text
     # Cores and Ray's logical CPU slots apart (the embedded Ray offers >= 64 slots on any
     # machine), read independently of the probes here.
