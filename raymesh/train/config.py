@@ -32,6 +32,18 @@ from raymesh.train.sections import (
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
 
 
+def check_fp16(precision: str, strategy: str) -> None:
+    """ValueError for fp16 with a sharded strategy (given, or decided for "auto"): its loss
+    scaler is DDP's here."""
+    if precision == "fp16" and strategy in ("fsdp", "hsdp"):
+        raise bad(
+            "precision",
+            "fp16",
+            f"with strategy={strategy!r}: loss scaling is for DDP here; use precision='bf16' "
+            "(no scaling needed), or strategy='ddp'",
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where and how often a job checkpoints (`TrainConfig.checkpoint`; `[checkpoint]` in a
@@ -166,13 +178,7 @@ class TrainConfig:
                 f"must split workers={self.max_workers} into 2 or more equal shard groups; "
                 f"use a divisor of {self.max_workers} below it",
             )
-        if self.precision == "fp16" and self.strategy in ("fsdp", "hsdp"):
-            raise bad(
-                "precision",
-                "fp16",
-                f"with strategy={self.strategy!r}: loss scaling is for DDP here; use "
-                "precision='bf16' (no scaling needed), or strategy='ddp'",
-            )
+        check_fp16(self.precision, self.strategy)
         if self.warmup_steps > self.steps:
             raise bad(
                 "warmup_steps",

@@ -54,7 +54,7 @@ import torch
 
 from raymesh.actor import ActorError, Shared, SupervisionError
 from raymesh.data.workers import Workers
-from raymesh.train.config import TrainConfig
+from raymesh.train.config import TrainConfig, check_fp16
 from raymesh.train.control import detection
 from raymesh.train.control.balance import Balancer
 from raymesh.train.control.failure import FailureDecision, TooManyFailures
@@ -406,11 +406,7 @@ class TrainController:
             offload=cfg.offload if on_gpu else False,
             precision=cfg.precision,
         )
-        if decision.sharded and cfg.precision == "fp16":
-            raise ValueError(
-                f"precision='fp16' with {decision.strategy}: loss scaling is for DDP here; use "
-                "precision='bf16' (no scaling needed), or strategy='ddp'"
-            )
+        check_fp16(cfg.precision, decision.strategy)
         self.placer.choose(decision.strategy)
         self.resumed_path = find_resume(cfg)
         self.resumed_from = self.world.prepare(decision, self.resumed_path)
