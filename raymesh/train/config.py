@@ -4,7 +4,7 @@ A config file (`raymesh train job.toml`) and the Python API are the same schema:
 top-level keys are TrainConfig's fields, `[checkpoint]` is CheckpointConfig's. Every field is
 checked on construction; a bad one raises ValueError naming the field, the value and the fix.
 The fields are written flat, and read in sections (`TrainConfig.scaling`, `.parallelism`,
-`.step`, `.failure`, `.run`, `.checkpoint`; `raymesh.train.sections`): each room of the
+`.step`, `.failure`, `.loop`, `.checkpoint`; `raymesh.train.sections`): each room of the
 controller is handed the section it needs.
 """
 
@@ -20,13 +20,13 @@ from raymesh.data import Pipeline
 from raymesh.train.faults import Fault
 from raymesh.train.sections import (
     FailureConfig,
+    LoopConfig,
     ParallelismConfig,
     Precision,
-    RunConfig,
     ScalingConfig,
     Schedule,
     StepConfig,
-    Strategy,
+    StrategyName,
 )
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
@@ -102,7 +102,7 @@ class TrainConfig:
     global_batch_size: int = 1  # samples per step, across all ranks
     micro_batch_size: int | None = None  # per-rank forward size; None: the rank's whole share
     seed: int = 0  # model init, data order: same seed, same run, bit for bit
-    strategy: Strategy = "auto"  # "auto" picks DDP, HSDP or FSDP from a memory estimate
+    strategy: StrategyName = "auto"  # "auto" picks DDP, HSDP or FSDP from a memory estimate
     # HSDP's shard group: ranks each replica is sharded over (a divisor of workers). None: the
     # ranks of one host, when the ranks fill several hosts evenly.
     shard_size: int | None = None
@@ -159,7 +159,7 @@ class TrainConfig:
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
         # Each section checks its own fields; keep the values they normalised.
-        for section in (self.scaling, self.parallelism, self.step, self.failure, self.run):
+        for section in (self.scaling, self.parallelism, self.step, self.failure, self.loop):
             for field in dataclasses.fields(section):
                 object.__setattr__(self, field.name, getattr(section, field.name))
         # What spans sections.
@@ -209,8 +209,8 @@ class TrainConfig:
         return section_of(FailureConfig, self)
 
     @property
-    def run(self) -> RunConfig:
-        return section_of(RunConfig, self)
+    def loop(self) -> LoopConfig:
+        return section_of(LoopConfig, self)
 
     @property
     def min_workers(self) -> int:

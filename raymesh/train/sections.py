@@ -5,18 +5,18 @@ that need only it (torchtitan's `JobConfig` shape):
 - `ParallelismConfig`: the strategy and what it is decided from (the placer, the controller);
 - `FailureConfig`: the failure budget, the timeouts and the injected faults (the policies, the
   world);
-- `RunConfig`: steps, batch, seed, reporting, the build, the data, the hyperparameters (the
+- `LoopConfig`: steps, batch, seed, reporting, the build, the data, the hyperparameters (the
   reporter, each rank's batches);
 - `StepConfig`: how each step trains: precision, gradient clipping, the learning-rate schedule,
   evaluation (each rank's step);
 - `CheckpointConfig` (`raymesh.train.config`): where and how often to save.
 
 A user writes `TrainConfig`'s flat fields (keyword arguments, or a job file's top-level keys):
-`TrainConfig.scaling`, `.parallelism`, `.failure` and `.run` are its sections, built from those
-fields, with no defaults of their own (TrainConfig's are the only ones). A section checks its
-fields on construction (ValueError naming the field, the value and the fix) and normalises
-them (a TOML list of workers to a tuple, fault strings to Faults, a pipeline table to a
-Pipeline); TrainConfig checks what spans sections. Frozen. The rank pool and each rank are
+`TrainConfig.scaling`, `.parallelism`, `.failure`, `.loop` and `.step` are its sections, built
+from those fields, with no defaults of their own (TrainConfig's are the only ones). A section
+checks its fields on construction (ValueError naming the field, the value and the fix) and
+normalises them (a TOML list of workers to a tuple, fault strings to Faults, a pipeline table
+to a Pipeline); TrainConfig checks what spans sections. Frozen. The rank pool and each rank are
 given the whole config: a rank hands it to the user's build function (`Context.config`) and
 records it in each checkpoint's manifest.
 """
@@ -35,14 +35,14 @@ __all__ = [
     "SCHEDULES",
     "STRATEGIES",
     "FailureConfig",
+    "LoopConfig",
     "ParallelismConfig",
-    "RunConfig",
     "ScalingConfig",
     "StepConfig",
-    "Strategy",
+    "StrategyName",
 ]
 
-Strategy = Literal["auto", "ddp", "fsdp", "hsdp"]
+StrategyName = Literal["auto", "ddp", "fsdp", "hsdp"]
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -91,7 +91,7 @@ class ParallelismConfig:
     fit without it), the memory figures the decision may be given, and whether DDP splits the
     batch by the ranks' speed."""
 
-    strategy: Strategy
+    strategy: StrategyName
     shard_size: int | None
     activation_checkpointing: bool | Literal["auto"]
     offload: bool | Literal["auto"]
@@ -182,7 +182,7 @@ class FailureConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig:
+class LoopConfig:
     """What is trained and how it is told: steps, the global and micro batch, the seed, how
     often the ranks report, whether to resume, where the run's files go, the build function's
     name, the data pipeline and the hyperparameters."""

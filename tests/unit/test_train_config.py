@@ -11,8 +11,8 @@ from raymesh.testing import kill
 from raymesh.train import TrainConfig, load_config
 from raymesh.train.sections import (
     FailureConfig,
+    LoopConfig,
     ParallelismConfig,
-    RunConfig,
     ScalingConfig,
     StepConfig,
 )
@@ -20,7 +20,7 @@ from raymesh.train.sections import (
 
 def test_the_sections_hold_every_field_once_and_nothing_else():
     names = [f.name for f in dataclasses.fields(TrainConfig)]
-    sections = (ScalingConfig, ParallelismConfig, StepConfig, FailureConfig, RunConfig)
+    sections = (ScalingConfig, ParallelismConfig, StepConfig, FailureConfig, LoopConfig)
     held = [f.name for s in sections for f in dataclasses.fields(s)] + ["checkpoint"]
     assert sorted(held) == sorted(names)
 
@@ -39,7 +39,7 @@ def test_a_flat_config_reads_the_same_in_sections_with_its_values_normalised():
     assert (config.scaling.min_workers, config.scaling.max_workers) == (2, 4)
     assert config.faults == (kill(rank=1, at_step=3),) == config.failure.faults
     assert config.parallelism.shard_size == 2 and config.failure.max_failures == 5
-    assert config.run.global_batch_size == 8 and config.checkpoint is not None
+    assert config.loop.global_batch_size == 8 and config.checkpoint is not None
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_a_flat_job_file_is_read_as_before(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text("workers = [1, 2]\nsteps = 3\nglobal_batch_size = 4\nspares = 1\n")
     config = load_config(job)
-    assert config.scaling.spares == 1 and config.run.steps == 3 and config.workers == (1, 2)
+    assert config.scaling.spares == 1 and config.loop.steps == 3 and config.workers == (1, 2)
 
 
 def test_the_fine_tuning_example_is_a_valid_job_file():

@@ -21,7 +21,7 @@ from torch.utils.data import default_collate
 from raymesh.data import order as data_order
 from raymesh.data.feed import Feed
 from raymesh.train.rank.step import to_device
-from raymesh.train.sections import RunConfig
+from raymesh.train.sections import LoopConfig
 
 __all__ = ["Batches"]
 
@@ -33,7 +33,7 @@ class Batches:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: LoopConfig,
         *,
         n: int,
         read: Callable[[Any], Any] | None,

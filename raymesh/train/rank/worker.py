@@ -155,7 +155,7 @@ class TrainWorker(Actor):
         place(task.model, self.device)  # a model built on meta is allocated when wrapped
         self.task = task
         self.batches = Batches(
-            cfg.run,
+            cfg.loop,
             n=(
                 cfg.global_batch_size
                 if self.driven
