@@ -723,7 +723,7 @@ def edge_rogue(fed: Any, draw: FedDraw, finished: list[threading.Event]) -> Any:
     """test_rogue's Rogue at `fed`'s edge server, playing `draw.script` (joined first, so its
     client id is `draw.clients`), and an honest EdgeClient beside it; the Rogue, started."""
     from raymesh.examples import fedmlp
-    from raymesh.federated.edge import EdgeClient
+    from raymesh.federated.edge.device import EdgeClient
     from tests.federated import helpers, test_rogue
 
     raw = helpers.RawEdge(fed.edge.url, FED_TOKEN)
@@ -757,7 +757,7 @@ def federated_run(run_seed: int) -> Run:
     import numpy as np
 
     from raymesh.examples import fedmlp
-    from raymesh.federated.client import Layout
+    from raymesh.federated.protocol.client import Layout
     from tests.federated import test_rogue
     from tests.federated.helpers import fedavg_round
 

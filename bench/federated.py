@@ -6,7 +6,7 @@ client sampling and shuffle seeds), at 10 % and 100 % participation; raymesh wit
 aggregation (the figure the targets compare) and without it (where the time goes). Each
 repeat of each side is a fresh process (cold start), interleaved. Then raymesh alone: 10,000
 simulated clients at 1 %, and 4 edge clients over HTTP (each a process of its own, `python
-edge.py`, no Ray).
+edge/device.py`, no Ray).
 
     python bench/federated.py [--repeats 3] [--flower-python /path/to/flwr-venv/bin/python]
 
@@ -71,9 +71,9 @@ def child(args: argparse.Namespace) -> None:
         options["edge"] = fl.EdgeConfig(port=port, token=token, wait_for=args.edge)
         script = (
             "import sys, runpy; sys.modules['ray'] = None; "
-            f"sys.argv = ['edge.py', '--server', 'http://127.0.0.1:{port}', '--token', "
+            f"sys.argv = ['device.py', '--server', 'http://127.0.0.1:{port}', '--token', "
             f"'{token}', '--client', 'raymesh/examples/fedmlp.py:client_fn', '--threads', '1']; "
-            "runpy.run_path('raymesh/federated/edge.py', run_name='__main__')"
+            "runpy.run_path('raymesh/federated/edge/device.py', run_name='__main__')"
         )
         edge_procs = [
             subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.DEVNULL)

@@ -75,7 +75,7 @@ class RoundBar:
 def run(args: argparse.Namespace) -> int:
     if args.job == "client":
         # The edge client is a script of its own (a device runs it without raymesh installed).
-        from raymesh.federated import edge
+        from raymesh.federated.edge import device as edge
 
         if not args.server or not args.client:
             return errors.say(

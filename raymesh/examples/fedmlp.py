@@ -9,7 +9,7 @@ batch 16), one local epoch per round; the server evaluates on a balanced 2000-sa
     raymesh federated examples/federated.toml
 
 This module imports no Ray and no raymesh unless they are installed, so an edge device can run
-`client_fn` with only torch and NumPy (`python edge.py --client raymesh.examples.fedmlp:client_fn`
+`client_fn` with only torch and NumPy (`python device.py --client raymesh.examples.fedmlp:client_fn`
 or a copy of this file).
 """
 

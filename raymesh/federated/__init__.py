@@ -9,15 +9,22 @@ accounted by Opacus. The parts (strategies, secure aggregation, DP, partitions) 
 """
 
 from raymesh._common import Tls
-from raymesh.federated.client import Client
+from raymesh.federated.aggregation.secagg_server import SecAggServer
+from raymesh.federated.aggregation.strategy import (
+    FedAdam,
+    FedAvg,
+    FedProx,
+    FedYogi,
+    Strategy,
+    Update,
+)
 from raymesh.federated.config import EdgeConfig
 from raymesh.federated.federation import Result, RoundRecord, RunConfig, run
 from raymesh.federated.jobfile import load_job
-from raymesh.federated.partition import dirichlet_partition
-from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
-from raymesh.federated.secagg import FixedPoint, SecAggClient, SecAggError
-from raymesh.federated.secagg_server import SecAggServer
-from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy, Update
+from raymesh.federated.protocol.client import Client
+from raymesh.federated.protocol.privacy import DP, PrivacyAccountant, clip_update
+from raymesh.federated.protocol.secagg import FixedPoint, SecAggClient, SecAggError
+from raymesh.federated.simulation.partition import dirichlet_partition
 
 __all__ = [
     "DP",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raymesh._common import Tls, check_token
-from raymesh.federated.privacy import DP
+from raymesh.federated.protocol.privacy import DP
 
 __all__ = ["MIN_BODY_RATE", "MIN_BODY_S", "EdgeConfig", "RunConfig"]
 
@@ -28,7 +28,7 @@ class EdgeConfig:
     poll_s: float = 20.0  # a long poll's wait before 204
     # An answer's body limit (413 beyond). None: what an honest answer for the run's model can
     # be (its weights' count x 11 bytes, a uint64 in base64, plus 64 KiB and 256 bytes per
-    # secure-aggregation neighbour: raymesh.federated.bodies), so one device cannot make the
+    # secure-aggregation neighbour: raymesh.federated.edge.bodies), so one device cannot make the
     # controller read and parse more than an update.
     max_body_bytes: int | None = None
     # An answer's body must be in within this long of its head (408 and the connection closed

@@ -4,22 +4,23 @@ The controller holds the global model as one flat float32 vector. Each round it 
 clients (the strategy), sends each proc one message for all the clients it hosts and each edge
 client its own, waits at most `timeout_s` per step, and applies the strategy's step to the mean
 update. A client that raises, is not started within the step's time, or sends an answer that
-fails its checks (raymesh.federated.checks: every field, every step) is dropped from the round
-with the reason recorded; a proc that dies or does not answer drops all its clients for that
-round and is replaced before the next (raymesh.federated.host_pool). No answer, however formed,
-ends the run: at worst its round is not applied, with the reason in its record. A round with
-fewer than `min_clients` updates is not applied, nor one whose new weights would not be finite.
+fails its checks (raymesh.federated.protocol.checks: every field, every step) is dropped from
+the round with the reason recorded; a proc that dies or does not answer drops all its clients
+for that round and is replaced before the next (raymesh.federated.simulation.host_pool). No
+answer, however formed, ends the run: at worst its round is not applied, with the reason in its
+record. A round with fewer than `min_clients` updates is not applied, nor one whose new weights
+would not be finite.
 
-With secure aggregation (raymesh.federated.secure_round), each client masks (its update times
-its example count, then the count) and the controller only ever holds masked vectors and their
+With secure aggregation (raymesh.federated.aggregation.secure_round), each client masks (its update
+times its example count, then the count) and the controller only ever holds masked vectors and their
 exact sum; dropped clients' masks are removed from the survivors' shares
-(raymesh.federated.secagg), each rebuilt seed verified before use. A round whose decoded sum is
-not finite, whose decoded count differs from the counts the clients reported, or (with DP)
-whose sum is longer than the clipped updates can add up to, is not applied. With DP, clients
-are Poisson-sampled, clip their updates (and the controller clips each update it sees in the
-clear), every update counts once, and the controller adds Gaussian noise to the sum before
-dividing by the expected number sampled (DP-FedAvg); Opacus's accountant gives epsilon per
-round (raymesh.federated.privacy).
+(raymesh.federated.protocol.secagg), each rebuilt seed verified before use. A round whose decoded
+sum is not finite, whose decoded count differs from the counts the clients reported, or (with DP)
+whose sum is longer than the clipped updates can add up to, is not applied. With DP, clients are
+Poisson-sampled, clip their updates (and the controller clips each update it sees in the clear),
+every update counts once, and the controller adds Gaussian noise to the sum before dividing by the
+expected number sampled (DP-FedAvg); Opacus's accountant gives epsilon per round
+(raymesh.federated.protocol.privacy).
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ import numpy as np
 import torch
 
 from raymesh.actor import host_mesh
-from raymesh.federated.checks import BadUpdate, Checks
-from raymesh.federated.client import Layout
+from raymesh.federated.aggregation.secure_round import SecureRound
+from raymesh.federated.aggregation.strategy import Strategy, Update
 from raymesh.federated.config import RunConfig
-from raymesh.federated.host import HostProc, spawn_host
-from raymesh.federated.host_pool import HostPool
-from raymesh.federated.privacy import DP, PrivacyAccountant, clip_update
-from raymesh.federated.protocol import Fit, Fitted, Message
+from raymesh.federated.edge.server import EdgeServer
+from raymesh.federated.protocol.checks import BadUpdate, Checks
+from raymesh.federated.protocol.client import Layout
+from raymesh.federated.protocol.messages import Fit, Fitted, Message
+from raymesh.federated.protocol.privacy import DP, PrivacyAccountant, clip_update
+from raymesh.federated.protocol.secagg import default_degree
 from raymesh.federated.result import Outcome, Result, RoundRecord, state_dict
-from raymesh.federated.secagg import default_degree
-from raymesh.federated.secure_round import SecureRound
-from raymesh.federated.server import EdgeServer
-from raymesh.federated.strategy import Strategy, Update
+from raymesh.federated.simulation.host import HostProc, spawn_host
+from raymesh.federated.simulation.host_pool import HostPool
 
 # RunConfig, Result and RoundRecord live in their own modules; they are named here too, where
 # a run's config goes in and its result comes out (raymesh.federated.jobfile imports RunConfig

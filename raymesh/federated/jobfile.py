@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from raymesh._common import Tls, from_table, read_toml, resolve
+from raymesh.federated.aggregation.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy
 from raymesh.federated.config import EdgeConfig
 from raymesh.federated.federation import RunConfig
-from raymesh.federated.privacy import DP
-from raymesh.federated.strategy import FedAdam, FedAvg, FedProx, FedYogi, Strategy
+from raymesh.federated.protocol.privacy import DP
 
 __all__ = ["STRATEGIES", "FederatedJob", "load_job"]
 

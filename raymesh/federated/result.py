@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from raymesh.federated.client import Layout
-from raymesh.federated.protocol import Fitted
+from raymesh.federated.protocol.client import Layout
+from raymesh.federated.protocol.messages import Fitted
 
 __all__ = ["Outcome", "Result", "RoundRecord", "state_dict"]
 

@@ -21,10 +21,10 @@ import torch
 
 from raymesh.examples import fedmlp
 from raymesh.federated import Client, RunConfig
-from raymesh.federated.client import Layout
 from raymesh.federated.federation import Federation
-from raymesh.federated.host import HostProc
-from raymesh.federated.protocol import Participant, decode, encode
+from raymesh.federated.protocol.client import Layout
+from raymesh.federated.protocol.messages import Participant, decode, encode
+from raymesh.federated.simulation.host import HostProc
 
 RAISES, NAN, KILLS, HANGS = 3, 5, 6, 1  # the cids that misbehave
 

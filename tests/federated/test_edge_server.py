@@ -16,12 +16,12 @@ import pytest
 from raymesh import federated as fl
 from raymesh.examples import fedmlp
 from raymesh.federated import Tls
-from raymesh.federated.checks import BadUpdate
-from raymesh.federated.client import Layout
 from raymesh.federated.config import MIN_BODY_RATE
-from raymesh.federated.edge import EdgeClient, Untrusted
-from raymesh.federated.protocol import Advertise, Fit, Participant, decode, encode
-from raymesh.federated.server import EdgeConfig, EdgeServer
+from raymesh.federated.edge.device import EdgeClient, Untrusted
+from raymesh.federated.edge.server import EdgeConfig, EdgeServer
+from raymesh.federated.protocol.checks import BadUpdate
+from raymesh.federated.protocol.client import Layout
+from raymesh.federated.protocol.messages import Advertise, Fit, Participant, decode, encode
 from tests.certs import self_signed
 from tests.federated import helpers
 from tests.waiting import wait_for
@@ -255,7 +255,7 @@ def test_an_answers_body_deadline_follows_the_body_limit_and_a_late_body_is_no_a
 def test_each_message_is_encoded_once_whatever_the_polls(server, monkeypatch):
     """Polls serve the bytes encoded when the message was queued; two edge clients' Fits of a
     round share one encoding of its weights."""
-    from raymesh.federated import server as server_module
+    from raymesh.federated.edge import server as server_module
 
     encoded: list[str] = []
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from raymesh import federated as fl
 from raymesh.examples import fedmlp
-from raymesh.federated.edge import EdgeClient
-from raymesh.federated.protocol import (
+from raymesh.federated.edge.device import EdgeClient
+from raymesh.federated.protocol.messages import (
     Advertise,
     Adverts,
     Done,
@@ -37,7 +37,7 @@ from raymesh.federated.protocol import (
     Unmasked,
     encode,
 )
-from raymesh.federated.secagg import KeyAdvert
+from raymesh.federated.protocol.secagg import KeyAdvert
 from tests.federated import helpers
 from tests.waiting import wait_for
 

@@ -19,8 +19,8 @@ from opacus.accountants import RDPAccountant
 from raymesh import federated as fl
 from raymesh.examples import fedmlp
 from raymesh.federated import Tls
-from raymesh.federated.client import Layout
 from raymesh.federated.federation import Federation
+from raymesh.federated.protocol.client import Layout
 from tests.certs import self_signed
 from tests.federated import helpers
 
@@ -157,9 +157,9 @@ def test_an_edge_client_without_ray_joins_the_simulated_ones_over_https(ray_clus
     log = open(tmp_path / "edge.log", "w")  # noqa: SIM115 (the child writes to it)
     script = (
         "import sys, runpy; sys.modules['ray'] = None; "
-        f"sys.argv = ['edge.py', '--server', '{fed.edge.url}', '--token-file', '{token_file}', "
+        f"sys.argv = ['device.py', '--server', '{fed.edge.url}', '--token-file', '{token_file}', "
         f"'--ca-file', '{cert}', '--client', 'raymesh/examples/fedmlp.py:client_fn']; "
-        "runpy.run_path('raymesh/federated/edge.py', run_name='__main__')"
+        "runpy.run_path('raymesh/federated/edge/device.py', run_name='__main__')"
     )
     edge = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=log, stderr=log)
     try:

@@ -25,7 +25,7 @@ from raymesh.federated import (
     clip_update,
     dirichlet_partition,
 )
-from raymesh.federated.secagg import default_degree, neighbours
+from raymesh.federated.protocol.secagg import default_degree, neighbours
 
 SIZE = 257
 
@@ -202,9 +202,9 @@ def test_a_client_that_advertised_but_never_shared_is_in_nobodys_masks():
 
 
 def test_low_order_and_malformed_public_keys_are_refused_at_advert_time():
-    from raymesh.federated.checks import BadUpdate, Checks
-    from raymesh.federated.protocol import Advertise, Adverts
-    from raymesh.federated.secagg import KeyAdvert, advert_problem, key_problem
+    from raymesh.federated.protocol.checks import BadUpdate, Checks
+    from raymesh.federated.protocol.messages import Advertise, Adverts
+    from raymesh.federated.protocol.secagg import KeyAdvert, advert_problem, key_problem
 
     low_order = [
         bytes(32),
@@ -292,9 +292,9 @@ def test_a_proc_rebuilding_a_wrong_seed_is_not_trusted():
 
 
 def test_shares_are_routed_along_the_neighbour_graph_only():
-    from raymesh.federated.checks import BadUpdate, Checks
-    from raymesh.federated.protocol import Shares, ShareSeeds
-    from raymesh.federated.secagg import SHARE_BYTES
+    from raymesh.federated.protocol.checks import BadUpdate, Checks
+    from raymesh.federated.protocol.messages import Shares, ShareSeeds
+    from raymesh.federated.protocol.secagg import SHARE_BYTES
 
     clients = {u: SecAggClient(u, 1) for u in range(12)}
     server = SecAggServer(1, SIZE, threshold=2)
@@ -342,8 +342,8 @@ def test_dp_clipping_and_epsilon_match_opacus():
 def test_messages_round_trip_through_json_and_strangers_are_refused():
     import json
 
-    from raymesh.federated.client import Layout
-    from raymesh.federated.protocol import Fit, Fitted, decode, encode
+    from raymesh.federated.protocol.client import Layout
+    from raymesh.federated.protocol.messages import Fit, Fitted, decode, encode
 
     layout = Layout(("w", "b"), ((2, 3), (3,)))
     fit = Fit(
@@ -437,8 +437,8 @@ def test_a_participant_drops_a_failing_client_and_masks_the_others():
     import torch
 
     from raymesh.federated import Client
-    from raymesh.federated.client import Layout
-    from raymesh.federated.protocol import Advertise, Fit, Participant, ShareSeeds, Unmask
+    from raymesh.federated.protocol.client import Layout
+    from raymesh.federated.protocol.messages import Advertise, Fit, Participant, ShareSeeds, Unmask
 
     def train(model, data, config):
         if config["client"] == 2:
@@ -469,8 +469,8 @@ def test_a_participant_drops_a_failing_client_and_masks_the_others():
 
 def _answers():
     """(message, clients, a valid answer, {what: a broken copy of the answer})."""
-    from raymesh.federated.client import Layout
-    from raymesh.federated.protocol import (
+    from raymesh.federated.protocol.client import Layout
+    from raymesh.federated.protocol.messages import (
         Advertise,
         Adverts,
         Fit,
@@ -480,7 +480,7 @@ def _answers():
         Unmask,
         Unmasked,
     )
-    from raymesh.federated.secagg import SHARE_BYTES, KeyAdvert
+    from raymesh.federated.protocol.secagg import SHARE_BYTES, KeyAdvert
 
     good = SecAggClient(7, 1).advertise()
     keys = (good.c_public, good.s_public, good.b_commit)
@@ -590,7 +590,7 @@ def _answers():
 
 
 def test_every_field_of_every_answer_is_checked_and_only_badupdate_is_raised():
-    from raymesh.federated.checks import BadUpdate, Checks
+    from raymesh.federated.protocol.checks import BadUpdate, Checks
 
     check = Checks(4, max_examples=1000)
     for msg, valid, broken in _answers():
@@ -600,7 +600,7 @@ def test_every_field_of_every_answer_is_checked_and_only_badupdate_is_raised():
                 check(msg, [7], reply)
             assert str(got.value), what
     # Not even a reply of some unforeseen form gets anything but BadUpdate out of it.
-    from raymesh.federated.protocol import Fit, Fitted
+    from raymesh.federated.protocol.messages import Fit, Fitted
 
     msg = _answers()[2][0]
     assert isinstance(msg, Fit)
@@ -620,8 +620,8 @@ def test_a_client_reporting_more_than_max_examples_is_dropped_by_its_participant
     import torch
 
     from raymesh.federated import Client, RunConfig
-    from raymesh.federated.client import Layout
-    from raymesh.federated.protocol import Fit, Participant
+    from raymesh.federated.protocol.client import Layout
+    from raymesh.federated.protocol.messages import Fit, Participant
 
     def train(model, data, config):
         return 5000 if config["client"] == 1 else 10
@@ -691,7 +691,7 @@ def test_a_dp_round_clips_sums_adds_noise_and_divides_by_the_expected_number_sam
     with noise of std noise_multiplier * clip / 5 on every weight. Without secure aggregation
     the clients' clipping is switched off: the server's own clipping must hold."""
     if not secure:
-        from raymesh.federated import protocol
+        from raymesh.federated.protocol import messages as protocol
 
         monkeypatch.setattr(protocol, "clip_update", lambda delta, clip: dict(delta))
     step, rec = _dp_step(secure)
@@ -709,8 +709,8 @@ def test_a_secure_dp_sum_longer_than_clipped_updates_can_add_up_to_is_not_applie
     10 (clip 1), and their sum's norm, 40, is over four clipped updates' 4: the round is not
     applied and the model stays as it was. The bound is n * clip plus fixed point's rounding:
     a sum just within it passes, one just past it does not."""
-    from raymesh.federated import protocol
-    from raymesh.federated.checks import sum_problem
+    from raymesh.federated.protocol import messages as protocol
+    from raymesh.federated.protocol.checks import sum_problem
 
     monkeypatch.setattr(protocol, "clip_update", lambda delta, clip: dict(delta))
     step, rec = _dp_step(True)
@@ -727,7 +727,7 @@ def test_a_secure_dp_sum_longer_than_clipped_updates_can_add_up_to_is_not_applie
 
 
 def test_dp_noise_and_sampling_come_from_os_entropy_not_the_runs_seed(monkeypatch):
-    from raymesh.federated import privacy
+    from raymesh.federated.protocol import privacy
 
     first, _ = _dp_step(True, seed=3)
     second, _ = _dp_step(True, seed=3)
@@ -748,7 +748,7 @@ def test_a_secure_sum_whose_count_differs_from_the_reported_counts_is_not_applie
     away, and the round is not applied (the model is unchanged)."""
     import dataclasses
 
-    from raymesh.federated.protocol import Participant
+    from raymesh.federated.protocol.messages import Participant
     from tests.federated import helpers
 
     class Inflating(Participant):
@@ -776,7 +776,7 @@ def test_a_secure_sum_whose_count_differs_from_the_reported_counts_is_not_applie
 
 
 def test_a_proc_answer_that_fails_its_checks_drops_its_clients_not_the_proc():
-    from raymesh.federated.protocol import Fitted
+    from raymesh.federated.protocol.messages import Fitted
     from tests.federated import helpers
 
     class Wrong(helpers.LocalHost):
@@ -843,13 +843,13 @@ def test_a_job_files_edge_tls_and_the_clis_tls_flags_and_token(tmp_path, monkeyp
 def test_the_edge_clients_token_comes_from_a_file_or_the_environment_and_plain_http_warns(
     tmp_path, monkeypatch, caplog
 ):
-    """--token-file or $RAYMESH_FL_TOKEN, as `raymesh federated client` and edge.py parse
+    """--token-file or $RAYMESH_FL_TOKEN, as `raymesh federated client` and edge/device.py parse
     them; --token still works but warns (the process list is public), and so does a token
     sent over plain http to another host, once per client."""
     import argparse
 
     from raymesh.cli import federated as cli
-    from raymesh.federated import edge
+    from raymesh.federated.edge import device as edge
 
     caplog.set_level("WARNING", logger="raymesh.federated.edge")
     parser = argparse.ArgumentParser()

@@ -420,7 +420,10 @@ _FRONT = (
     "in train (a TrainConfig carries faults); train does not export them itself"
 )
 PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
-    ("raymesh.cli.federated", "raymesh.federated.edge"): "the edge client is a script of its "
+    (
+        "raymesh.cli.federated",
+        "raymesh.federated.edge.device",
+    ): "the edge client is a script of its "
     "own, copied to devices that have no raymesh; `raymesh federated client` runs it",
     ("raymesh.train.control.balance", "raymesh.data.order"): _FEED,
     ("raymesh.train.control.controller", "raymesh.data.workers"): _FEED,

@@ -7,7 +7,7 @@ code. This module needs only NumPy, torch and the crypto libraries (no Ray, no r
 
 A round is `Advertise` -> `Share` -> `Fit` -> `Unmask` with secure aggregation, and `Fit` alone
 without it. Each message and each answer names the round; an answer to another round is refused
-(raymesh.federated.checks says what else a valid answer is).
+(raymesh.federated.protocol.checks says what else a valid answer is).
 
 A `Participant` never lets one client's failure fail the others it answers for: a client whose
 code raises, whose count is out of range, or whose secure-aggregation step fails is listed in
@@ -298,7 +298,7 @@ def decode(data: Any, *, max_depth: int = MAX_DEPTH) -> Any:
     """The inverse of `encode`. Builds only this module's message types and arrays of plain
     numeric dtypes. Anything else, nesting deeper than `max_depth`, and a value of the wrong
     form all raise ValueError (never another exception): what it returns still needs its
-    fields checked (raymesh.federated.checks)."""
+    fields checked (raymesh.federated.protocol.checks)."""
     try:
         return _decode(data, max_depth)
     except ValueError:

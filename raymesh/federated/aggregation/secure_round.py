@@ -20,13 +20,21 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from raymesh.federated.checks import sum_problem
+from raymesh.federated.aggregation.secagg_server import SecAggServer
 from raymesh.federated.config import RunConfig
-from raymesh.federated.host_pool import HostPool
-from raymesh.federated.protocol import FIXED, Advertise, Combine, Fit, Message, ShareSeeds, Unmask
+from raymesh.federated.protocol.checks import sum_problem
+from raymesh.federated.protocol.messages import (
+    FIXED,
+    Advertise,
+    Combine,
+    Fit,
+    Message,
+    ShareSeeds,
+    Unmask,
+)
+from raymesh.federated.protocol.secagg import SecAggError, default_degree, neighbours
 from raymesh.federated.result import Outcome
-from raymesh.federated.secagg import SecAggError, default_degree, neighbours
-from raymesh.federated.secagg_server import SecAggServer
+from raymesh.federated.simulation.host_pool import HostPool
 
 __all__ = ["SecureRound"]
 

@@ -2,8 +2,9 @@
 
 A client is not a process: `client_fn(cid)` builds it on first use and the host keeps the
 most recently used ones, so a few procs carry thousands of clients. The host answers the
-round's messages (raymesh.federated.protocol) for the clients it is sent, one after another,
-and sums their masked updates before replying, so one vector per proc crosses the network.
+round's messages (raymesh.federated.protocol.messages) for the clients it is sent, one after
+another, and sums their masked updates before replying, so one vector per proc crosses the
+network.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from raymesh.actor import Actor, ProcMesh, endpoint, host_mesh
-from raymesh.federated.protocol import Message, Participant
+from raymesh.federated.protocol.messages import Message, Participant
 
 __all__ = ["ClientHost", "HostProc", "spawn_host"]
 

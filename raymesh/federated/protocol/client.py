@@ -1,7 +1,7 @@
 """A federated client: a model, the data that never leaves it, and how it trains.
 
 This module needs only torch and NumPy (no Ray, no raymesh), so that the edge client
-(raymesh.federated.edge) can run it on a device with nothing else installed.
+(raymesh.federated.edge.device) can run it on a device with nothing else installed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The server's side of secure aggregation (`SecAggServer`): routes shares along the neighbour
 graph, sums masked updates, rebuilds and verifies the seeds it needs, and removes the masks.
-The protocol, its steps and its guarantees are in `secagg`'s docstring; this side is never
-copied to an edge device.
+The protocol, its steps and its guarantees are in the docstring of the client's side,
+raymesh.federated.protocol.secagg; this side is never copied to an edge device.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from raymesh.federated.secagg import (
+from raymesh.federated.protocol.secagg import (
     SEED_BYTES,
     KeyAdvert,
     Revealed,

@@ -1,13 +1,14 @@
 """What a valid answer to each step of a round looks like, checked before anything uses it.
 
 An answer comes from a proc (which runs the clients' own code) or from an edge device (which
-runs anything at all), so every field is checked for type, shape and range: the round named,
-the clients answered for (only those the message was for), each key advert (raymesh.federated.
-secagg.advert_problem), each share's recipients (exactly the neighbours the client was given)
-and length, each example count (an int in 1..max_examples), each figure (a finite number under
-a short name), each update (float32 of the model's size, finite) or masked vector (uint64 of the
-model's size + 1), each revealed share's form. A failed check raises `BadUpdate(reason)`, and
-the round drops that answer's clients with the reason; nothing here raises anything else.
+runs anything at all), so every field is checked for type, shape and range: the round named, the
+clients answered for (only those the message was for), each key advert
+(raymesh.federated.protocol.secagg.advert_problem), each share's recipients (exactly the
+neighbours the client was given) and length, each example count (an int in 1..max_examples),
+each figure (a finite number under a short name), each update (float32 of the model's size,
+finite) or masked vector (uint64 of the model's size + 1), each revealed share's form. A failed
+check raises `BadUpdate(reason)`, and the round drops that answer's clients with the reason;
+nothing here raises anything else.
 `sum_problem` checks what secure aggregation decodes from the answers, before it is applied.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from raymesh.federated.protocol import (
+from raymesh.federated.protocol.messages import (
     Advertise,
     Adverts,
     Fit,
@@ -30,7 +31,7 @@ from raymesh.federated.protocol import (
     Unmask,
     Unmasked,
 )
-from raymesh.federated.secagg import SEED_BYTES, SHARE_BYTES, advert_problem
+from raymesh.federated.protocol.secagg import SEED_BYTES, SHARE_BYTES, advert_problem
 
 __all__ = ["MAX_FIGURES", "BadUpdate", "Checks", "sum_problem"]
 

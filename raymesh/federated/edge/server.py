@@ -2,8 +2,9 @@
 controller, bound to loopback unless told otherwise, over HTTPS when given a certificate.
 
     POST /v1/join  {"device": D}  -> {"client": cid, "key": "<session key>"}
-    GET  /v1/next?client=cid      -> the client's next message (raymesh.federated.protocol, as
-                                     JSON), or 204 after `poll_s` with none; Done at the end
+    GET  /v1/next?client=cid      -> the client's next message (as JSON: raymesh.federated.
+                                     protocol.messages), or 204 after `poll_s` with none; Done
+                                     at the end
     POST /v1/reply?client=cid  {"reply": <the answer>} -> 200, or 4xx with the reason
     GET  /healthz                 200 while the server runs
 
@@ -19,10 +20,10 @@ message waits for this answer (too late, or already answered: a replay), or a de
 enrolled; 429 another answer from this client is still being received or checked (refused at
 once, its body unread: one answer in flight per client); 413 a body over the byte limit
 (counted while it streams in, before any decoding) or with more JSON values than an answer
-holds (raymesh.federated.bodies: both follow the model's size, unless
+holds (raymesh.federated.edge.bodies: both follow the model's size, unless
 `EdgeConfig.max_body_bytes` sets the bytes); 400 a body that is not JSON, holds NaN or
 Infinity, or nests deeper than protocol.MAX_DEPTH; 422 an answer that does not decode or fails
-its checks (raymesh.federated.checks); 408 a body not in within `EdgeConfig.body_deadline`
+its checks (raymesh.federated.protocol.checks); 408 a body not in within `EdgeConfig.body_deadline`
 (by default the byte limit at 256 KiB/s, at least 60 s). A client whose answer is refused
 (413, 400, 422) is dropped from that round, and the round goes on; one that went away before
 its body ended (400) or was too slow (408) sent no answer, and may send it again. Every
@@ -57,10 +58,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from raymesh._common import BearerAuth, HTTPError, Pending, RefusalLog, ServerThread
-from raymesh.federated.bodies import Limits, load
-from raymesh.federated.checks import BadUpdate
 from raymesh.federated.config import EdgeConfig
-from raymesh.federated.protocol import Done, Fit, Message, decode, encode
+from raymesh.federated.edge.bodies import Limits, load
+from raymesh.federated.protocol.checks import BadUpdate
+from raymesh.federated.protocol.messages import Done, Fit, Message, decode, encode
 
 __all__ = ["BadUpdate", "EdgeConfig", "EdgeServer"]
 
@@ -110,7 +111,7 @@ class EdgeServer:
     """Hands messages to edge clients and collects their answers. Thread-safe: the round
     driver calls `send`, the server's loop answers HTTP. `size`: the model's float count and
     `peers`: the most secure-aggregation neighbours a client has, which bound an honest
-    answer's body (`limits`, raymesh.federated.bodies)."""
+    answer's body (`limits`, raymesh.federated.edge.bodies)."""
 
     def __init__(self, config: EdgeConfig, *, first_cid: int, size: int, peers: int = 0) -> None:
         self.config = config

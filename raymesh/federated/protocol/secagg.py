@@ -40,7 +40,7 @@ what raymesh bounds), the second makes the round fail when its seeds are needed.
 
 This module is the protocol's vocabulary (messages, keys, masks, fixed point, the neighbour
 graph) and the client's side: all that an edge device copies. The server's side is
-`secagg_server`.
+`raymesh.federated.aggregation.secagg_server`.
 """
 
 from __future__ import annotations
@@ -327,5 +327,5 @@ class SecAggClient:
 
 def combine(shares: Iterable[Share]) -> bytes:
     """A secret from `threshold` of its Shamir shares (unverified: see
-    secagg_server.SecAggServer.rebuild)."""
+    aggregation.secagg_server.SecAggServer.rebuild)."""
     return Shamir.combine(list(shares))

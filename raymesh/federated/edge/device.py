@@ -4,10 +4,12 @@
         --client mymodule:client_fn [--ca-file server-cert.pem] [--device DEVICE-ID]
 
 or, on a device with only torch, NumPy, cryptography and PyCryptodome installed (no Ray, no
-raymesh), with this file and its siblings client.py, protocol.py, privacy.py and secagg.py
-copied into one folder:
+raymesh), with this file and the client's side of the protocol (../protocol/: client.py,
+messages.py, privacy.py and secagg.py) copied into one folder:
 
-    python edge.py --server https://HOST:PORT --token-file token.txt --client mymodule:client_fn
+    python device.py --server https://HOST:PORT --token-file token.txt --client mymodule:client_fn
+
+(Run in place, as `python raymesh/federated/edge/device.py`, it loads them from ../protocol/.)
 
 The token comes from `--token-file` (its first line) or `$RAYMESH_FL_TOKEN`. `--token T` works
 too, with a warning: every user of the machine can read a command line (`ps`). Sending the
@@ -46,13 +48,14 @@ from collections.abc import Callable
 from typing import Any
 
 if __package__:
-    from .protocol import Done, Participant, decode, encode
-else:  # run as a file: load the sibling modules as a package of their own, without raymesh
+    from ..protocol.messages import Done, Participant, decode, encode
+else:  # run as a file: load the protocol's modules as a package of their own, without raymesh,
+    # from this file's folder (a device's copy) or else from ../protocol/ (run in place)
     _here = os.path.dirname(os.path.abspath(__file__))
     _pkg = types.ModuleType("_raymesh_edge")
-    _pkg.__path__ = [_here]
+    _pkg.__path__ = [_here, os.path.join(os.path.dirname(_here), "protocol")]
     sys.modules["_raymesh_edge"] = _pkg
-    _protocol = importlib.import_module("_raymesh_edge.protocol")
+    _protocol = importlib.import_module("_raymesh_edge.messages")
     Done, Participant = _protocol.Done, _protocol.Participant  # type: ignore[misc]
     decode, encode = _protocol.decode, _protocol.encode
 

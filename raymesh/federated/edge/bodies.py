@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raymesh._common import HTTPError
-from raymesh.federated.protocol import MAX_DEPTH
+from raymesh.federated.protocol.messages import MAX_DEPTH
 
 __all__ = ["Limits", "load"]
 

@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 from collections.abc import Callable
 
-from raymesh.federated.host import HostProc
+from raymesh.federated.simulation.host import HostProc
 
 __all__ = ["HostPool"]
 
