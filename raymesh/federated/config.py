@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raymesh._common import Tls, check_token
+from raymesh._common import Tls, check_token, is_int
 from raymesh.federated.protocol.privacy import DP
 
 __all__ = ["MIN_BODY_RATE", "MIN_BODY_S", "EdgeConfig", "RunConfig"]
@@ -39,19 +39,17 @@ class EdgeConfig:
     tls: Tls | None = None  # serve HTTPS with this certificate and key
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        if not is_int(self.port) or not 0 <= self.port < 65536:
             raise ValueError(f"edge.port={self.port!r}: give a TCP port, or 0 for any free one")
         if self.token is not None:  # the servers' one rule: the edge server's BearerAuth's
             check_token("edge.token", self.token)
-        if not isinstance(self.wait_for, int) or self.wait_for < 0:
+        if not is_int(self.wait_for) or self.wait_for < 0:
             raise ValueError(f"edge.wait_for={self.wait_for!r}: give a count >= 0")
         for name in ("join_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"edge.{name}={getattr(self, name)!r}: give seconds > 0")
         if self.max_body_bytes is not None and (
-            isinstance(self.max_body_bytes, bool)
-            or not isinstance(self.max_body_bytes, int)
-            or self.max_body_bytes < 1024
+            not is_int(self.max_body_bytes) or self.max_body_bytes < 1024
         ):
             raise ValueError(
                 f"edge.max_body_bytes={self.max_body_bytes!r}: give bytes >= 1024, or None for "
@@ -66,7 +64,7 @@ class EdgeConfig:
                 f"edge.body_timeout_s={self.body_timeout_s!r}: give seconds > 0, or None for "
                 f"the body limit at {MIN_BODY_RATE // 1024} KiB/s (at least {MIN_BODY_S:g} s)"
             )
-        if not isinstance(self.max_clients, int) or self.max_clients < 1:
+        if not is_int(self.max_clients) or self.max_clients < 1:
             raise ValueError(f"edge.max_clients={self.max_clients!r}: give a count >= 1")
         if self.wait_for > self.max_clients:
             raise ValueError(
@@ -113,29 +111,25 @@ class RunConfig:
         def bad(name: str, fix: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: {fix}")
 
-        if not isinstance(self.clients, int) or self.clients < 0:
+        if not is_int(self.clients) or self.clients < 0:
             raise bad("clients", "give the number of simulated clients, an integer >= 0")
         if self.clients == 0 and (self.edge is None or self.edge.wait_for == 0):
             raise bad("clients", "give simulated clients, or edge clients to wait for")
-        if not isinstance(self.rounds, int) or self.rounds < 1:
+        if not is_int(self.rounds) or self.rounds < 1:
             raise bad("rounds", "give an integer >= 1")
-        if self.hosts is not None and (not isinstance(self.hosts, int) or self.hosts < 1):
+        if self.hosts is not None and (not is_int(self.hosts) or self.hosts < 1):
             raise bad("hosts", "give a number of procs >= 1, or None for one per free CPU")
         if not self.cpus_per_host > 0:
             raise bad("cpus_per_host", "give CPUs per proc, > 0 (0.5 packs two on a core)")
-        if not isinstance(self.keep_clients, int) or self.keep_clients < 1:
+        if not is_int(self.keep_clients) or self.keep_clients < 1:
             raise bad("keep_clients", "give an integer >= 1")
         if not self.timeout_s > 0:
             raise bad("timeout_s", "give seconds > 0")
-        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 2):
+        if self.degree is not None and (not is_int(self.degree) or self.degree < 2):
             raise bad("degree", "give an even neighbour count >= 2, or None for O(log n)")
         if self.dp is not None and not isinstance(self.dp, DP):
             raise bad("dp", "give raymesh.federated.DP(clip=..., noise_multiplier=...)")
         if self.edge is not None and not isinstance(self.edge, EdgeConfig):
             raise bad("edge", "give raymesh.federated.EdgeConfig(...)")
-        if (
-            isinstance(self.max_examples, bool)
-            or not isinstance(self.max_examples, int)
-            or not 1 <= self.max_examples < 2**31
-        ):
+        if not is_int(self.max_examples) or not 1 <= self.max_examples < 2**31:
             raise bad("max_examples", "give the largest count one client may report, 1..2**31-1")

@@ -397,7 +397,12 @@ def test_run_config_and_job_file_errors_name_the_field_and_the_fix(tmp_path):
         RunConfig(clients=10, rounds=0)
     with pytest.raises(ValueError, match="clients=0: give simulated clients, or edge clients"):
         RunConfig(clients=0, rounds=1)
+    with pytest.raises(ValueError, match="rounds=True: give an integer >= 1"):  # no count
+        RunConfig(clients=10, rounds=True)
     from raymesh.federated import EdgeConfig
+
+    with pytest.raises(ValueError, match=r"edge\.max_clients=True: give a count >= 1"):
+        EdgeConfig(max_clients=True)
 
     # The edge server's token check is every server's (BearerAuth's), here at construction.
     with pytest.raises(ValueError, match=r"edge\.token=.*give at least 16") as e:

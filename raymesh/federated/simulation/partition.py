@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from raymesh._common import check_int
+
 __all__ = ["dirichlet_partition"]
 
 
@@ -17,8 +19,7 @@ def dirichlet_partition(
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0:
         raise ValueError(f"labels: got shape {labels.shape}; give a non-empty 1-D array")
-    if not isinstance(clients, int) or clients < 1:
-        raise ValueError(f"clients={clients!r}: give an integer >= 1")
+    check_int("clients", clients, 1)
     if not alpha > 0:
         raise ValueError(f"alpha={alpha!r}: give a concentration > 0 (0.5 is a common non-IID mix)")
     if clients * min_size > labels.size:
