@@ -237,6 +237,44 @@ def test_an_input_of_the_wrong_shape_is_named_by_its_place(x, shape, integer, wh
     assert check_input(x, shape, integer) == why
 
 
+@pytest.mark.parametrize(
+    ("body", "status", "why"),
+    [
+        ({}, 422, "prompt: give a string"),
+        ({"prompt": ["def "]}, 422, "prompt: give a string"),
+        ({"prompt": "a", "max_tokens": True}, 422, "max_tokens: give an integer 1..64"),
+        ({"prompt": "a", "max_tokens": 65}, 422, "max_tokens: give an integer 1..64 (got 65)"),
+        ({"prompt": "a", "max_tokens": "9" * 5000}, 422, "max_tokens: give an integer"),
+        ({"prompt": "a", "temperature": -1}, 422, "temperature: give a number >= 0"),
+        ({"prompt": "a", "temperature": 1e39}, 400, "temperature"),
+        ({"prompt": "a", "seed": 2**64}, 400, "seed: give an integer of 64 bits (got 20 digits)"),
+        ({"prompt": "a", "seed": "1" * 5000}, 422, "seed: give an integer (got '1111"),
+        ({"prompt": "a", "stream": "yes"}, 422, "stream: give true or false"),
+    ],
+)
+def test_a_generate_request_is_checked_field_by_field_without_a_server(body, status, why):
+    from raymesh.serve.http.front import GenerateArgs, generate_args
+    from raymesh.serve.http.guard import HTTPError
+
+    with pytest.raises(HTTPError) as e:
+        generate_args(body, max_tokens=64)
+    assert e.value.status == status and why in e.value.body["message"], e.value.body
+    assert len(e.value.body["message"]) < 200  # the value is cut, whatever its size
+    good = {"prompt": "def ", "max_tokens": 64, "temperature": 0.5, "seed": -1, "stream": True}
+    assert generate_args(good, max_tokens=64) == GenerateArgs("def ", 64, 0.5, -1, True)
+
+
+def test_a_reload_request_names_its_checkpoint_field():
+    from raymesh.serve.http.front import reload_args
+    from raymesh.serve.http.guard import HTTPError
+
+    assert reload_args({"checkpoint": "runs/job"}) == "runs/job"
+    for body in ({}, {"checkpoint": ""}, {"checkpoint": ["runs"]}):
+        with pytest.raises(HTTPError, match="checkpoint: give a checkpoint folder") as e:
+            reload_args(body)
+        assert e.value.status == 422 and e.value.body["field"] == "checkpoint"
+
+
 def test_a_model_spec_refuses_what_it_cannot_serve(tmp_path):
     import torch
 

@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from raymesh.serve.routing.dispatcher import ModelError, Unavailable
 from raymesh.serve.routing.router import Router
 from raymesh.serve.sections import FrontConfig
 
-__all__ = ["answer_predict", "guard_of", "make_app"]
+__all__ = ["GenerateArgs", "answer_predict", "generate_args", "guard_of", "make_app", "reload_args"]
 
 logger = logging.getLogger("raymesh.serve")
 
@@ -120,162 +121,191 @@ def guard_of(front: FrontConfig) -> Guard:
 _ROUTES = {"/v1/predict": "predict", "/v1/generate": "generate", "/admin/reload": "reload"}
 
 
-def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
-    """The routes above over `router`, with `front`'s tokens and limits, counted in
-    `metrics`."""
-    admin_token = front.admin_token
-    log_refusal = RefusalLog(logger, "raymesh.serve")
-    root = None if front.checkpoint_root is None else Path(front.checkpoint_root)
-    read_json = guard_of(front).read_json  # the tokens are checked by BearerAuth, below
-    counters: dict[tuple[str, int], Any] = {}
-    latencies = {
-        route: metrics.latency.labels(route) for route in ("predict", "generate", "reload")
-    }
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A /v1/generate request's fields, checked."""
 
-    def count(route: str, code: int) -> None:
-        child = counters.get((route, code))
+    prompt: str
+    max_tokens: int
+    temperature: float
+    seed: int
+    stream: bool
+
+
+def generate_args(body: dict[str, Any], max_tokens: int) -> GenerateArgs:
+    """/v1/generate's body checked (HTTPError naming the field: 422 a wrong kind, 400 a number
+    out of range), `max_tokens` the most a request may ask for."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _field_error(f'prompt: give a string, e.g. "def " (got {prompt!r:.40})')
+    n = body.get("max_tokens", 64)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+        raise _field_error(f"max_tokens: give an integer 1..{max_tokens} (got {n!r:.40})")
+    t = body.get("temperature", 0.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+        raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r:.40})")
+    # The model divides float32 logits by it: past float32's largest it is infinity.
+    why = check_range(t, "float32", "temperature")
+    if why is not None:
+        raise _out_of_range(why)
+    seed = body.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise _field_error(f"seed: give an integer (got {seed!r:.40})")
+    if not -LARGEST["int64"] - 1 <= seed <= LARGEST["int64"]:  # torch's seeds are 64-bit
+        raise _out_of_range(f"seed: give an integer of 64 bits (got {len(str(seed))} digits)")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _field_error(f"stream: give true or false (got {stream!r:.40})")
+    return GenerateArgs(prompt, n, float(t), seed, stream)
+
+
+def reload_args(body: dict[str, Any]) -> str:
+    """/admin/reload's checkpoint folder, from its body (HTTPError 422 naming the field)."""
+    checkpoint = body.get("checkpoint")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise _field_error('checkpoint: give a checkpoint folder, e.g. "runs/job"')
+    return checkpoint
+
+
+def _reload_off() -> HTTPError:
+    return HTTPError(
+        403,
+        "Forbidden",
+        "POST /admin/reload is off: start the server with an admin token (admin_token, "
+        "--admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) and checkpoint_root to turn it on",
+    )
+
+
+class _Routes:
+    """The handlers of make_app's routes over one router, counting what they answer."""
+
+    def __init__(self, router: Router, front: FrontConfig, metrics: Metrics) -> None:
+        self.router, self.front, self.metrics = router, front, metrics
+        self.root = None if front.checkpoint_root is None else Path(front.checkpoint_root)
+        self.read_json = guard_of(front).read_json  # the tokens are checked by BearerAuth
+        self.log_refusal = RefusalLog(logger, "raymesh.serve")
+        self.counters: dict[tuple[str, int], Any] = {}
+        self.latencies = {route: metrics.latency.labels(route) for route in _ROUTES.values()}
+
+    def count(self, route: str, code: int) -> None:
+        child = self.counters.get((route, code))
         if child is None:
-            child = counters[(route, code)] = metrics.requests.labels(route, str(code))
+            child = self.counters[(route, code)] = self.metrics.requests.labels(route, str(code))
         child.inc()
 
-    def failed(route: str, e: Exception) -> Response:
+    def failed(self, route: str, e: Exception) -> Response:
         error = _as_http(e)
-        count(route, error.status)
+        self.count(route, error.status)
         return JSONResponse({"error": error.body}, error.status, headers=error.headers)
 
-    async def predict(scope: Scope, receive: Receive, send: Send) -> None:
+    def refused(self, scope: Scope, error: HTTPError) -> None:
+        """A request BearerAuth turned away: logged, and counted under its route."""
+        self.log_refusal(scope, error)
+        route = _ROUTES.get(scope["path"])
+        if route is not None:
+            self.count(route, error.status)
+
+    async def predict(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The hot route, as a plain ASGI handler: Starlette's Request, Response and middleware
         # cost more CPU per request here than the request's own work.
         started = time.perf_counter()
+        router = self.router
         status, data, extra = await answer_predict(
-            scope, receive, read_json, router.info, router.predict
+            scope, receive, self.read_json, router.info, router.predict
         )
-        count("predict", status)
+        self.count("predict", status)
         if status == 200:
-            latencies["predict"].observe(time.perf_counter() - started)
+            self.latencies["predict"].observe(time.perf_counter() - started)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
         if extra:
             headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    def generate_args(body: dict[str, Any]) -> tuple[str, int, float, int, bool]:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise _field_error(f'prompt: give a string, e.g. "def " (got {prompt!r:.40})')
-        n = body.get("max_tokens", 64)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= front.max_tokens:
-            raise _field_error(f"max_tokens: give an integer 1..{front.max_tokens} (got {n!r})")
-        t = body.get("temperature", 0.0)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-            raise _field_error(f"temperature: give a number >= 0, 0 for greedy (got {t!r:.40})")
-        # The model divides float32 logits by it: past float32's largest it is infinity.
-        why = check_range(t, "float32", "temperature")
-        if why is not None:
-            raise _out_of_range(why)
-        seed = body.get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise _field_error(f"seed: give an integer (got {seed!r:.40})")
-        if not -LARGEST["int64"] - 1 <= seed <= LARGEST["int64"]:  # torch's seeds are 64-bit
-            raise _out_of_range(f"seed: give an integer of 64 bits (got {len(str(seed))} digits)")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _field_error(f"stream: give true or false (got {stream!r})")
-        return prompt, n, float(t), seed, stream
-
-    async def generate(request: Request) -> Response:
+    async def generate(self, request: Request) -> Response:
         started = time.perf_counter()
         try:
-            body = await read_json(request.scope, request.receive)
-            prompt, n, temperature, seed, stream = generate_args(body)
-            if router.info is not None and not router.info.generates:
+            body = await self.read_json(request.scope, request.receive)
+            args = generate_args(body, self.front.max_tokens)
+            info = self.router.info
+            if info is not None and not info.generates:
                 raise HTTPError(
                     404,
                     "NotFound",
                     "this model serves POST /v1/predict only (deploy it with generate=... "
                     "to serve /v1/generate)",
                 )
-            stream = stream or "text/event-stream" in request.headers.get("accept", "")
-            pieces = router.stream(prompt, n, temperature, seed)
+            stream = args.stream or "text/event-stream" in request.headers.get("accept", "")
+            pieces = self.router.stream(args.prompt, args.max_tokens, args.temperature, args.seed)
             if stream:
                 return StreamingResponse(
-                    _events(pieces, lambda code: count("generate", code)),
+                    _events(pieces, lambda code: self.count("generate", code)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
             text = [piece async for piece in pieces]
         except Exception as e:
-            return failed("generate", e)
-        count("generate", 200)
-        latencies["generate"].observe(time.perf_counter() - started)
+            return self.failed("generate", e)
+        self.count("generate", 200)
+        self.latencies["generate"].observe(time.perf_counter() - started)
         return JSONResponse({"text": "".join(text), "tokens": len(text)})
 
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readyz(request: Request) -> Response:
-        ready = len(router.slots)
+    async def readyz(self, request: Request) -> Response:
+        ready = len(self.router.slots)
         return JSONResponse({"ready": ready > 0, "replicas": ready}, 200 if ready else 503)
 
-    async def metrics_page(request: Request) -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def reload(request: Request) -> Response:
+    async def reload(self, request: Request) -> Response:
         try:
-            if admin_token is None:
-                raise HTTPError(
-                    403,
-                    "Forbidden",
-                    "POST /admin/reload is off: start the server with an admin token "
-                    "(admin_token, --admin-token or $RAYMESH_SERVE_ADMIN_TOKEN) and "
-                    "checkpoint_root to turn it on",
-                )
-            body = await read_json(request.scope, request.receive)
-            checkpoint = body.get("checkpoint")
-            if not isinstance(checkpoint, str) or not checkpoint:
-                raise _field_error('checkpoint: give a checkpoint folder, e.g. "runs/job"')
+            if self.front.admin_token is None:
+                raise _reload_off()
+            checkpoint = reload_args(await self.read_json(request.scope, request.receive))
             try:
-                loaded = await router.reload(checkpoint, root=root)
+                loaded = await self.router.reload(checkpoint, root=self.root)
             except PermissionError as e:  # outside checkpoint_root
                 raise HTTPError(403, "Forbidden", str(e), field="checkpoint") from None
             except (ValueError, RuntimeError) as e:
                 raise HTTPError(422, "ReloadFailed", str(e), field="checkpoint") from None
         except Exception as e:
-            return failed("reload", e)
-        count("reload", 200)
-        return JSONResponse({"checkpoint": loaded, "replicas": len(router.slots)})
+            return self.failed("reload", e)
+        self.count("reload", 200)
+        return JSONResponse({"checkpoint": loaded, "replicas": len(self.router.slots)})
 
+
+def make_app(router: Router, front: FrontConfig, metrics: Metrics) -> ASGIApp:
+    """The routes above over `router`, with `front`'s tokens and limits, counted in
+    `metrics`."""
+    routes = _Routes(router, front, metrics)
     app = Starlette(
         routes=[
-            Route("/v1/predict", _ASGI(predict), methods=["POST"]),
-            Route("/v1/generate", generate, methods=["POST"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics_page, methods=["GET"]),
-            Route("/admin/reload", reload, methods=["POST"]),
+            Route("/v1/predict", _ASGI(routes.predict), methods=["POST"]),
+            Route("/v1/generate", routes.generate, methods=["POST"]),
+            Route("/healthz", routes.healthz, methods=["GET"]),
+            Route("/readyz", routes.readyz, methods=["GET"]),
+            Route("/metrics", routes.metrics_page, methods=["GET"]),
+            Route("/admin/reload", routes.reload, methods=["POST"]),
         ]
     )
 
     async def routed(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/predict" and scope["method"] == "POST":
-            await predict(scope, receive, send)  # straight to it, past Starlette's routing
+            await routes.predict(scope, receive, send)  # straight to it, past Starlette's routing
         else:
             await app(scope, receive, send)
 
-    def refused(scope: Scope, error: HTTPError) -> None:
-        log_refusal(scope, error)
-        route = _ROUTES.get(scope["path"])
-        if route is not None:
-            count(route, error.status)
-
     # /healthz and /readyz need no token; the admin token opens /admin/reload only.
-    guarded = BearerAuth(routed, front.token, paths=("/v1/", "/metrics"), refused=refused)
+    guarded = BearerAuth(routed, front.token, paths=("/v1/", "/metrics"), refused=routes.refused)
     return BearerAuth(
         guarded,
-        admin_token,
+        front.admin_token,
         paths=("/admin/",),
         what="the admin token",
-        refused=refused,
+        refused=routes.refused,
         field="admin_token",
     )
 
