@@ -282,7 +282,7 @@ def finetune_memory(r: Record, args: argparse.Namespace) -> None:
     from raymesh.train.config import TrainConfig
     from raymesh.train.rank.measure import estimate_memory
     from raymesh.train.rank.parallelize import parallelize
-    from raymesh.train.rank.step import Precision, Timing, run_step
+    from raymesh.train.rank.step import Precision, Share, Timing, run_step
     from raymesh.train.strategy import StrategyDecision
 
     dev = torch.device("cuda", 0)
@@ -309,13 +309,16 @@ def finetune_memory(r: Record, args: argparse.Namespace) -> None:
         )
         torch.cuda.reset_peak_memory_stats(dev)
         losses = []
-        for step in range(args.it["memory_steps"]):
+        steps = args.it["memory_steps"]
+        step_config = TrainConfig(steps=steps, global_batch_size=32, grad_clip=1.0).step
+        for step in range(steps):
             losses.append(
                 run_step(
-                    model=model, optimizer=optimizer, loss_fn=tinygpt.lm_loss, micro=[range(32)],
-                    load=lambda _: batch, device=dev, step=step, rank=0, world_size=1,
-                    global_batch_size=32, timing=Timing(), hooks=None, precision=Precision(),
-                    grad_clip=1.0,
+                    model, optimizer, tinygpt.lm_loss,
+                    Share(step=step, rank=0, world_size=1, global_batch_size=32,
+                          micro=[range(32)], load=lambda _: batch),
+                    config=step_config, steps=steps, device=dev, precision=Precision(),
+                    timing=Timing(), hooks=None,
                 )[0]
             )  # fmt: skip
         torch.cuda.synchronize()

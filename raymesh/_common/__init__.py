@@ -16,7 +16,15 @@ from raymesh._common.futures import Pending
 from raymesh._common.http_error import HTTPError, RefusalLog, error_json, printable
 from raymesh._common.ranges import Range
 from raymesh._common.server import ServerThread, exposure, free_port, is_loopback, url_of
-from raymesh._common.tables import TABLES, from_table, read_toml, section_of, split_job
+from raymesh._common.tables import (
+    TABLES,
+    from_table,
+    read_toml,
+    section_of,
+    split_job,
+    store_sections,
+    stored,
+)
 from raymesh._common.tls import Tls
 
 __all__ = [
@@ -49,5 +57,7 @@ __all__ = [
     "resolve",
     "section_of",
     "split_job",
+    "store_sections",
+    "stored",
     "url_of",
 ]

@@ -24,7 +24,15 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["TABLES", "from_table", "read_toml", "section_of", "split_job"]
+__all__ = [
+    "TABLES",
+    "from_table",
+    "read_toml",
+    "section_of",
+    "split_job",
+    "store_sections",
+    "stored",
+]
 
 T = TypeVar("T")
 
@@ -93,3 +101,23 @@ def section_of(cls: type[T], config: Any) -> T:
     """The section `cls` (a dataclass) of a config written flat (`train.TrainConfig`,
     `rl.RLConfig`): built from the config's fields of the same names, so it checks them."""
     return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+
+
+def store_sections(config: Any, classes: dict[str, type]) -> None:
+    """Build each section of a frozen config written flat once, from its `__post_init__`
+    (`classes`: name -> section dataclass): each checks its fields, the config's fields take
+    the values it normalised (a TOML list to a tuple), and the config keeps the sections, so
+    that reading one (`stored`) neither rebuilds nor checks it again. They are not fields:
+    `dataclasses.replace` builds them anew, equality and `asdict` ignore them."""
+    sections: dict[str, Any] = {name: section_of(cls, config) for name, cls in classes.items()}
+    for section in sections.values():
+        for f in dataclasses.fields(section):
+            object.__setattr__(config, f.name, getattr(section, f.name))
+    object.__setattr__(config, "_sections", sections)
+
+
+def stored(config: Any, name: str, cls: type[T]) -> T:
+    """The section `name` that `store_sections` kept on `config`."""
+    section = config.__dict__["_sections"][name]
+    assert isinstance(section, cls)
+    return section

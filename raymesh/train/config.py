@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raymesh._common import bad, check_int, from_table, read_toml, section_of, split_job
+from raymesh._common import bad, check_int, from_table, read_toml, split_job, store_sections, stored
 from raymesh.data import Pipeline
 from raymesh.train.faults import Fault
 from raymesh.train.sections import (
@@ -30,6 +30,16 @@ from raymesh.train.sections import (
 )
 
 __all__ = ["CheckpointConfig", "TrainConfig", "load_config"]
+
+
+# TrainConfig's sections by property name (raymesh.train.sections): what each room is given.
+_SECTIONS: dict[str, type] = {
+    "scaling": ScalingConfig,
+    "parallelism": ParallelismConfig,
+    "step": StepConfig,
+    "failure": FailureConfig,
+    "loop": LoopConfig,
+}
 
 
 def check_fp16(precision: str, strategy: str) -> None:
@@ -158,10 +168,7 @@ class TrainConfig:
             object.__setattr__(self, "checkpoint", checkpoint)
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise bad("checkpoint", self.checkpoint, "pass a CheckpointConfig(dir=...) or None")
-        # Each section checks its own fields; keep the values they normalised.
-        for section in (self.scaling, self.parallelism, self.step, self.failure, self.loop):
-            for field in dataclasses.fields(section):
-                object.__setattr__(self, field.name, getattr(section, field.name))
+        store_sections(self, _SECTIONS)  # each checks its own fields, once
         # What spans sections.
         if self.global_batch_size < self.max_workers:
             raise bad(
@@ -194,23 +201,23 @@ class TrainConfig:
     # ---- the sections (raymesh.train.sections): what each room is given --------------------
     @property
     def scaling(self) -> ScalingConfig:
-        return section_of(ScalingConfig, self)
+        return stored(self, "scaling", ScalingConfig)
 
     @property
     def parallelism(self) -> ParallelismConfig:
-        return section_of(ParallelismConfig, self)
+        return stored(self, "parallelism", ParallelismConfig)
 
     @property
     def step(self) -> StepConfig:
-        return section_of(StepConfig, self)
+        return stored(self, "step", StepConfig)
 
     @property
     def failure(self) -> FailureConfig:
-        return section_of(FailureConfig, self)
+        return stored(self, "failure", FailureConfig)
 
     @property
     def loop(self) -> LoopConfig:
-        return section_of(LoopConfig, self)
+        return stored(self, "loop", LoopConfig)
 
     @property
     def min_workers(self) -> int:

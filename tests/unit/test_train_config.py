@@ -4,6 +4,7 @@ either way, every field checked once, by its section, under its own name."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
@@ -87,6 +88,12 @@ def test_a_flat_job_file_is_read_as_before(tmp_path):
     job.write_text("workers = [1, 2]\nsteps = 3\nglobal_batch_size = 4\nspares = 1\n")
     config = load_config(job)
     assert config.scaling.spares == 1 and config.loop.steps == 3 and config.workers == (1, 2)
+    # Its sections are built (and checked) once and kept; a replaced config has its own.
+    assert config.step is config.step and config.scaling.workers == (1, 2)
+    longer = dataclasses.replace(config, steps=6)
+    assert longer.loop.steps == 6 and config.loop.steps == 3 and longer == longer
+    assert pickle.loads(pickle.dumps(config)).loop == config.loop
+    assert "_sections" not in config.to_dict()
 
 
 def test_the_fine_tuning_example_is_a_valid_job_file():

@@ -54,8 +54,8 @@ import torch
 
 from raymesh.actor import ActorError, Shared, SupervisionError
 from raymesh.data.workers import Workers
-from raymesh.train.config import TrainConfig, check_fp16
-from raymesh.train.control import detection
+from raymesh.train.config import TrainConfig
+from raymesh.train.control import detection, launch
 from raymesh.train.control.balance import Balancer
 from raymesh.train.control.failure import FailureDecision, TooManyFailures
 from raymesh.train.control.member import Rank
@@ -86,7 +86,6 @@ from raymesh.train.rank.full_state import Part, ShardedState
 from raymesh.train.rank.measure import check_precision
 from raymesh.train.reporting import sinks
 from raymesh.train.result import Result, RunLog, TrainError
-from raymesh.train.strategy import host_shard_size, splits_into_shard_groups
 
 logger = logging.getLogger("raymesh")
 
@@ -355,58 +354,19 @@ class TrainController:
         cfg = self.config
         if self.data is not None:  # its procs start while the ranks do
             self.data.start()
-        reused = self.pool.take_warm(cfg.max_workers)  # procs a previous job left up
-        need = cfg.max_workers - len(reused)
-        nodes = self.placer.place(need) if need else []
-        # Resources a previous job just released can take the cluster a moment to report free.
-        deadline = time.monotonic() + min(cfg.replace_timeout_s, 10.0)
-        while len(nodes) < need and time.monotonic() < deadline:
-            time.sleep(0.5)
-            nodes = self.placer.place(need)
-        world, room = cfg.max_workers, len(reused) + len(nodes)
-        if cfg.min_workers <= room < world:
-            world = room  # elastic: start with what fits; the recruiter grows it later
-            logger.warning(
-                "raymesh.train: room for %d of max %d workers now: starting with %d",
-                world,
-                cfg.max_workers,
-                world,
-            )
-        new = world - len(reused)
-        ranks = reused + self.pool.spawn(new, "trainer", nodes=nodes[:new])
+        ranks = launch.first_ranks(cfg.scaling, self.pool, self.placer)
         self.pool.add_spares(cfg.spares)  # where there is room now; the recruiter the rest
         self.supply(ranks)  # a driven job's example step, which the ranks measure memory on
         infos: list[SetupInfo] = self.world.start(ranks)
-        assert infos[0].estimate is not None
-        budget = min(i.budget_bytes or 0 for i in infos)
-        shard = cfg.shard_size or host_shard_size([r.node_id for r in ranks])
-        decide_for = world
-        if shard and not splits_into_shard_groups(world, shard):  # an elastic start below max
-            if cfg.strategy == "auto":
-                shard = None  # no whole shard groups to consider
-            elif cfg.strategy == "hsdp":
-                # HSDP as at max; World runs it resized to this world (FSDP over every rank,
-                # as a shrunk HSDP job does) until it grows back.
-                decide_for = cfg.max_workers
-        comm = self.placer.comm_costs() if world == cfg.max_workers and shard else None
-        on_gpu = infos[0].device.startswith("cuda")
-        if cfg.offload is True and not on_gpu:
-            raise ValueError(
-                f"offload=True: the ranks run on {infos[0].device}; offload moves FSDP's state "
-                "from GPU to host memory, so it needs GPU ranks (gpus=True); drop it on CPU"
-            )
-        decision = self.policies.strategy.decide(
-            cfg.strategy,
-            infos[0].estimate,
-            decide_for,
-            budget,
-            shard_size=shard,
-            comm=comm,
-            checkpointing=cfg.activation_checkpointing,
-            offload=cfg.offload if on_gpu else False,
-            precision=cfg.precision,
+        decision = launch.strategy_for(
+            cfg.parallelism,
+            cfg.precision,
+            infos,
+            ranks,
+            max_workers=cfg.max_workers,
+            placer=self.placer,
+            policy=self.policies.strategy,
         )
-        check_fp16(cfg.precision, decision.strategy)
         self.placer.choose(decision.strategy)
         self.resumed_path = find_resume(cfg)
         self.resumed_from = self.world.prepare(decision, self.resumed_path)
@@ -420,7 +380,7 @@ class TrainController:
         )
         self.reporter.placement(self.world.ranks, self.placer)
         self.pool.recruit()
-        return Running(f"{world} ranks, {infos[0].params:,} parameters, {running.reason}")
+        return Running(f"{len(ranks)} ranks, {infos[0].params:,} parameters, {running.reason}")
 
     def train(self) -> State:
         """Train chunk after chunk until `steps`, two chunks in flight; a driven job, the steps

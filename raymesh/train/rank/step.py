@@ -22,9 +22,10 @@ import torch
 from raymesh.train.hooks import RankHooks
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import no_sync
+from raymesh.train.sections import StepConfig
 from raymesh.train.task import LossFn
 
-__all__ = ["Precision", "Timing", "lr_factor", "mix", "run_step", "seed_step", "to_device"]
+__all__ = ["Precision", "Share", "Timing", "lr_factor", "mix", "run_step", "seed_step", "to_device"]
 
 
 def lr_factor(schedule: str, warmup_steps: int, step: int, steps: int) -> float:
@@ -136,31 +137,38 @@ class Timing:
         return seconds if seconds > 0 else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Share:
+    """A rank's share of one step: its micro batches (sample indices; `load` makes one a batch
+    on the device), and where the rank stands among the ranks, which weighs its loss."""
+
+    step: int  # 0-based
+    rank: int
+    world_size: int
+    global_batch_size: int
+    micro: Sequence[Sequence[int]]
+    load: Callable[[Sequence[int]], Any]
+
+
 def run_step(
-    *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
-    micro: Sequence[Sequence[int]],
-    load: Callable[[Sequence[int]], Any],
+    share: Share,
+    *,
+    config: StepConfig,
+    steps: int,
     device: torch.device,
-    step: int,
-    rank: int,
-    world_size: int,
-    global_batch_size: int,
+    precision: Precision,
     timing: Timing,
     hooks: RankHooks | None,
-    precision: Precision | None = None,
-    grad_clip: float | None = None,
-    lr: float = 1.0,
 ) -> tuple[float, dict[str, float]]:
-    """Train 0-based `step` on the micro batches `micro` (sample indices; `load` makes them a
-    batch on the device); return this rank's loss, summed over its micro batches, and the
-    statistics `loss_fn` returned with it (when it returns `(loss, {name: value})`), weighed
-    as the loss is, so that the mean over the ranks is the global batch's. `lr`: the factor
-    on each param group's initial learning rate (`lr_factor`); `grad_clip`: the largest
-    global gradient norm."""
-    precision = precision or Precision()
+    """Train `share` of its step as `config` says (gradient clipping, the learning-rate
+    schedule over the run's `steps`; `precision` is its autocast and loss scaler); return
+    this rank's loss, summed over its micro batches, and the statistics `loss_fn` returned
+    with it (when it returns `(loss, {name: value})`), weighed as the loss is, so that the
+    mean over the ranks is the global batch's."""
+    step, rank, micro, load = share.step, share.rank, share.micro, share.load
     stats: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
@@ -174,7 +182,7 @@ def run_step(
             # The loss is a mean over the micro batch; weighting it by the micro batch's share
             # of the global batch (x world size, as the reduction averages ranks) makes the
             # averaged gradient the global batch's mean for any split.
-            weight = len(m) * world_size / global_batch_size
+            weight = len(m) * share.world_size / share.global_batch_size
             t0 = time.perf_counter()
             with precision.forward(device):
                 loss = _weighed(loss_fn(model, load(m)), weight, stats)
@@ -194,9 +202,10 @@ def run_step(
     mark(step + 1, "optimizer")
     if precision.scaler is not None:
         precision.scaler.unscale_(optimizer)  # clip the true gradients
-    if grad_clip is not None:
+    if config.grad_clip is not None:
         grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(grads, grad_clip)
+        torch.nn.utils.clip_grad_norm_(grads, config.grad_clip)
+    lr = lr_factor(config.lr_schedule, config.warmup_steps, step, steps)
     if lr != 1.0 or any("initial_lr" in g for g in optimizer.param_groups):
         for g in optimizer.param_groups:
             g["lr"] = g.setdefault("initial_lr", g["lr"]) * lr

@@ -52,7 +52,7 @@ from raymesh.train.rank.full_state import Part, full_state, published
 from raymesh.train.rank.measure import check_precision, estimate_memory
 from raymesh.train.rank.monitor import mark
 from raymesh.train.rank.parallelize import autocast_dtype, parallelize, settle_buckets
-from raymesh.train.rank.step import Precision, Timing, lr_factor, mix, run_step, seed_step
+from raymesh.train.rank.step import Precision, Share, Timing, mix, run_step, seed_step
 from raymesh.train.strategy import StrategyDecision
 from raymesh.train.task import Context, Task, loss_only
 
@@ -129,7 +129,7 @@ class TrainWorker(Actor):
         # A CPU proc can still see the machine's GPUs: use one only if Ray gave it one.
         use_cuda = cfg.gpus is not False and torch.cuda.is_available() and bool(context().gpu_ids)
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
-        check_precision(cfg.precision, self.device)
+        check_precision(cfg.step.precision, self.device)
         self._join(rdv)
         if not use_cuda:
             torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
@@ -217,9 +217,9 @@ class TrainWorker(Actor):
         gc.collect()
         gc.freeze()
         # Under FSDP2 its mixed-precision policy casts; elsewhere the step's autocast does.
-        dtype = autocast_dtype(self.config.precision)
+        dtype = autocast_dtype(self.config.step.precision)
         scaler = self.precision.scaler  # kept across a heal: its scale is still good
-        if self.config.precision == "fp16" and scaler is None:
+        if self.config.step.precision == "fp16" and scaler is None:
             scaler = torch.amp.GradScaler(self.device.type)
         self.precision = Precision(None if self.decision.sharded else dtype, scaler)
         if self.world_size == 1 and not self.decision.sharded:
@@ -235,7 +235,7 @@ class TrainWorker(Actor):
             world_size=self.world_size,
             device=self.device,
             optimizer=self.optimizer,
-            precision=self.config.precision,
+            precision=self.config.step.precision,
             ddp_timings=self.config.rebalance,  # per-step compute timings (see step.Timing)
             init_weights=self.task.init_weights,
         )
@@ -326,22 +326,25 @@ class TrainWorker(Actor):
         cfg = self.config
         self.batches.start(step, self.rank, self.world_size, self.sizes)
         seed_step(mix(cfg.seed, step, self.rank), self.device)
-        return run_step(
-            model=self.model,
-            optimizer=self.optimizer,
-            loss_fn=self.task.loss_fn,
-            micro=self._micro(step),
-            load=self.batches.load,
-            device=self.device,
+        share = Share(
             step=step,
             rank=self.rank,
             world_size=self.world_size,
             global_batch_size=cfg.global_batch_size,
+            micro=self._micro(step),
+            load=self.batches.load,
+        )
+        return run_step(
+            self.model,
+            self.optimizer,
+            self.task.loss_fn,
+            share,
+            config=cfg.step,
+            steps=cfg.steps,
+            device=self.device,
+            precision=self.precision,
             timing=self.timing,
             hooks=self.hooks,
-            precision=self.precision,
-            grad_clip=cfg.grad_clip,
-            lr=lr_factor(cfg.lr_schedule, cfg.warmup_steps, step, cfg.steps),
         )
 
     def _evaluate(self, step: int) -> float | None:
@@ -349,7 +352,7 @@ class TrainWorker(Actor):
         None. COLLECTIVE."""
         assert self.task is not None and self.model is not None
         cfg, data = self.config, self.task.eval_dataset
-        if data is None or not due(step + 1, cfg.steps, cfg.eval_every):
+        if data is None or not due(step + 1, cfg.steps, cfg.step.eval_every):
             return None
         batch = cfg.micro_batch_size or max(1, cfg.global_batch_size // self.world_size)
         return evaluate(
