@@ -1,17 +1,132 @@
 """The memory arithmetic of a strategy decision, in words: what its reason and its errors say
-(the sums of each strategy, the ways out when nothing fits). Kept apart from
-`raymesh.train.strategy`, which decides, so that the rules read without the wording."""
+(the sums of each strategy, the ways out when nothing fits), written from the decision's data
+alone (its `Figures` and `Verdict`). Kept apart from `raymesh.train.strategy`, which decides,
+so that the rules read without the wording."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from raymesh.train.estimate import MemoryEstimate
 
-__all__ = ["ddp_sum", "fixes", "fmt", "fsdp_sum", "hints", "ranks", "unit"]
+if TYPE_CHECKING:  # types only: strategy imports this module to word its decisions
+    from raymesh.train.strategy import Figures, Sharding, Verdict
+
+__all__ = [
+    "ddp_sum",
+    "fixes",
+    "fmt",
+    "fsdp_sum",
+    "hints",
+    "no_fit",
+    "ranks",
+    "reason",
+    "unit",
+]
 
 _GIB = 1 << 30
+
+
+def reason(f: Figures, v: Verdict) -> str:
+    """`StrategyDecision.reason` for a verdict that takes a strategy: its name, its sum, how it
+    stands against the budget, then what checkpointing, offload and communication add."""
+    assert v.strategy is not None  # only "no_fit" and "too_big" take none
+    u = _terms_unit(f)
+    return f"{_name(f, v.strategy)}: {_sum(f, v.strategy, u)} {_why(f, v, u)}" + _extras(
+        f, v.strategy, u
+    )
+
+
+def no_fit(f: Figures, v: Verdict) -> str:
+    """The error of a verdict that takes nothing ("too_big", or "no_fit"): the numbers of each
+    strategy weighed and, but for a forced strategy under the limit, the ways out."""
+    u = _terms_unit(f)
+    fix = fixes(f.estimate, f.world_size, f.budget_bytes, f.headroom)
+    if v.fit == "too_big":
+        return (
+            f"the job does not fit in memory even sharded: {ddp_sum(f.on_device, u)} with ddp, "
+            f"{fsdp_sum(f.estimate, f.world_size, u)} with fsdp over {ranks(f.world_size)}, "
+            f"both above the per-rank budget of {fmt(f.budget_bytes, unit(f.budget_bytes))}; "
+            f"{fix}"
+        )
+    if v.strategy is not None:  # forced: the policy tries its next combination
+        return f"{v.strategy} does not fit {_budget(f)}"
+    hsdp = (
+        f", hsdp over groups of {f.shard_size} needs {_sum(f, 'hsdp', u)}"
+        if "hsdp" in v.passed_over
+        else ""
+    )
+    return (
+        f"the job does not fit {_budget(f)}: ddp needs {_sum(f, 'ddp', u)}, "
+        f"fsdp over {ranks(f.world_size)} needs {_sum(f, 'fsdp', u)}{hsdp}; {fix}"
+    )
+
+
+def _terms_unit(f: Figures) -> tuple[str, int]:
+    # One unit for every term of a message, so that its sums add up as written.
+    return unit(max(f.ddp, f.fsdp))
+
+
+def _budget(f: Figures) -> str:
+    bunit = unit(f.budget_bytes)
+    whole, part = fmt(f.budget_bytes, bunit), fmt(f.limit, bunit)
+    return f"{f.headroom * 100:g}% of the {whole} budget ({part})"
+
+
+def _name(f: Figures, strategy: Sharding) -> str:
+    if strategy != "hsdp":
+        return strategy
+    assert f.shard_size is not None  # "hsdp" is taken only with shard groups
+    groups = f.world_size // f.shard_size
+    return (
+        f"hsdp {groups}x{f.shard_size} (sharded within groups of {f.shard_size}, "
+        f"replicated across {groups})"
+    )
+
+
+def _sum(f: Figures, strategy: Sharding, u: tuple[str, int]) -> str:
+    if strategy == "ddp":
+        return ddp_sum(f.on_device, u)
+    if strategy == "hsdp":
+        assert f.shard_size is not None
+        return fsdp_sum(f.estimate, f.shard_size, u)
+    return fsdp_sum(f.estimate, f.world_size, u)
+
+
+def _why(f: Figures, v: Verdict, u: tuple[str, int]) -> str:
+    if v.fit == "fits":
+        why = f"fits {_budget(f)}"
+        if "ddp" in v.passed_over:
+            why += f"; ddp would need {fmt(f.ddp, u)}"
+        if "hsdp" in v.passed_over:
+            assert f.hsdp is not None
+            why += f", hsdp over groups of {f.shard_size} {fmt(f.hsdp, u)}"
+        return why
+    if v.fit == "over_headroom":
+        return f"exceeds {_budget(f)} (forced by strategy={v.strategy!r})"
+    return (
+        f"exceeds the whole {fmt(f.budget_bytes, unit(f.budget_bytes))} budget "
+        f"(forced by strategy={v.strategy!r}; expect out-of-memory)"
+    )
+
+
+def _extras(f: Figures, strategy: Sharding, u: tuple[str, int]) -> str:
+    out = ""
+    if f.checkpointing:
+        out += (
+            f"; activation checkpointing per block (activations "
+            f"{fmt(f.full.activation_bytes, u)} -> {fmt(f.estimate.activation_bytes, u)})"
+        )
+    if f.offload:
+        out += f"; offload: {fmt(f.estimate.host_bytes, u)} of state in host memory"
+    if f.comm and strategy in f.comm:
+        others = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in f.comm.items() if k != strategy)
+        out += f"; estimated communication {f.comm[strategy] * 1e3:.3g} ms per step" + (
+            f" (vs {others})" if others else ""
+        )
+    return out
 
 
 def hints(e: MemoryEstimate, ac: bool, off: bool, world_size: int, precision: str) -> str:

@@ -5,8 +5,10 @@ parallelize.py): `raymesh.train.estimate` measures what one rank holds (a `Memor
 from the model), this module decides from those numbers alone, and `raymesh.train.rank.parallelize`
 wraps the model as decided. `StrategyPolicy.decide()` compares the estimate with the rank's
 memory budget and returns a `StrategyDecision` whose `reason` shows the arithmetic; the
-controller logs the reason and carries the decision out. Nothing here touches a model or a
-process group, so every rule is unit-tested with made-up numbers.
+controller logs the reason and carries the decision out. Inside, the numbers (`Figures`) are
+computed once, `judge` decides from them alone (a `Verdict`, no words), and
+`raymesh.train.memory_text` writes the reason and the errors from those two. Nothing here
+touches a model or a process group, so every rule is unit-tested with made-up numbers.
 
 The rule (`strategy="auto"`): replicate (DDP) when everything fits in `headroom` of the budget;
 else, when the ranks form shard groups (`shard_size`: one host's ranks each, or the config's),
@@ -28,7 +30,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from raymesh.train import memory_text as text
 from raymesh.train.estimate import MemoryEstimate
@@ -41,8 +43,9 @@ __all__ = [
 ]
 
 
-_GIB = 1 << 30
 _REQUESTS = ("auto", "ddp", "fsdp", "hsdp")
+Sharding = Literal["ddp", "fsdp", "hsdp"]
+Fit = Literal["fits", "over_headroom", "over_budget", "no_fit", "too_big"]
 
 
 @dataclass(frozen=True)
@@ -206,135 +209,171 @@ class StrategyPolicy:
         the whole budget with every strategy raises ValueError before training, with the
         numbers and the ways out.
         """
-        if requested not in _REQUESTS:
-            raise ValueError(f"strategy={requested!r}: use one of {list(_REQUESTS)}")
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size}: must be >= 1")
-        if budget_bytes <= 0:
-            raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
-        if shard_size is not None and not splits_into_shard_groups(world_size, shard_size):
-            most = world_size // 2
-            fits = (
-                f"a divisor of the world size {world_size} between 2 and {most}"
-                if most >= 2
-                else f"a world of at least 4 ranks, not {world_size}"
-            )
-            raise ValueError(
-                f"shard_size={shard_size}: HSDP needs at least 2 shard groups of at least 2 "
-                f"ranks, so {fits}"
-            )
-        if requested == "hsdp" and shard_size is None:
-            raise ValueError(
-                f"strategy='hsdp' over {text.ranks(world_size)} has no shard groups: set "
-                "shard_size (ranks per group, a divisor of workers), or run on hosts that "
-                "each hold the same number (>= 2) of ranks, one group per host"
-            )
-        estimate = full.under(checkpointing=checkpointing, offload=offload)
-        # DDP keeps its state on the device: offload does not apply to it.
-        on_device = full.under(checkpointing=checkpointing, offload=False)
-        ddp = on_device.ddp_bytes()
-        fsdp = estimate.fsdp_bytes(world_size)
-        hsdp = estimate.fsdp_bytes(shard_size) if shard_size else None
-        limit = int(self.headroom * budget_bytes)
-        unit = text.unit(max(ddp, fsdp))  # the estimate's terms share one unit so they add up
-        bunit = text.unit(budget_bytes)
-        whole, part = text.fmt(budget_bytes, bunit), text.fmt(limit, bunit)
-        budget = f"{self._pct()} of the {whole} budget ({part})"
-
-        if (fsdp if offload else min(ddp, fsdp)) > budget_bytes:
-            raise _NoFit(
-                f"the job does not fit in memory even sharded: "
-                f"{text.ddp_sum(on_device, unit)} with ddp, "
-                f"{text.fsdp_sum(estimate, world_size, unit)} with fsdp over "
-                f"{text.ranks(world_size)}, "
-                f"both above the per-rank budget of {text.fmt(budget_bytes, bunit)}; "
-                f"{text.fixes(estimate, world_size, budget_bytes, self.headroom)}"
-            )
-
-        def summary(strategy: str) -> str:
-            if strategy == "ddp":
-                return text.ddp_sum(on_device, unit)
-            if strategy == "hsdp":
-                assert shard_size is not None
-                return text.fsdp_sum(estimate, shard_size, unit)
-            return text.fsdp_sum(estimate, world_size, unit)
-
-        need = {"ddp": ddp, "fsdp": fsdp, "hsdp": hsdp}
-        chosen: Literal["ddp", "fsdp", "hsdp"]
-        if requested == "auto":
-            hsdp_cheaper = comm is None or comm.get("hsdp", 0.0) <= comm.get("fsdp", math.inf)
-            if ddp <= limit and not offload:
-                chosen, why = "ddp", f"fits {budget}"
-            elif hsdp is not None and hsdp <= limit and hsdp_cheaper:
-                chosen = "hsdp"
-                why = f"fits {budget}; ddp would need {text.fmt(ddp, unit)}"
-            elif fsdp <= limit:
-                chosen, why = "fsdp", f"fits {budget}; ddp would need {text.fmt(ddp, unit)}"
-                if hsdp is not None and hsdp > limit:
-                    why += f", hsdp over groups of {shard_size} {text.fmt(hsdp, unit)}"
-            else:
-                hsdp_text = (
-                    f", hsdp over groups of {shard_size} needs {summary('hsdp')}"
-                    if hsdp is not None
-                    else ""
-                )
-                raise _NoFit(
-                    f"the job does not fit {budget}: ddp needs {text.ddp_sum(on_device, unit)}, "
-                    f"fsdp over {text.ranks(world_size)} needs {summary('fsdp')}{hsdp_text}; "
-                    f"{text.fixes(estimate, world_size, budget_bytes, self.headroom)}"
-                )
-        else:
-            chosen = requested  # type: ignore[assignment]
-            bytes_ = need[chosen]
-            assert bytes_ is not None  # hsdp without shard groups was refused above
-            if bytes_ > limit and must_fit:
-                raise _NoFit(f"{chosen} does not fit {budget}")
-            if bytes_ <= limit:
-                why = f"fits {budget}"
-            elif bytes_ <= budget_bytes:
-                why = f"exceeds {budget} (forced by strategy={requested!r})"
-            else:
-                why = (
-                    f"exceeds the whole {text.fmt(budget_bytes, bunit)} budget "
-                    f"(forced by strategy={requested!r}; expect out-of-memory)"
-                )
-        name: str = chosen
-        if chosen == "hsdp":
-            assert shard_size is not None
-            name = (
-                f"hsdp {world_size // shard_size}x{shard_size} (sharded within groups of "
-                f"{shard_size}, replicated across {world_size // shard_size})"
-            )
-        reason = f"{name}: {summary(chosen)} {why}"
-        if checkpointing:
-            reason += (
-                f"; activation checkpointing per block (activations "
-                f"{text.fmt(full.activation_bytes, unit)} -> "
-                f"{text.fmt(estimate.activation_bytes, unit)})"
-            )
-        if offload:
-            reason += f"; offload: {text.fmt(estimate.host_bytes, unit)} of state in host memory"
-        if comm and chosen in comm:
-            others = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in comm.items() if k != chosen)
-            reason += f"; estimated communication {comm[chosen] * 1e3:.3g} ms per step" + (
-                f" (vs {others})" if others else ""
-            )
+        _check_request(requested, world_size, budget_bytes, shard_size)
+        figures = Figures.of(
+            full,
+            world_size,
+            budget_bytes,
+            headroom=self.headroom,
+            shard_size=shard_size,
+            comm=comm,
+            checkpointing=checkpointing,
+            offload=offload,
+        )
+        verdict = judge(requested, figures, must_fit=must_fit)
+        if verdict.fit in ("no_fit", "too_big"):
+            raise _NoFit(text.no_fit(figures, verdict))
+        assert verdict.strategy is not None  # every other verdict names the strategy taken
         return StrategyDecision(
-            strategy=chosen,
-            reason=reason,
-            estimate=estimate,
+            strategy=verdict.strategy,
+            reason=text.reason(figures, verdict),
+            estimate=figures.estimate,
             budget_bytes=budget_bytes,
-            shard_size=shard_size if chosen == "hsdp" else None,
+            shard_size=shard_size if verdict.strategy == "hsdp" else None,
             checkpointing=checkpointing,
             offload=offload,
         )
 
-    def _pct(self) -> str:
-        return f"{self.headroom * 100:g}%"
-
 
 class _NoFit(ValueError):
     """The job does not fit under one combination (the policy tries the next)."""
+
+
+def _check_request(
+    requested: str, world_size: int, budget_bytes: int, shard_size: int | None
+) -> None:
+    """Raises ValueError, naming the fix, unless `requested` is a strategy this module knows,
+    the world and the budget are positive, and `shard_size` (when given) splits the world into
+    HSDP shard groups; "hsdp" needs shard groups."""
+    if requested not in _REQUESTS:
+        raise ValueError(f"strategy={requested!r}: use one of {list(_REQUESTS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
+    if shard_size is not None and not splits_into_shard_groups(world_size, shard_size):
+        most = world_size // 2
+        fits = (
+            f"a divisor of the world size {world_size} between 2 and {most}"
+            if most >= 2
+            else f"a world of at least 4 ranks, not {world_size}"
+        )
+        raise ValueError(
+            f"shard_size={shard_size}: HSDP needs at least 2 shard groups of at least 2 "
+            f"ranks, so {fits}"
+        )
+    if requested == "hsdp" and shard_size is None:
+        raise ValueError(
+            f"strategy='hsdp' over {text.ranks(world_size)} has no shard groups: set "
+            "shard_size (ranks per group, a divisor of workers), or run on hosts that "
+            "each hold the same number (>= 2) of ranks, one group per host"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Figures:
+    """The numbers one decision is made from, each computed once: what a rank needs under
+    each strategy (bytes per rank, with this combination's checkpointing and offload) and
+    what it may use. Plain data: `judge` decides from it, `memory_text` words it."""
+
+    full: MemoryEstimate  # as measured: no checkpointing, no offload
+    estimate: MemoryEstimate  # under this combination's checkpointing and offload
+    on_device: MemoryEstimate  # checkpointing only: DDP keeps its state on the device
+    world_size: int
+    shard_size: int | None  # HSDP's ranks per group; None: no shard groups
+    budget_bytes: int
+    headroom: float
+    limit: int  # int(headroom * budget_bytes): what the estimate may use
+    checkpointing: bool
+    offload: bool
+    comm: Mapping[str, float] | None  # the planner's seconds per step, by strategy
+    ddp: int
+    fsdp: int  # sharded over every rank
+    hsdp: int | None  # sharded within a shard group; None without shard groups
+
+    @classmethod
+    def of(
+        cls,
+        full: MemoryEstimate,
+        world_size: int,
+        budget_bytes: int,
+        *,
+        headroom: float,
+        shard_size: int | None,
+        comm: Mapping[str, float] | None,
+        checkpointing: bool,
+        offload: bool,
+    ) -> Figures:
+        """The figures of `full` over `world_size` ranks of `budget_bytes` each."""
+        estimate = full.under(checkpointing=checkpointing, offload=offload)
+        # DDP keeps its state on the device: offload does not apply to it.
+        on_device = full.under(checkpointing=checkpointing, offload=False)
+        return cls(
+            full=full,
+            estimate=estimate,
+            on_device=on_device,
+            world_size=world_size,
+            shard_size=shard_size,
+            budget_bytes=budget_bytes,
+            headroom=headroom,
+            limit=int(headroom * budget_bytes),
+            checkpointing=checkpointing,
+            offload=offload,
+            comm=comm,
+            ddp=on_device.ddp_bytes(),
+            fsdp=estimate.fsdp_bytes(world_size),
+            hsdp=estimate.fsdp_bytes(shard_size) if shard_size else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """What one decision came to, as data (its words are `memory_text.reason`/`no_fit`).
+
+    fit: "fits" (within the limit), "over_headroom" (forced, within the whole budget),
+    "over_budget" (forced, over the whole budget: expect out-of-memory), "no_fit" (nothing
+    asked for fits the limit), "too_big" (over the whole budget under every strategy, decided
+    before any strategy is tried). strategy: the one taken, or the forced one that does not
+    fit; None when "auto" takes none. passed_over: the strategies "auto" tried before its
+    choice and set aside as over the limit (DDP also under offload, which it cannot take),
+    every one it tried when none fits; empty for a forced strategy."""
+
+    fit: Fit
+    strategy: Sharding | None
+    passed_over: tuple[Sharding, ...] = ()
+
+
+def judge(requested: str, f: Figures, *, must_fit: bool) -> Verdict:
+    """What a checked `requested` comes to under `f`; pure. "auto" takes the first of DDP,
+    HSDP, FSDP that fits the limit (DDP not under offload; HSDP only with shard groups and
+    unless `comm` rates FSDP cheaper). A forced strategy is taken over the limit, even over
+    the whole budget, unless `must_fit`. Over the whole budget under every strategy (FSDP
+    alone under offload) is "too_big", whatever was requested."""
+    forced = None if requested == "auto" else cast(Sharding, requested)
+    if (f.fsdp if f.offload else min(f.ddp, f.fsdp)) > f.budget_bytes:
+        return Verdict(fit="too_big", strategy=forced)
+    if forced is not None:
+        need = {"ddp": f.ddp, "fsdp": f.fsdp, "hsdp": f.hsdp}[forced]
+        assert need is not None  # hsdp without shard groups was refused by _check_request
+        if need <= f.limit:
+            return Verdict(fit="fits", strategy=forced)
+        if must_fit:
+            return Verdict(fit="no_fit", strategy=forced)
+        over: Fit = "over_headroom" if need <= f.budget_bytes else "over_budget"
+        return Verdict(fit=over, strategy=forced)
+    if f.ddp <= f.limit and not f.offload:
+        return Verdict(fit="fits", strategy="ddp")
+    hsdp_cheaper = f.comm is None or f.comm.get("hsdp", 0.0) <= f.comm.get("fsdp", math.inf)
+    if f.hsdp is not None and f.hsdp <= f.limit and hsdp_cheaper:
+        return Verdict(fit="fits", strategy="hsdp", passed_over=("ddp",))
+    if f.fsdp <= f.limit:
+        # Passed over for size only: HSDP set aside by `comm` shows why in the comm figures.
+        hsdp_over: tuple[Sharding, ...] = (
+            ("hsdp",) if f.hsdp is not None and f.hsdp > f.limit else ()
+        )
+        return Verdict(fit="fits", strategy="fsdp", passed_over=("ddp", *hsdp_over))
+    tried: tuple[Sharding, ...] = ("ddp", "hsdp", "fsdp") if f.hsdp is not None else ("ddp", "fsdp")
+    return Verdict(fit="no_fit", strategy=None, passed_over=tried)
 
 
 def splits_into_shard_groups(world_size: int, shard_size: int) -> bool:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from raymesh.train.estimate import MemoryEstimate
-from raymesh.train.strategy import StrategyPolicy, host_shard_size, splits_into_shard_groups
+from raymesh.train.strategy import (
+    Figures,
+    StrategyPolicy,
+    Verdict,
+    host_shard_size,
+    judge,
+    splits_into_shard_groups,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -295,3 +302,55 @@ def test_when_nothing_fits_the_error_says_what_was_tried_and_what_the_user_could
     assert "use at least" in msg and "workers (now 2)" in msg
     assert "precision='bf16' would need about" in msg
     assert "LoRA (a frozen base, small adapters) would need about" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# judge: the decision as data, before any words
+# ---------------------------------------------------------------------------------------------
+
+
+def _figures(
+    world_size: int, budget: int, shard_size: int | None = None, comm: dict | None = None
+) -> Figures:
+    return Figures.of(
+        ONE_GIB,
+        world_size,
+        budget,
+        headroom=0.8,
+        shard_size=shard_size,
+        comm=comm,
+        checkpointing=False,
+        offload=False,
+    )
+
+
+def test_judge_returns_the_choice_and_what_auto_passed_over():
+    # ddp 1 GiB; hsdp over groups of 2: 0.5 GiB; fsdp over 4: 0.25 GiB; limit 0.8 x budget.
+    assert judge("auto", _figures(4, 2 * GIB, 2), must_fit=True) == Verdict(
+        fit="fits", strategy="ddp"
+    )
+    assert judge("auto", _figures(4, GIB, 2), must_fit=True) == Verdict(
+        fit="fits", strategy="hsdp", passed_over=("ddp",)
+    )
+    assert judge("auto", _figures(4, 600 * MIB, 2), must_fit=True) == Verdict(
+        fit="fits", strategy="fsdp", passed_over=("ddp", "hsdp")
+    )
+    cheaper_fsdp = _figures(4, GIB, 2, comm={"hsdp": 0.02, "fsdp": 0.01})
+    assert judge("auto", cheaper_fsdp, must_fit=True) == Verdict(
+        fit="fits", strategy="fsdp", passed_over=("ddp",)
+    )
+    assert judge("auto", _figures(2, 600 * MIB), must_fit=True) == Verdict(
+        fit="no_fit", strategy=None, passed_over=("ddp", "fsdp")
+    )
+
+
+def test_judge_takes_a_forced_strategy_over_the_limit_unless_it_must_fit():
+    over_headroom = _figures(4, 1200 * MIB)  # ddp's 1 GiB: over 960 MiB, under 1200 MiB
+    assert judge("ddp", over_headroom, must_fit=False).fit == "over_headroom"
+    assert judge("ddp", over_headroom, must_fit=True).fit == "no_fit"
+    assert judge("ddp", _figures(4, GIB // 2), must_fit=False).fit == "over_budget"
+    assert judge("fsdp", _figures(4, GIB), must_fit=True) == Verdict(fit="fits", strategy="fsdp")
+    # Over the whole budget under every strategy: whatever was asked.
+    assert judge("ddp", _figures(2, 100 * MIB), must_fit=False) == Verdict(
+        fit="too_big", strategy="ddp"
+    )
