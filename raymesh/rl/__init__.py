@@ -47,13 +47,14 @@ from raymesh.rl.algorithms import (
     kl_to_reference,
     ppo_loss,
 )
+from raymesh.rl.api import run
 from raymesh.rl.buffer import Rollout, RolloutBuffer
 from raymesh.rl.config import RLConfig
 from raymesh.rl.environments import ActorCritic, EnvRunner, Segment
 from raymesh.rl.generator import Generator
 from raymesh.rl.jobfile import load_rl_job
 from raymesh.rl.learner import GRPOTask, PPOTask, completion_samples
-from raymesh.rl.loop import RLResult, run
+from raymesh.rl.result import RLResult
 from raymesh.rl.sampling import Completions, RewardError, sample_seed, score
 
 __all__ = [

@@ -1,7 +1,7 @@
-"""`rl.run`: a mesh of workers making rollouts and a learner that is a raymesh.train job the
-loop drives (`raymesh.rl.learner_job`), on one controller: GRPO's generators answering
-prompts, or PPO's environment runners (`raymesh.rl.roles` says what each spawns; the loop is
-the same).
+"""The loop of `rl.run` (`raymesh.rl.api` starts its roles and ends it): a mesh of workers
+making rollouts (`raymesh.rl.workers`) and a learner that is a raymesh.train job the loop
+drives (`raymesh.rl.learner_job`), on one controller: GRPO's generators answering prompts, or
+PPO's environment runners (`raymesh.rl.roles` says what each spawns; the loop is the same).
 
 The loop, each step s (policy version s):
 1. Keep every generator busy with keys (a key is one prompt's group: key k answers prompt
@@ -28,30 +28,21 @@ TimeoutError, never a hang.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
-import itertools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from raymesh import train
-from raymesh.actor import ActorMesh, Future, ProcMesh, Shared, SupervisionError, this_host
-from raymesh.rl.algorithms import PPO, Stats
+from raymesh.actor import Shared
+from raymesh.rl.algorithms import Stats
 from raymesh.rl.buffer import Rollout, RolloutBuffer
-from raymesh.rl.config import RLConfig
-from raymesh.rl.learner_job import learner_config, start_learner
 from raymesh.rl.position import Position
-from raymesh.rl.roles import check_context, env_roles, text_roles
-from raymesh.train import FailureRecord, ShardedState
-
-__all__ = ["RLResult", "run"]
+from raymesh.rl.workers import Worker
+from raymesh.train import ShardedState
 
 logger = logging.getLogger("raymesh")
 
@@ -62,201 +53,23 @@ Published = tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]
 _POLL_S = 0.5  # the longest the loop waits between looks at the calls (a reply wakes it)
 
 
-@dataclass
-class RLResult:
-    """What `run` did: one statistics row per step (`history`), the final policy version and
-    its weights (`state_dict()`), the keys made again after a generator was lost or a rollout
-    went stale, and how many generators were replaced."""
-
-    history: list[Stats]
-    version: int
-    weights: dict[str, torch.Tensor]
-    remade: list[int] = field(default_factory=list)
-    replaced: int = 0
-    checkpoint: str | None = None  # the step folder the final policy was saved in
-    # the learner ranks lost and replaced (GRPO's learner job's `Result.failures`)
-    learner_failures: list[FailureRecord] = field(default_factory=list)
-    resumed_from: int = 0  # the version the run continued from (0: a fresh start)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.weights
-
-
-@dataclass
-class _Gen:
-    procs: ProcMesh
-    actor: Any
-    keys: list[int] = field(default_factory=list)
-    call: Future[list[Rollout]] | None = None
-
-
-def run(
-    config: RLConfig | None = None,
-    /,
-    *,
-    progress: Callable[[Stats], None] | None = None,
-    stop: Callable[[Stats], bool] | None = None,
-    **fields: Any,
-) -> RLResult:
-    """Run `config` (an `rl.RLConfig`), or the RLConfig of `fields` (its fields as keyword
-    arguments: `rl.run(policy=..., steps=...)`; with a config, they replace its own): train
-    `policy` with `algorithm`, for at most `steps` policy updates; the run ends early after the
-    first step whose statistics `stop` accepts. `progress` gets each step's.
-
-    GRPO (the default): post-train `policy` (a raymesh.train build function, or its
-    "module:function" name, of a byte-level model or of a transformers causal LM with its
-    tokenizer, LoRA or not, e.g. "raymesh.train.hf:build"; with `params` as its ctx.params;
-    from the checkpoint `init` when given) on `prompts`
-    scored by `reward` ((prompt, completion) -> float, or its "module:function" name, run where
-    the samples are; or a mesh of reward actors, e.g. a reward model, whose endpoint
-    `score(prompt, completion) -> float` is called for each completion, on the least busy
-    actor, a completion dropped when its actor raises, dies or takes over `reward_timeout_s`;
-    a step with none scored ends the run: `rl.RewardError`, naming the reward and why), with
-    `prompts_per_step` prompts a step and `generators` generator procs sampling at most
-    `max_staleness` policy versions behind. `checkpoint`: a folder to save the final policy
-    in, as raymesh.train does (served by `raymesh serve --checkpoint`, read by `init=`), and
-    every `checkpoint_every` steps as well (0: only at the end), each with the loop's position
-    in the samples. `resume`: continue from the newest checkpoint there that verifies (policy,
-    optimizer, version, position; e.g. after the controller died), or start fresh when there is
-    none; `steps` counts from the start, so a finished run resumed does nothing more. With
-    `max_staleness=0` a resumed run ends with the weights of the run that was not interrupted.
-
-    trainer: the learner's train job, driven a step at a time by this loop
-    (`train.drive`): a dict of `train.TrainConfig`'s fields (`workers`, `strategy`,
-    `precision`, `gpus`, `cpus_per_worker`, `max_failures`, ...; an unknown one is refused by
-    name), or a `TrainConfig`. A learner rank lost mid-step is replaced and the step trained
-    again, so a synchronous run still ends with the fault-free run's weights. None: one rank.
-    The loop sets what it owns: `steps`, `seed`, `global_batch_size` (GRPO: prompts_per_step
-    x group_size; PPO: a minibatch; a TrainConfig's must be that, or 1), `build` and `params`
-    (the policy's), the checkpoint (`checkpoint=`), `resume`, the run folder (`run_dir=`),
-    and PPO's `grad_clip`.
-
-    PPO (`rl.PPO(env=...)`): train `policy` (None: raymesh.rl.environments.ActorCritic) on
-    the gymnasium environment `algorithm.env`, stepped by `env_runners` runner procs, one
-    segment each a step; a version is `epochs` passes of minibatches, each a train step of the
-    learner job. `checkpoint`, `checkpoint_every` and `resume` as GRPO's (the environments of
-    a resumed run start afresh).
-
-    Every step's statistics carry its timing: `step_s` (the whole step), `learn_s` (the
-    learner's update), `sync_s` (fetching the new version's reference from the learner; its
-    installation on the workers overlaps their next sampling) and `rollouts_per_s`.
-    The run folder is the learner job's, written as any train job's (`run_dir`, else the
-    `checkpoint` folder; `raymesh dashboard` shows it live): its "job" event says "kind": "rl"
-    and the algorithm, a row per train step in `metrics.jsonl` (GRPO: one a version; PPO: a
-    version's last) carries the loop's figures of the version (reward or episode return,
-    staleness, samples, ...; the timings are in the statistics only), and its end says how
-    the run ended (a loop's failure, such as `rl.RewardError`, as Failed, naming it).
-
-    ValueError naming the field for a bad one, before any proc starts; TypeError for a
-    keyword that is no RLConfig field."""
-    names = [f.name for f in dataclasses.fields(RLConfig)]
-    if unknown := sorted(set(fields) - set(names)):
-        raise TypeError(f"rl.run: {unknown} are no rl.RLConfig fields; the fields are {names}")
-    if config is None:
-        config = RLConfig(**fields)
-    elif not isinstance(config, RLConfig):
-        raise TypeError(f"rl.run: give an rl.RLConfig, not {type(config).__name__}")
-    elif fields:
-        config = dataclasses.replace(config, **fields)
-    algorithm, rollout = config.algorithm, config.rollout
-    if isinstance(algorithm, PPO):
-        roles = env_roles(config.task, runners=rollout.env_runners, seed=config.seed)
-    else:
-        roles = text_roles(config.task, rollout, seed=config.seed)
-    learner_job = learner_config(
-        config.trainer,
-        roles.learner,
-        algorithm,
-        per_step=roles.per_step,
-        steps=config.steps,
-        seed=config.seed,
-        save=config.save,
-    )
-    steps, max_staleness, timeout_s = config.steps, rollout.max_staleness, rollout.timeout_s
-    checkpoint = config.checkpoint
-    gens: list[_Gen] = []
-    job: train.DrivenJob | None = None
-    try:
-        incarnations = itertools.count()
-
-        def new_worker(index: int) -> _Gen:
-            procs = this_host().spawn_procs(
-                per_host={"procs": 1}, name=f"rl-{roles.name}", escalate=False
-            )
-            cls, args, kwargs = roles.worker(index, next(incarnations))
-            return _Gen(procs, procs.spawn(roles.name, cls, *args, **kwargs))
-
-        gens = [new_worker(i) for i in range(roles.workers)]
-        if roles.prompts:  # before the learner's procs start: it would fail at every step
-            measure = gens[0].actor.measure.call_one(list(roles.prompts))
-            try:
-                context, lengths = measure.get(timeout=timeout_s)
-            except SupervisionError as e:
-                if e.failure.kind != "init_error":
-                    raise
-                # Its constructor refused what it was given (the policy, its init, the
-                # reward): bad input, said as such before the learner's procs start.
-                raise ValueError(f"the {roles.title} could not start: {e.failure.cause}") from e
-            check_context(roles.prompts, lengths, context, roles.max_tokens)
-        learner = start_learner(roles.learner, algorithm, learner_job, per_step=roles.per_step)
-        job = learner.job
-        start, position = learner.resumed()
-        if start:
-            logger.info("raymesh.rl: resuming from %s (version %d)", checkpoint, start)
-        loop = _Loop(roles.request, roles.per_step, max_staleness, timeout_s, new_worker)
-        loop.check = roles.check
-        loop.tell = functools.partial(job.tell, "replaced", role=roles.title)
-        # The run folder's roles beside the learner's ranks (the job's own "mesh" events).
-        job.tell("role", role=roles.title, count=len(gens), pids=[g.procs.pids[0] for g in gens])
-        if isinstance(config.reward, ActorMesh):
-            job.tell("role", role="reward actors", count=len(config.reward))
-        job.tell("role", role="learner", count=job.world_size)
-        try:
-            loop.restore(position)
-        except ValueError as e:  # the manifest's position, checked before a step
-            raise ValueError(f"{checkpoint}: {e}") from None
-        sinks = [progress] if progress is not None else []
-
-        def save() -> str:
-            return str(learner.save(loop.position()))
-
-        every = config.checkpoint_every  # (0 without a checkpoint folder: SaveConfig)
-        result = loop.run(learner, gens, start, steps, sinks, stop, every, save)
-        result.resumed_from = start
-        ended = job.close(extra={"rl": loop.position()})  # the final checkpoint
-        result.checkpoint, result.learner_failures = ended.checkpoint, ended.failures
-        return result
-    except BaseException as e:
-        if job is not None:  # its run folder says why the run ended
-            try:
-                job.stop(e)
-            except Exception as told:  # the loop's error is the one to raise
-                logger.warning("raymesh.rl: ending the learner job failed: %s", told)
-        raise
-    finally:
-        for g in gens:
-            try:
-                g.procs.stop().get(timeout=60)
-            except Exception as e:  # stopping the rest matters more than this one's error
-                logger.warning("raymesh.rl: stopping %s failed: %s", g.procs, e)
-        if job is not None:
-            job.stop()  # nothing once closed
-
-
 class _Loop:
+    """The loop's state: the keys handed out and to make again, the buffer, the version
+    published, the keys the learner took, and the workers replaced (see the module)."""
+
     def __init__(
         self,
         request: Callable[[list[int]], Any],
         per_step: int,
         max_staleness: int,
         timeout_s: float,
-        new_generator: Callable[[int], _Gen],
+        new_worker: Callable[[int], Worker],
     ) -> None:
         self.request = request
         self.per_step = per_step
         self.max_staleness = max_staleness
         self.timeout_s = timeout_s
-        self.new_generator = new_generator
+        self.new_worker = new_worker
         self.buffer = RolloutBuffer(
             capacity=(max_staleness + 1) * per_step, max_staleness=max_staleness
         )
@@ -269,6 +82,8 @@ class _Loop:
         self.taken = Position()  # which keys the learner has taken
         self.check: Callable[[list[Rollout], int], None] | None = None  # a step's batch
         self.tell: Callable[..., None] | None = None  # a replaced worker, to the run folder
+        self.workers: list[Worker] = []
+        self.cycle = 0.0  # when the previous update began (a cycle of the loop)
 
     def position(self) -> dict[str, Any]:
         """Which keys have been taken (JSON data, saved with a checkpoint)."""
@@ -286,62 +101,74 @@ class _Loop:
     def run(
         self,
         learner: Any,
-        gens: list[_Gen],
+        workers: list[Worker],
         start_step: int,
         steps: int,
         sinks: list[Callable[[Stats], None]],
         stop: Callable[[Stats], bool] | None,
         save_every: int,
-        save: Callable[[], str],
-    ) -> RLResult:
-        self.gens = gens
+    ) -> list[Stats]:
+        """Steps `start_step` .. `steps` - 1 with `workers` (a lost one is replaced in the
+        list), ending early after the first step whose statistics `stop` accepts; each step's
+        statistics, in order, handed to every sink as it ends. The learner checkpoints every
+        `save_every` steps (0: never), but not after the last step: its save is the caller's."""
+        self.workers = workers
         self._publish(learner.weights())
-        history = []
-        cycle = time.perf_counter()  # when the previous update began (a cycle of the loop)
+        history: list[Stats] = []
+        self.cycle = time.perf_counter()
         for step in range(start_step, steps):
-            start = time.perf_counter()
-            batch = self._collect(step)
-            if self.check is not None:
-                self.check(batch, step)  # e.g. RewardError: nothing in it could be scored
-            self.taken.took(r.key for r in batch)
-            learning = time.perf_counter()
-            stats = learner.learn(batch, cycle_s=max(learning - cycle, 1e-9))
-            cycle = learning
-            syncing = time.perf_counter()
-            self._publish(learner.weights())
-            end = time.perf_counter()
-            took = max(end - start, 1e-9)
-            stats = {
-                **stats,
-                "step_s": end - start,
-                "learn_s": syncing - learning,
-                "sync_s": end - syncing,
-                "rollouts_per_s": len(batch) / took,
-                # GRPO's samples are completions, PPO's environment steps
-                "samples_per_s": stats.get("samples", stats.get("env_steps", 0.0)) / took,
-            }
+            stats = self._step(learner, step)
             history.append(stats)
             for sink in sinks:
                 sink(stats)
             if stop is not None and stop(stats):
                 break
             if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-                save()  # the last step's save is the caller's
+                learner.save(self.position())
+        return history
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version published last and a copy of its weights, read from the learner."""
         assert self.published is not None
         version, shared = self.published
-        weights = {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}
-        return RLResult(history, version, weights, self.remade, self.replaced)
+        return version, {k: v.clone() for k, v in shared.get(timeout=self.timeout_s).items()}
+
+    def _step(self, learner: Any, step: int) -> Stats:
+        """Step `step`: its rollouts collected and checked, the learner's update on them (the
+        version goes up by one), that version published; the update's statistics and the
+        step's timings."""
+        start = time.perf_counter()
+        batch = self._collect(step)
+        if self.check is not None:
+            self.check(batch, step)  # e.g. RewardError: nothing in it could be scored
+        self.taken.took(r.key for r in batch)
+        learning = time.perf_counter()
+        stats = learner.learn(batch, cycle_s=max(learning - self.cycle, 1e-9))
+        self.cycle = learning
+        syncing = time.perf_counter()
+        self._publish(learner.weights())
+        end = time.perf_counter()
+        took = max(end - start, 1e-9)
+        return {
+            **stats,
+            "step_s": end - start,
+            "learn_s": syncing - learning,
+            "sync_s": end - syncing,
+            "rollouts_per_s": len(batch) / took,
+            # GRPO's samples are completions, PPO's environment steps
+            "samples_per_s": stats.get("samples", stats.get("env_steps", 0.0)) / took,
+        }
 
     def _publish(self, published: Published) -> None:
-        """Hand version v to every generator: queued behind its current call, so it is
+        """Hand version v to every worker: queued behind its current call, so it is
         installed between two calls. The weights travel as a reference: one copy in the
-        learner's object store, read by each generator, none through this process."""
+        learner's object store, read by each worker, none through this process."""
         self.published = published
-        for g in self.gens:
-            g.actor.load.call_one(*published)
+        for w in self.workers:
+            w.actor.load.call_one(*published)
 
     def _collect(self, step: int) -> list[Rollout]:
-        """The step's rollouts, keeping the generators busy meanwhile."""
+        """The step's rollouts, keeping the workers busy meanwhile."""
         deadline = time.monotonic() + self.timeout_s
         limit = (step + 1 + self.max_staleness) * self.per_step  # keys handed out so far, at most
         while True:
@@ -363,9 +190,11 @@ class _Loop:
             self.arrived.wait(_POLL_S)
 
     def _dispatch(self, limit: int) -> None:
-        chunk = max(1, math.ceil(self.per_step / len(self.gens)))
-        for g in self.gens:
-            if g.call is not None:
+        """Give each idle worker its share of keys: those to make again first, then new ones
+        below `limit`."""
+        chunk = max(1, math.ceil(self.per_step / len(self.workers)))
+        for w in self.workers:
+            if w.call is not None:
                 continue
             keys: list[int] = []
             while len(keys) < chunk and (self.todo or self.next_key < limit):
@@ -375,30 +204,38 @@ class _Loop:
                     keys.append(self.next_key)
                     self.next_key += 1
             if keys:
-                g.keys = keys
-                g.call = g.actor.sample.call_one(self.request(keys))
-                g.call.add_done_callback(self.arrived.set)
+                w.keys = keys
+                w.call = w.actor.sample.call_one(self.request(keys))
+                w.call.add_done_callback(self.arrived.set)
 
     def _harvest(self) -> None:
-        for i, g in enumerate(self.gens):
-            if g.call is None or not g.call.done():
+        """Put the rollouts of every call that has ended into the buffer; a worker whose call
+        failed is replaced."""
+        for i, w in enumerate(self.workers):
+            if w.call is None or not w.call.done():
                 continue
             try:
-                rollouts = g.call.get(timeout=self.timeout_s)
+                rollouts = w.call.get(timeout=self.timeout_s)
             except Exception as e:  # its proc died (SupervisionError) or the call raised
-                logger.warning("raymesh.rl: generator %d lost (%s); replacing it", i, e)
-                self.remade.extend(g.keys)
-                self.todo.extendleft(reversed(g.keys))
-                g.procs.stop()
-                self.gens[i] = self.new_generator(i)
-                self.replaced += 1
-                if self.tell is not None:
-                    cause = (str(e).splitlines() or [type(e).__name__])[0][:300]
-                    pid = self.gens[i].procs.pids[0]
-                    self.tell(index=i, cause=cause, keys=list(g.keys), pid=pid)
-                if self.published is not None:
-                    self.gens[i].actor.load.call_one(*self.published)
+                self._replace(i, e)
                 continue
-            g.call, g.keys = None, []
+            w.call, w.keys = None, []
             for r in rollouts:
                 self.buffer.put(r, timeout_s=self.timeout_s)
+
+    def _replace(self, index: int, error: Exception) -> None:
+        """Replace the worker at `index`, lost to `error`: its keys are made again first, and
+        the new one installs the version published last (told to the run folder)."""
+        lost = self.workers[index]
+        logger.warning("raymesh.rl: generator %d lost (%s); replacing it", index, error)
+        self.remade.extend(lost.keys)
+        self.todo.extendleft(reversed(lost.keys))
+        lost.procs.stop()
+        new = self.workers[index] = self.new_worker(index)
+        self.replaced += 1
+        if self.tell is not None:
+            cause = (str(error).splitlines() or [type(error).__name__])[0][:300]
+            pid = new.procs.pids[0]
+            self.tell(index=index, cause=cause, keys=list(lost.keys), pid=pid)
+        if self.published is not None:
+            new.actor.load.call_one(*self.published)
