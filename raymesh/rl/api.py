@@ -145,7 +145,8 @@ class _RunState:
         the learner's procs start, as it would fail at every step), then the learner's job
         (restored from its checkpoint when resuming)."""
         roles = self.roles
-        self.workers = [self.spawn(i) for i in range(roles.workers)]
+        for i in range(roles.workers):  # one at a time: if one fails, `stop` stops those up
+            self.workers.append(self.spawn(i))
         if roles.prompts:
             measure_prompts(self.workers[0], roles, self.config.timeout_s)
         learner = start_learner(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raymesh._common import bad, brief, check_int, check_seconds, section_of
+from raymesh._common import bad, brief, check_int, check_seconds, store_sections, stored
 from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import GRPO, PPO
 from raymesh.train import TrainConfig
@@ -73,6 +73,7 @@ class TaskConfig:
             or not all(isinstance(p, (str, bytes)) for p in prompts)
         ):
             raise bad("prompts", brief(prompts), "give a non-empty list of strings")
+        object.__setattr__(self, "prompts", tuple(prompts))  # frozen, as the rest
         if self.reward is None:
             raise bad("reward", None, "give a function (prompt, completion) -> float")
         if not isinstance(self.reward, ActorMesh):
@@ -135,6 +136,10 @@ class SaveConfig:
             raise bad("checkpoint_every", self.checkpoint_every, fix)
 
 
+# RLConfig's sections by property name.
+_SECTIONS: dict[str, type] = {"task": TaskConfig, "rollout": RolloutConfig, "save": SaveConfig}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
     """An RL run (see the module docstring and `rl.run`): at most `steps` policy updates of
@@ -170,18 +175,16 @@ class RLConfig:
         check_int("seed", self.seed)
         if self.trainer is not None and not isinstance(self.trainer, (TrainConfig, dict)):
             raise bad("trainer", self.trainer, "give a dict of train.TrainConfig fields, or one")
-        self.task, self.rollout, self.save  # noqa: B018 (each section checks its fields)
-        if isinstance(self.prompts, list):  # frozen, as the rest
-            object.__setattr__(self, "prompts", tuple(self.prompts))
+        store_sections(self, _SECTIONS)  # each checks its own fields, once
 
     @property
     def task(self) -> TaskConfig:
-        return section_of(TaskConfig, self)
+        return stored(self, "task", TaskConfig)
 
     @property
     def rollout(self) -> RolloutConfig:
-        return section_of(RolloutConfig, self)
+        return stored(self, "rollout", RolloutConfig)
 
     @property
     def save(self) -> SaveConfig:
-        return section_of(SaveConfig, self)
+        return stored(self, "save", SaveConfig)
