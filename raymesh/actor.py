@@ -20,11 +20,12 @@ from raymesh._src.context import (
     current_size,
 )
 from raymesh._src.controllers import get_or_spawn_controller
-from raymesh._src.endpoint import Endpoint, Port, concurrent_endpoint, endpoint
+from raymesh._src.endpoint import Endpoint, concurrent_endpoint, endpoint
 from raymesh._src.errors import ActorError, MeshFailure, SupervisionError
 from raymesh._src.future import Future
 from raymesh._src.host_mesh import HostMesh, host_mesh, hosts_from_config, this_host
 from raymesh._src.local_proc import this_proc
+from raymesh._src.port import Port
 from raymesh._src.proc_mesh import ProcMesh, preload, shutdown_context
 from raymesh._src.shape import Extent, Point, Shape
 from raymesh._src.shared import Shared

@@ -35,9 +35,10 @@ from typing import Any, Generic, TypeVar
 
 from raymesh._src import backend, ownership, supervision
 from raymesh._src.context import Spawner, actor_label, current_actor_context, current_instance
-from raymesh._src.endpoint import Port, check_one_kind, endpoint_names
+from raymesh._src.endpoint import check_one_kind, endpoint_names
 from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
+from raymesh._src.port import Port
 from raymesh._src.shape import MeshTrait, Shape
 from raymesh._src.supervision import dispatch
 from raymesh._src.value_mesh import ValueMesh

@@ -31,9 +31,10 @@ from typing import Any, Generic, TypeVar
 
 from raymesh._src.actor import Actor
 from raymesh._src.context import current_actor_context
-from raymesh._src.endpoint import Port, endpoint
+from raymesh._src.endpoint import endpoint
 from raymesh._src.errors import ActorError, MeshFailure, RemoteFailure, SupervisionError
 from raymesh._src.future import Future
+from raymesh._src.port import Port
 
 R = TypeVar("R")
 

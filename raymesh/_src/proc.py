@@ -49,10 +49,11 @@ from typing import Any
 from raymesh._src import context as _ctx
 from raymesh._src import ownership
 from raymesh._src.actor import Actor, ActorStopped, Job
-from raymesh._src.endpoint import Endpoint, Port, Reply, endpoints_of
+from raymesh._src.endpoint import Endpoint, endpoints_of
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.hosted_actor import HostedActor, refused, stopped
 from raymesh._src.logs import name_actors_in_records
+from raymesh._src.port import Port, Reply
 from raymesh._src.proc_loop import ProcLoop, awaited, guarded
 from raymesh._src.shape import Point
 from raymesh._src.shared import unshare

@@ -25,7 +25,7 @@ from raymesh import (
     endpoint,
     this_host,
 )
-from raymesh._src.endpoint import Reply
+from raymesh._src.port import Reply
 from raymesh.actor import Port
 
 from ..waiting import alive, wait_for

@@ -131,9 +131,9 @@ def test_the_raylets_noise_goes_to_the_raymesh_ray_logger_and_other_messages_pri
 ):
     from ray._private import worker as ray_worker
 
-    from raymesh._src.backend import runtime
+    from raymesh._src.backend import ray_output
 
-    runtime._quiet_raylet_noise()
+    ray_output.quiet_raylet_noise()
     # Unique letters: Ray prints a line again only once it differs in more than digits.
     other = "the raylet says " + "".join(random.choice(string.ascii_letters) for _ in range(16))
     with caplog.at_level(logging.DEBUG, logger="raymesh.ray"):

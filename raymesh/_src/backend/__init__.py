@@ -9,15 +9,14 @@ place before any module of the package can run: Python runs a package's `__init_
 """
 
 from raymesh._src.backend.host_agent import host_agent
+from raymesh._src.backend.placement import PlacementError, free_slots
 from raymesh._src.backend.pool import preload
 from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
 from raymesh._src.backend.procs import (
-    PlacementError,
     ProcGroup,
     RayProc,
     create_procs,
     end,
-    free_slots,
     kill,
     kill_pid,
     self_proc,

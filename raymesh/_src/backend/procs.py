@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -11,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raymesh._src.backend import channel, pool, runtime
+from raymesh._src.backend import channel, pool, ray_output, runtime
 from raymesh._src.backend.host_agent import REFILL_IDLE, REFILL_WAIT_S, host_agent, own_agent
+from raymesh._src.backend.placement import PlacementError, check_feasible, reserve
 from raymesh._src.backend.proc_host import ProcHost, StartRuntime, inherited_origin
 from raymesh._src.shape import Point
 
@@ -129,10 +131,6 @@ class ProcGroup:
     pg: Any
 
 
-class PlacementError(RuntimeError):
-    """The cluster cannot (or not in time) give a mesh the resources it asked for."""
-
-
 def create_procs(
     mesh_name: str,
     points: Sequence[Point],
@@ -150,21 +148,8 @@ def create_procs(
     never hold the procs, or when the resources are not free within `timeout` seconds.
     """
     runtime.ensure_ray()
-    per_node = _check_feasible(node_ids, resources, asked)
-    bundles = [dict(resources) for _ in points]
-    pg = placement_group(
-        bundles,
-        strategy="PACK",
-        bundle_label_selector=[{"ray.io/node-id": n} for n in node_ids],
-    )
-    if not pg.wait(timeout_seconds=timeout):
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"{asked}: the resources were not free within {timeout:.0f}s. "
-            f"Asked for {len(points)} procs of {resources}; free now: "
-            f"{_fmt_res(runtime.available_resources())}. Fix: stop other meshes, ask for fewer "
-            f"procs, or raise the timeout (spawn_procs(..., timeout=...))."
-        )
+    per_node = check_feasible(node_ids, resources, asked)
+    pg = reserve(node_ids, resources, timeout, asked)
     agents = {n: host_agent(n) for n in set(node_ids)}
     gpu = resources.get("GPU", 0) > 0
     # Warm procs first (see `pool`): a GPU proc must start inside its bundle to get its GPU.
@@ -173,18 +158,7 @@ def create_procs(
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, int(resources.get("CPU", 0)))
     origin = inherited_origin()  # spawned by a proc of the local runtime's: its program's
 
-    def fresh(i: int) -> tuple[Any, list[Any]]:
-        """A new proc in bundle i, and the refs that resolve once it is ready."""
-        handle = ProcHost.options(
-            num_cpus=resources.get("CPU", 0),
-            num_gpus=resources.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i
-            ),
-            runtime_env=_RUNTIME_ENV,
-        ).remote(mesh_name, points[i], start_runtime, (), origin)
-        return handle, [handle.info.remote()]
-
+    fresh = functools.partial(_fresh, mesh_name, points, resources, pg, start_runtime, origin)
     handles: list[Any] = []
     readiness: list[list[Any]] = []  # per proc
     shared: set[int] = set()  # indices of the runtime's procs
@@ -222,13 +196,32 @@ def create_procs(
             pool.fill({n: k}, after=agents[n].wait_idle.remote(*REFILL_IDLE, REFILL_WAIT_S))
     procs = [RayProc(h, i["pid"], i["node_id"], i["channel"]) for h, i in zip(handles, infos)]
     if adopted := [procs[i].pid for i in sorted(shared)]:
-        runtime.forward_output_of(adopted)  # the runtime's procs print here, as our own do
+        ray_output.forward_output_of(adopted)  # the runtime's procs print here, as our own do
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
     ray.get(
         [agents[n].watch.remote([p.pid for p in procs if p.node_id == n]) for n in agents],
         timeout=max(timeout, 60),
     )
     return ProcGroup(procs, pg)
+
+
+def _fresh(
+    mesh_name: str,
+    points: Sequence[Point],
+    resources: dict[str, float],
+    pg: Any,
+    start_runtime: StartRuntime,
+    origin: Any,
+    i: int,
+) -> tuple[Any, list[Any]]:
+    """A new proc in bundle i of `pg`, and the refs that resolve once it is ready."""
+    handle = ProcHost.options(
+        num_cpus=resources.get("CPU", 0),
+        num_gpus=resources.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        runtime_env=_RUNTIME_ENV,
+    ).remote(mesh_name, points[i], start_runtime, (), origin)
+    return handle, [handle.info.remote()]
 
 
 def _started(
@@ -278,65 +271,6 @@ def _died(refs: list[Any]) -> bool:
         except Exception:  # another failure (adopt() raised) is not a death
             pass
     return False
-
-
-def _check_feasible(
-    node_ids: Sequence[str], resources: dict[str, float], asked: str
-) -> dict[str, int]:
-    """Fail at once when the hosts can never hold the procs; returns procs per node."""
-    per_node: dict[str, int] = {}
-    for n in node_ids:
-        per_node[n] = per_node.get(n, 0) + 1
-    totals = {n.node_id: n.resources for n in runtime.nodes()}
-    for node, count in per_node.items():
-        total = totals.get(node)
-        if total is None:
-            raise PlacementError(f"{asked}: host {node[:12]} is not an alive Ray node")
-        for key, amount in resources.items():
-            need = amount * count
-            have = total.get(key, 0.0)
-            if need > have + 1e-9:
-                fix = (
-                    "this cluster has no GPUs: use a CPU axis name such as 'procs' instead of "
-                    "'gpus', or run on a cluster with GPUs"
-                    if key == "GPU" and sum(t.get("GPU", 0) for t in totals.values()) == 0
-                    else "this host runs no procs (like a head node started with num_cpus=0): "
-                    "spawn on host_mesh(), which leaves such hosts out"
-                    if have == 0
-                    else f"ask for at most {int(have // amount)} procs per host, or add capacity "
-                    f"(RAYMESH_NUM_CPUS for the local default, `ray start --num-cpus` on a "
-                    f"cluster)"
-                )
-                raise PlacementError(
-                    f"{asked}: needs {need:g} {key} on host {node[:12]} ({count} procs x "
-                    f"{amount:g}), which has {have:g} {key} in total. Fix: {fix}."
-                )
-    return per_node
-
-
-def free_slots(resources: dict[str, float]) -> dict[str, int]:
-    """How many procs of `resources` each alive node could hold right now (nodes with room
-    only), in `runtime.nodes()` order: the caller's node first. A snapshot: another spawn may
-    take the room before this caller does."""
-    from ray._private import state  # Ray has no public per-node view of free resources
-
-    runtime.ensure_ray()
-    free = state.available_resources_per_node()
-    out: dict[str, int] = {}
-    for node in runtime.nodes():
-        have = free.get(node.node_id, {})
-        fits = min(
-            (int(have.get(k, 0.0) / v + 1e-9) if v > 0 else 1 << 30 for k, v in resources.items()),
-            default=0,
-        )
-        if fits > 0:
-            out[node.node_id] = fits
-    return out
-
-
-def _fmt_res(res: dict[str, float]) -> str:
-    keys = [k for k in ("CPU", "GPU", "memory") if k in res]
-    return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
 
 
 def end(group: ProcGroup, grace: float) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymesh._src.backend import runtime_file, zero_copy
+from raymesh._src.backend import ray_output, runtime_file, zero_copy
 from raymesh._src.backend.runtime_file import RuntimeLostError, RuntimeRecord
 
 logger = logging.getLogger("raymesh")
@@ -221,7 +221,7 @@ def ensure_ray() -> None:
         else:
             cpus = int(os.environ.get("RAYMESH_NUM_CPUS", max(64, os.cpu_count() or 1)))
             _loopback_only()
-            _quiet_token_auth_notice()
+            ray_output.quiet_token_auth_notice()
             _init_local(
                 address="local",  # always a new instance, even if another Ray runs here
                 num_cpus=cpus,
@@ -239,7 +239,7 @@ def ensure_ray() -> None:
                 os.cpu_count() or 1,
             )
         _connected = True
-        _quiet_raylet_noise()
+        ray_output.quiet_raylet_noise()
         _run_quiesce_before_rays_exit_hook()
         for fn in list(_connect_hooks):
             fn()
@@ -291,101 +291,6 @@ def runtime_lost() -> bool:
     return _lost is not None
 
 
-# The raylet's messages raymesh tells better, or that are no news in a raymesh program: a
-# worker's death (supervision names the mesh, the rank and the signal), and the count of
-# worker processes once a node has more than it has cores (every proc, warm or not, is one).
-_RAYLET_NOISE = (
-    "A worker died or was killed while executing a task",
-    "worker processes have been started on node",
-)
-ray_logger = logging.getLogger("raymesh.ray")  # Ray's messages that raymesh tells better
-
-
-# The local runtime's procs this program adopted: they are workers of the runtime's Ray job,
-# not of this program's, so Ray would not forward their output here (see `forward_output_of`).
-_adopted: set[int] = set()
-_job_hex = ""
-
-
-def forward_output_of(pids: list[int]) -> None:
-    """Print the output of these procs (adopted from the local runtime) as Ray prints that of
-    this program's own workers: attached, Ray's driver receives every job's lines, and keeps
-    its own job's and these (`_ours`)."""
-    global _job_hex
-    from ray._private import worker as ray_worker
-
-    with _init_lock:
-        _adopted.update(pids)
-        if not _job_hex:
-            _job_hex = ray.get_runtime_context().get_job_id()
-            ray_worker.global_worker._filter_logs_by_job = False
-
-
-def _ours(data: dict) -> bool:
-    job = data.get("job")
-    return not _job_hex or not job or job == _job_hex or data.get("pid") in _adopted
-
-
-def _is_noise(line: str) -> bool:
-    return any(marker in line for marker in _RAYLET_NOISE)
-
-
-def _quiet_raylet_noise() -> None:
-    """Ray's driver prints a paragraph to stdout for every worker process that dies ("A worker
-    died or was killed while executing a task by an unexpected system error ... (1) the
-    process was killed by the OOM killer ..."), in the middle of the user's progress bar,
-    while raymesh's supervision reports the same death in one line that names the mesh, the
-    rank and the signal; and it warns of "N PYTHON worker processes have been started" once
-    a node runs more processes than cores, which a raymesh program (a proc is one, warm or
-    not) does by design. Those go to the `raymesh.ray` logger at DEBUG instead (`raymesh
-    train --verbose` shows them); Ray's other messages print as Ray prints them.
-    Ray calls its module's `print_to_stdstream` for each; where a Ray release has no such
-    function, nothing changes."""
-    from ray._private import worker as ray_worker
-
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None or getattr(original, "raymesh_quiet", False):
-        return
-
-    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
-        lines = data.get("lines") or []
-        if data.get("pid") == "raylet" and lines and all(_is_noise(x) for x in lines):
-            for line in lines:
-                ray_logger.debug("(raylet) %s", line)
-            return
-        if not _ours(data):
-            return
-        original(data, ignore_prefix)
-
-    print_to_stdstream.raymesh_quiet = True  # type: ignore[attr-defined]
-    ray_worker.print_to_stdstream = print_to_stdstream
-
-
-class _ToDebug(logging.Filter):
-    """Sends a Ray logger's records that start with `prefix` to `raymesh.ray` at DEBUG
-    instead of the terminal."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.startswith(self.prefix):
-            return True
-        ray_logger.debug("%s", message)
-        return False
-
-
-def _quiet_token_auth_notice() -> None:
-    """A new local Ray enables token authentication (its default, kept) and warns that it did,
-    at every start; the embedded Ray is raymesh's choice, not news to the user, so the notice
-    goes to `raymesh.ray` at DEBUG. Its warnings that authentication is off still print."""
-    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _ToDebug) for f in notice.filters):
-        notice.addFilter(_ToDebug("Token authentication is enabled for this Ray cluster"))
-
-
 def started_local() -> bool:
     return _started_local
 
@@ -407,7 +312,7 @@ def connected() -> bool:
 
 def shutdown() -> None:
     """Disconnect from Ray (and stop the local one, if raymesh started it)."""
-    global _started_local, _connected, _exit_hook_after_init, _attached, _job_hex
+    global _started_local, _connected, _exit_hook_after_init, _attached
     if _lost is not None:  # nothing is left to stop, and Ray's calls would block on its GCS:
         return  # the program ends at its exit (`_at_exit`)
     if ray.is_initialized():
@@ -416,8 +321,8 @@ def shutdown() -> None:
             fn()
         ray.shutdown()
     _started_local = _connected = _exit_hook_after_init = False
-    _attached, _job_hex = None, ""
-    _adopted.clear()
+    _attached = None
+    ray_output.forget_adopted()
 
 
 @dataclass(frozen=True)

@@ -18,18 +18,17 @@ Refusals, each logged with its reason (cut to 200 characters): 401 no token, a w
 non-ASCII token or key; 403 a wrong key, or the server full; 404 an unknown client; 409 no
 message waits for this answer (too late, or already answered: a replay), or a device already
 enrolled; 429 another answer from this client is still being received or checked (refused at
-once, its body unread: one answer in flight per client); 413 a body over the byte limit
-(counted while it streams in, before any decoding) or with more JSON values than an answer
-holds (raymesh.federated.edge.bodies: both follow the model's size, unless
-`EdgeConfig.max_body_bytes` sets the bytes); 400 a body that is not JSON, holds NaN or
-Infinity, or nests deeper than protocol.MAX_DEPTH; 422 an answer that does not decode or fails
-its checks (raymesh.federated.protocol.checks); 408 a body not in within `EdgeConfig.body_deadline`
-(by default the byte limit at 256 KiB/s, at least 60 s). A client whose answer is refused
-(413, 400, 422) is dropped from that round, and the round goes on; one that went away before
-its body ended (400) or was too slow (408) sent no answer, and may send it again. Every
-refusal is answered in raymesh's error
-shape, `{"error": {"type", "message"}}`, the token check by the shared `BearerAuth`
-(raymesh._common.auth).
+once, its body unread: one answer in flight per client); 413 a body over the byte limit (counted
+while it streams in, before any decoding) or with more JSON values than an answer holds
+(raymesh.federated.edge.bodies: both follow the model's size, unless `EdgeConfig.max_body_bytes`
+sets the bytes); 400 a body that is not JSON, holds NaN or Infinity, or nests deeper than
+protocol.MAX_DEPTH; 422 an answer that does not decode or fails its checks
+(raymesh.federated.protocol.checks); 408 a body not in within `EdgeConfig.body_deadline` (by
+default the byte limit at 256 KiB/s, at least 60 s). A client whose answer is refused (413, 400,
+422) is dropped from that round, and the round goes on; one that went away before its body ended
+(400) or was too slow (408) sent no answer, and may send it again. Every refusal is answered in
+raymesh's error shape, `{"error": {"type", "message"}}`, the token check by the shared
+`BearerAuth` (raymesh._common.auth).
 
 The server's event loop only moves bytes: an answer is parsed, decoded and checked in one of
 `PARSERS` worker threads, and each message is encoded to JSON once, when it is queued (a
