@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from raymesh._common import is_int
 from raymesh.data import order
 from raymesh.data.feed import Feed
 from raymesh.data.pipeline import Pipeline
@@ -21,9 +22,9 @@ class Batches:
     did so far (its workers, scaling decisions, the consumer's wait)."""
 
     def __init__(self, pipe: Pipeline, *, batch_size: int, steps: int, seed: int = 0) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: give an integer >= 1")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        if not is_int(steps) or steps < 0:
             raise ValueError(f"steps={steps!r}: give an integer >= 0")
         self.pipe, self.batch_size, self.steps, self.seed = pipe, batch_size, steps, seed
         # The workers run at this process's niceness (a script's: Ray's workers run lower).

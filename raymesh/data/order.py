@@ -25,7 +25,7 @@ import hashlib
 
 import torch
 
-from raymesh._common import check_int
+from raymesh._common import check_int, is_int
 
 __all__ = [
     "epoch_of",
@@ -116,7 +116,7 @@ def rank_share(
     or `sizes` does not split the batch.
     """
     check_int("world_size", world_size, minimum=1)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: must be in [0, world_size={world_size})")
     if sizes is None:
         sizes = split_sizes(len(batch), world_size)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raymesh._common import is_int
+
 __all__ = ["AutoscalePolicy", "ReplicaScale"]
 
 
@@ -45,7 +47,7 @@ class AutoscalePolicy:
     def __post_init__(self) -> None:
         for name in ("min", "max"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"replicas {name}={value!r}: give an integer >= 1")
         if self.min > self.max:
             raise ValueError(f"replicas=({self.min}, {self.max}): min must be <= max, e.g. (1, 4)")

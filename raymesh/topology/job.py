@@ -67,7 +67,7 @@ class JobShape:
                 )
             for name in ("replicate", "shard"):
                 value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                if not is_int(value) or value < 1:
                     raise ValueError(f"JobShape: {name}={value!r}; it must be an integer >= 1")
             if self.replicate * self.shard * self.tp != self.world_size:
                 raise ValueError(

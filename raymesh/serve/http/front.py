@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from raymesh._common import BearerAuth, RefusalLog
+from raymesh._common import BearerAuth, RefusalLog, is_int
 from raymesh.serve.batching import Overloaded
 from raymesh.serve.http.guard import Guard, HTTPError
 from raymesh.serve.http.inputs import LARGEST, check_input, check_range
@@ -139,7 +139,7 @@ def generate_args(body: dict[str, Any], max_tokens: int) -> GenerateArgs:
     if not isinstance(prompt, str):
         raise _field_error(f'prompt: give a string, e.g. "def " (got {prompt!r:.40})')
     n = body.get("max_tokens", 64)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+    if not is_int(n) or not 1 <= n <= max_tokens:
         raise _field_error(f"max_tokens: give an integer 1..{max_tokens} (got {n!r:.40})")
     t = body.get("temperature", 0.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
@@ -149,7 +149,7 @@ def generate_args(body: dict[str, Any], max_tokens: int) -> GenerateArgs:
     if why is not None:
         raise _out_of_range(why)
     seed = body.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not is_int(seed):
         raise _field_error(f"seed: give an integer (got {seed!r:.40})")
     if not -LARGEST["int64"] - 1 <= seed <= LARGEST["int64"]:  # torch's seeds are 64-bit
         raise _out_of_range(f"seed: give an integer of 64 bits (got {len(str(seed))} digits)")

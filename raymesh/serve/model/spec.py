@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from raymesh._common import bad, resolve
+from raymesh._common import bad, is_int, resolve
 from raymesh.train import Context, Task
 from raymesh.train.checkpoint import (
     check_named_paths,
@@ -130,7 +130,7 @@ class ModelSpec:
             )
         if self.input_shape is not None:
             shape = tuple(self.input_shape)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            if not all(is_int(d) and d >= 1 for d in shape):
                 raise ValueError(f"input_shape={self.input_shape!r}: give sizes >= 1, e.g. (16,)")
             object.__setattr__(self, "input_shape", shape)
         if self.input_dtype is not None and self.input_dtype not in DTYPES:
