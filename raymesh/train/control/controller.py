@@ -126,8 +126,8 @@ class TrainController:
         self.reporter = Reporter(
             self.log,
             pool,
-            global_batch_size=config.global_batch_size,
-            steps=config.steps,
+            global_batch_size=config.loop.global_batch_size,
+            steps=config.loop.steps,
             data=data,
         )
         self.world = World(
@@ -140,8 +140,8 @@ class TrainController:
             hooks=hooks,
         )
         self.balancer = Balancer(
-            enabled=config.rebalance,
-            global_batch_size=config.global_batch_size,
+            enabled=config.parallelism.rebalance,
+            global_batch_size=config.loop.global_batch_size,
             policy=policies.balance,
         )
         self.resumed_from = 0
@@ -167,7 +167,8 @@ class TrainController:
         what the run folder's "job" event says beside the config (a loop's kind of run)."""
         placer = Placer(config.scaling, config.parallelism)
         if not placer.gpus:  # the ranks' own check, before any proc starts
-            check_precision(config.precision, torch.device("cpu"))
+            check_precision(config.step.precision, torch.device("cpu"))
+        loop = config.loop
         return cls(
             config,
             placer=placer,
@@ -175,7 +176,7 @@ class TrainController:
             policies=Policies.of(config.failure),
             progress=progress,
             hooks=hooks,
-            data=Workers(config.data, config.seed) if config.data is not None else None,
+            data=Workers(loop.data, loop.seed) if loop.data is not None else None,
             driven=driven,
             labels=labels,
         )
@@ -244,7 +245,7 @@ class TrainController:
     def starting(self) -> State:
         cfg = self.config
         self.reporter.job(cfg, self.labels)
-        state = Starting(f"workers={cfg.workers}, {cfg.steps} steps")
+        state = Starting(f"workers={cfg.scaling.workers}, {cfg.loop.steps} steps")
         self.enter(state)
         return state
 
@@ -355,15 +356,15 @@ class TrainController:
         if self.data is not None:  # its procs start while the ranks do
             self.data.start()
         ranks = launch.first_ranks(cfg.scaling, self.pool, self.placer)
-        self.pool.add_spares(cfg.spares)  # where there is room now; the recruiter the rest
+        self.pool.add_spares(cfg.scaling.spares)  # where there is room now; the recruiter the rest
         self.supply(ranks)  # a driven job's example step, which the ranks measure memory on
         infos: list[SetupInfo] = self.world.start(ranks)
         decision = launch.strategy_for(
             cfg.parallelism,
-            cfg.precision,
+            cfg.step.precision,
             infos,
             ranks,
-            max_workers=cfg.max_workers,
+            max_workers=cfg.scaling.max_workers,
             placer=self.placer,
             policy=self.policies.strategy,
         )
@@ -391,7 +392,8 @@ class TrainController:
             todo = [s for s in self.supplied if s >= self.world.step]
             spans = [(self.world.step, self.world.step + len(todo))] if todo else []
         else:
-            bounds = [*range(self.world.step, cfg.steps, cfg.report_every), cfg.steps]
+            loop = cfg.loop
+            bounds = [*range(self.world.step, loop.steps, loop.report_every), loop.steps]
             spans = list(itertools.pairwise(bounds))
         in_flight: list[tuple[tuple[int, int], list[Any]]] = []
         while spans or in_flight:
@@ -547,7 +549,9 @@ class TrainController:
         if decision is not None and decision.sharded and self.config.checkpoint is None:
             return None  # shards move through a checkpoint
         return self.policies.grow.decide(
-            len(self.world.ranks), max_workers=self.config.max_workers, ready=self.pool.ready()
+            len(self.world.ranks),
+            max_workers=self.config.scaling.max_workers,
+            ready=self.pool.ready(),
         )
 
     def supply(self, ranks: list[Rank]) -> None:
@@ -621,8 +625,9 @@ class TrainController:
         for each of its steps (a model whose step takes 12 s on CPU is slow, not hung)."""
         median = self.log.median_step_s()
         if median == 0:
-            return self.config.step_timeout_s * max(steps, 1)
-        return max(self.config.step_timeout_s, 10 * median * max(steps, 1))
+            return self.config.failure.step_timeout_s * max(steps, 1)
+        floor = self.config.failure.step_timeout_s
+        return max(floor, 10 * median * max(steps, 1))
 
     def record(
         self,
