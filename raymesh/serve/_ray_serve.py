@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
 from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
 
 from raymesh._common import HTTPError, error_json, free_port
 from raymesh.serve.app import App, Endpoint, Reply
 from raymesh.serve.batching import BatchConfig
 from raymesh.serve.http.front import answer_predict, guard_of
-from raymesh.serve.model import LoadedModel, ModelSpec
+from raymesh.serve.http.guard import Guard
+from raymesh.serve.model import LoadedModel, ModelInfo, ModelSpec
 from raymesh.serve.routing.dispatcher import ModelError
 from raymesh.serve.sections import FrontConfig, ReplicaConfig
 
@@ -114,12 +118,19 @@ def deploy(
 
     Every request passes the front's guard first (raymesh.serve.http.guard.Guard: its token, body
     limit, body deadline and finite numbers), as on raymesh's own front."""
-    from starlette.requests import Request
-    from starlette.responses import Response
+    deployment = _deployment(spec, replicas, batch, guard_of(front))
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not running (raymesh starts it before this)")
+    port, started_serve = _start_serve(front.host, front.port)
+    handle = _run(deployment, replicas.start_timeout_s, started_serve)
+    return RayServeApp(handle, front.host, port, started_serve)
 
-    guard = guard_of(front)
-    host, port = front.host, front.port
-    cpus, gpus, timeout = replicas.cpus, replicas.gpus, replicas.start_timeout_s
+
+def _deployment(spec: ModelSpec, replicas: ReplicaConfig, batch: BatchConfig, guard: Guard) -> Any:
+    """The Serve deployment (not yet bound) whose replicas each load `spec`'s model, batch its
+    inputs by `batch` and answer requests past `guard`. A class made here, not at the module's
+    top, because Serve's decorators take the sizes and batching as they are given."""
+    cpus, gpus = replicas.cpus, replicas.gpus
 
     @serve.deployment(
         num_replicas=replicas.replicas.min,
@@ -154,46 +165,68 @@ def deploy(
                 raise RuntimeError(str(e)) from None
 
         async def __call__(self, request: Request) -> Any:
-            if not request.url.path.rstrip("/").endswith("/predict") or request.method != "POST":
-                return _answer(HTTPError(404, "NotFound", "POST /v1/predict is the route served"))
-            try:
-                guard.authorize(request.scope)
-            except HTTPError as e:
-                return _answer(e)
-            status, data, headers = await answer_predict(
-                request.scope, request.receive, guard.read_json, self.info, self.predict
-            )
-            return Response(data, status, headers=headers, media_type="application/json")
+            return await _respond(request, guard, self.info, self.predict)
 
-    def _answer(error: HTTPError) -> Any:
-        return Response(
-            error_json(error), error.status, headers=error.headers, media_type="application/json"
-        )
+    return RaymeshModel
 
-    if not ray.is_initialized():
-        raise RuntimeError("Ray is not running (raymesh starts it before this)")
+
+async def _respond(
+    request: Request,
+    guard: Guard,
+    info: ModelInfo | None,
+    predict: Callable[[Any], Awaitable[Any]],
+) -> Response:
+    """A replica's answer to an HTTP request: POST /v1/predict past `guard`, as raymesh's front
+    answers it; any other route a 404."""
+    if not request.url.path.rstrip("/").endswith("/predict") or request.method != "POST":
+        return _answer(HTTPError(404, "NotFound", "POST /v1/predict is the route served"))
+    try:
+        guard.authorize(request.scope)
+    except HTTPError as e:
+        return _answer(e)
+    status, data, headers = await answer_predict(
+        request.scope, request.receive, guard.read_json, info, predict
+    )
+    return Response(data, status, headers=headers, media_type="application/json")
+
+
+def _answer(error: HTTPError) -> Response:
+    return Response(
+        error_json(error), error.status, headers=error.headers, media_type="application/json"
+    )
+
+
+def _start_serve(host: str, port: int) -> tuple[int, bool]:
+    """Serve's proxy port, and whether Serve was started here (so `stop` shuts it down): Serve
+    is started on `host` and `port` (0: a free one) unless it runs already, whose proxy serves
+    this app too, on its own port."""
     client = serve.context._get_global_client(raise_if_no_controller_running=False)
-    started_serve = client is None
     if client is None:
         port = port or free_port(host)
         serve.start(http_options={"host": host, "port": port})
-    else:  # Serve already runs: its proxy serves this app too, on its own port
-        running = int(client.http_config.port)
-        if port not in (0, running):
-            log.warning("Ray Serve already runs on port %d: port=%d is not used", running, port)
-        port = running
+        return port, True
+    running = int(client.http_config.port)
+    if port not in (0, running):
+        log.warning("Ray Serve already runs on port %d: port=%d is not used", running, port)
+    return running, False
+
+
+def _run(deployment: Any, timeout: float, started_serve: bool) -> Any:
+    """The app's handle once `deployment` runs as the app "raymesh". If it does not start
+    within `timeout` (TimeoutError) or fails to, the app is deleted, and Serve shut down when
+    it was started for it, before the error is raised."""
     # serve.run waits for the app without a bound: wait for it on a thread, up to `timeout`.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raymesh-ray-serve")
     starting = pool.submit(
         serve.run,
-        RaymeshModel.bind(),  # type: ignore[attr-defined]
+        deployment.bind(),
         name=APP_NAME,
         route_prefix="/v1",
         logging_config={"enable_access_log": False},
     )
     pool.shutdown(wait=False)
     try:
-        handle = starting.result(timeout=timeout)
+        return starting.result(timeout=timeout)
     except BaseException as e:
         try:
             serve.delete(APP_NAME, _blocking=False)
@@ -205,4 +238,3 @@ def deploy(
                 f"the Ray Serve app did not start within start_timeout_s={timeout}"
             ) from None
         raise
-    return RayServeApp(handle, host, port, started_serve)

@@ -120,6 +120,23 @@ def _slug(params: Mapping[str, Any]) -> str:
     return "trial-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A study's arguments, checked (`_plan`): what each trial runs and what the study keeps."""
+
+    fn: Callable[[train.Context], train.Task]  # the build, resolved
+    config: train.TrainConfig  # every trial's, with the trial's parameters added
+    found: Mapping[str, Any]  # the searched parameters' domains
+    constants: Mapping[str, Any]  # the space's fixed values, given to every trial as they are
+    distributions: dict[str, Any]  # `found` as Optuna's distributions, for `study.ask`
+    sampler: Any  # the Optuna sampler
+    concurrent: int  # lowered to as many trials as the cluster holds at once
+    metric: str
+    mode: str
+    folder: Path | None  # beside the storage: results, plots and the trials' folders
+    url: str | None  # Optuna's storage URL; None: in memory
+
+
 def run(
     build: Callable[[train.Context], train.Task] | str,
     config: train.TrainConfig,
@@ -145,6 +162,48 @@ def run(
         an error, so a finished study is never extended by accident.
     progress: called with the study so far after every trial ends (the CLI's live table).
     """
+    plan = _plan(
+        build,
+        config,
+        space,
+        trials=trials,
+        concurrent=concurrent,
+        metric=metric,
+        mode=mode,
+        scheduler=scheduler,
+        sampler=sampler,
+        storage=storage,
+        resume=resume,
+        seed=seed,
+    )
+    study = _open(plan, scheduler, resume)
+    if sampler == "grid":
+        trials = min(trials, _grid(study, plan.found))
+    _Trials(study, plan, trials, progress).run()
+    out = collect(study, metric, mode, plan.folder)
+    if plan.folder is not None:
+        write(out, plan.folder)
+    return out
+
+
+def _plan(
+    build: Callable[[train.Context], train.Task] | str,
+    config: train.TrainConfig,
+    space: Mapping[str, Any],
+    *,
+    trials: int,
+    concurrent: int,
+    metric: str,
+    mode: str,
+    scheduler: str | None,
+    sampler: str,
+    storage: str | None,
+    resume: bool,
+    seed: int,
+) -> _Plan:
+    """`run`'s arguments checked, in this order, before anything is made: the plain values, the
+    space, the config, the build's name, the sampler against the space, the storage, and last
+    the cluster's room."""
     import optuna
 
     _check(metric, mode, scheduler, sampler, trials, concurrent)
@@ -167,57 +226,85 @@ def run(
             raise ValueError(f"resume=True: no study at storage={storage!r} to continue")
         folder, url = db.parent, f"sqlite:///{db.resolve()}"
     concurrent = _packed(concurrent, config)  # the last check, before the storage is made
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+    return _Plan(
+        fn, config, found, constants, distributions, chosen, concurrent, metric, mode, folder, url
+    )
+
+
+def _open(plan: _Plan, scheduler: str | None, resume: bool) -> Any:
+    """The Optuna study, made (or loaded, with `resume`) in `plan`'s storage, its trials that
+    a dead controller left running queued again."""
+    import optuna
+
+    if plan.folder is not None:
+        plan.folder.mkdir(parents=True, exist_ok=True)
     study = optuna.create_study(
         study_name="raymesh",
-        storage=url,
+        storage=plan.url,
         load_if_exists=resume,
-        direction="minimize" if mode == "min" else "maximize",
-        sampler=chosen,
-        pruner=_pruner(scheduler, config.report_every),
+        direction="minimize" if plan.mode == "min" else "maximize",
+        sampler=plan.sampler,
+        pruner=_pruner(scheduler, plan.config.report_every),
     )
     _requeue_running(study)
-    if sampler == "grid":
-        trials = min(trials, _grid(study, found))
-    lock = threading.Lock()
-    warm = train.WarmRanks()
+    return study
 
-    def left() -> int:
-        finished = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
-        ended = [
-            t for t in study.get_trials(deepcopy=False) if t.state in finished or failed_for_good(t)
-        ]
-        return trials - len(ended)
 
-    def one() -> bool:
-        with lock:
-            if left() - running[0] <= 0:
-                return False
-            running[0] += 1
-            trial = study.ask(distributions)
-        try:
-            _trial(study, trial, fn, config, constants, metric, folder, warm)
-        finally:
-            with lock:
-                running[0] -= 1
-        if progress is not None:
-            progress(collect(study, metric, mode, folder))
-        return True
+class _Trials:
+    """Runs a study's trials on `plan.concurrent` threads, each asking for a trial and running
+    it until `trials` have ended (complete, pruned or failed for good, resumed ones counted), so
+    no more are asked than are left. The threads share one `train.WarmRanks`: a trial's procs
+    go on to the next trial."""
 
-    running = [0]
+    def __init__(
+        self, study: Any, plan: _Plan, trials: int, progress: Callable[[Study], None] | None
+    ) -> None:
+        self._study = study
+        self._plan = plan
+        self._trials = trials
+        self._progress = progress
+        self._lock = threading.Lock()  # guards `_running` and Optuna's ask against `_left`
+        self._running = 0
+        self._warm = train.WarmRanks()
 
-    def loop() -> None:
-        while one():
+    def run(self) -> None:
+        """Returns once every thread has found no trial left; an error a trial does not record
+        (not a `TrainError`) is raised here, once the other threads have run out of trials."""
+        with self._warm, ThreadPoolExecutor(self._plan.concurrent, "raymesh-trial") as pool:
+            for f in [pool.submit(self._loop) for _ in range(self._plan.concurrent)]:
+                f.result()
+
+    def _loop(self) -> None:
+        while self._one():
             pass
 
-    with warm, ThreadPoolExecutor(concurrent, "raymesh-trial") as pool:
-        for f in [pool.submit(loop) for _ in range(concurrent)]:
-            f.result()
-    out = collect(study, metric, mode, folder)
-    if folder is not None:
-        write(out, folder)
-    return out
+    def _left(self) -> int:
+        import optuna
+
+        finished = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
+        ended = [
+            t
+            for t in self._study.get_trials(deepcopy=False)
+            if t.state in finished or failed_for_good(t)
+        ]
+        return self._trials - len(ended)
+
+    def _one(self) -> bool:
+        """Runs one trial; False when none is left to ask for."""
+        plan = self._plan
+        with self._lock:
+            if self._left() - self._running <= 0:
+                return False
+            self._running += 1
+            trial = self._study.ask(plan.distributions)
+        try:
+            _trial(self._study, trial, plan, self._warm)
+        finally:
+            with self._lock:
+                self._running -= 1
+        if self._progress is not None:
+            self._progress(collect(self._study, plan.metric, plan.mode, plan.folder))
+        return True
 
 
 def _requeue_running(study: Any) -> None:
@@ -258,10 +345,12 @@ def _packed(concurrent: int, config: train.TrainConfig) -> int:
     return room
 
 
-def _trial(study, trial, fn, config, constants, metric, folder, warm) -> None:
+def _trial(study: Any, trial: Any, plan: _Plan, warm: train.WarmRanks) -> None:
+    """Runs `trial` as a training job on `warm`'s procs and tells the study how it ended."""
     import optuna
 
-    params = dict(trial.params) | dict(constants)
+    config, metric, folder = plan.config, plan.metric, plan.folder
+    params = dict(trial.params) | dict(plan.constants)
     overrides: dict[str, Any] = {"params": dict(config.params) | params}
     if folder is not None:
         trial_dir = str(folder / "trials" / _slug(params))
@@ -283,7 +372,7 @@ def _trial(study, trial, fn, config, constants, metric, folder, warm) -> None:
             raise _Pruned(int(p["step"]))
 
     try:
-        result = train.fit(fn, cfg, progress=report, warm=warm)
+        result = train.fit(plan.fn, cfg, progress=report, warm=warm)
     except _Pruned as stop:
         logger.info("raymesh.tune: trial %d pruned at step %d", trial.number, stop.args[0])
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
