@@ -163,58 +163,54 @@ class RunLog:
         n = len(per_rank[0])
         if n == 0:
             return None
-
-        def spread(values: tuple[float, ...]) -> tuple[float | None, ...]:
-            """`values`, one per reporting rank, at their ranks' places in the world."""
-            if reported is None:
-                return values
-            it = iter(values)
-            return tuple(next(it) if r else None for r in reported)
-
         seconds = sum(m.step_s for m in per_rank[0])
         self.step_times.extend(m.step_s for m in per_rank[0])
         rate = global_batch_size * n / seconds if seconds > 0 else 0.0
-        partial = reported is not None and not all(reported)
         rows = []
         for i in range(n):
-            loss = sum(r[i].loss for r in per_rank) / len(per_rank)
-            end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
-            row: dict[str, Any] = {"step": per_rank[0][i].step, "loss": loss}
-            if partial:  # a lost rank's figure is gone: the world's mean is unknown
-                assert reported is not None
-                row.update(
-                    loss=None,
-                    partial_loss=loss,
-                    reported=[r for r, ok in enumerate(reported) if ok],
-                )
-            row.update(samples_per_s=rate, end=end)
-            eval_loss = per_rank[0][i].eval_loss
-            if eval_loss is not None:  # the same on every rank (all-reduced)
-                row.update(eval_loss=eval_loss, perplexity=_perplexity(eval_loss))
-            stats = per_rank[0][i].stats
-            if stats and not partial:  # weighed per rank as the loss is: their mean is global
-                every = [r[i].stats or {} for r in per_rank]
-                row.update({k: sum(s.get(k, 0.0) for s in every) / len(every) for k in stats})
-            if data is not None:
-                waits = [r[i].data_wait_s or 0.0 for r in per_rank]
-                row["data_wait"] = sum(
-                    w / r[i].step_s for w, r in zip(waits, per_rank) if r[i].step_s > 0
-                ) / len(per_rank)
-                row.update(data)
-            if extra is not None and i == n - 1:
-                row.update(extra)
-            rows.append(row)
+            last = extra if i == n - 1 else None  # the loop's report is of its last step
+            rows.append(_row(per_rank, i, rate=rate, reported=reported, data=data, extra=last))
             self.rank_step_s.append(tuple(r[i].step_s for r in per_rank))
         self.history.extend(rows)
-        if self.healing:  # the first step completed after healing: how long recovery took
-            first_end = per_rank[0][0].end
-            for failure, detected, recomputed in self.healing:
-                done = dataclasses.replace(
-                    failure, recovery_s=first_end - detected, steps_recomputed=recomputed
-                )
-                self.failures[self.failures.index(failure)] = done
-                self.emit("healed", **dataclasses.asdict(done), world_size=len(per_rank))
-            self.healing.clear()
+        self._recovered(first_end=per_rank[0][0].end, world_size=len(per_rank))
+        return self._report(
+            per_rank,
+            rows,
+            steps=steps,
+            seconds=seconds,
+            rate=rate,
+            spares=spares,
+            reported=reported,
+        )
+
+    def _recovered(self, *, first_end: float, world_size: int) -> None:
+        """Complete the failures being healed (`healed`): the chunk just recorded began with
+        the first step completed after healing, at `first_end`; each gets its `recovery_s` and
+        `steps_recomputed`, and a "healed" event."""
+        if not self.healing:
+            return
+        for failure, detected, recomputed in self.healing:
+            done = dataclasses.replace(
+                failure, recovery_s=first_end - detected, steps_recomputed=recomputed
+            )
+            self.failures[self.failures.index(failure)] = done
+            self.emit("healed", **dataclasses.asdict(done), world_size=world_size)
+        self.healing.clear()
+
+    def _report(
+        self,
+        per_rank: list[list[StepMetrics]],
+        rows: list[dict[str, Any]],
+        *,
+        steps: int,
+        seconds: float,
+        rate: float,
+        spares: int,
+        reported: Sequence[bool] | None,
+    ) -> Report:
+        """The report of the chunk just recorded (`rows`, over `seconds`): the per-rank
+        figures at their ranks' places in the world (`_spread`)."""
+        n = len(rows)
         step = int(rows[-1]["step"])
         return Report(
             rows=tuple(rows),
@@ -224,10 +220,66 @@ class RunLog:
             rank_losses=tuple(m[-1].loss for m in per_rank),
             failures=len(self.failures),
             world_size=len(reported) if reported is not None else len(per_rank),
-            rank_step_s=tuple(spread(t) for t in self.rank_step_s[-n:]),
-            rank_loss=tuple(spread(tuple(r[i].loss for r in per_rank)) for i in range(n)),
+            rank_step_s=tuple(_spread(t, reported) for t in self.rank_step_s[-n:]),
+            rank_loss=tuple(
+                _spread(tuple(r[i].loss for r in per_rank), reported) for i in range(n)
+            ),
             spares=spares,
         )
+
+
+def _row(
+    per_rank: list[list[StepMetrics]],
+    i: int,
+    *,
+    rate: float,
+    reported: Sequence[bool] | None,
+    data: dict[str, float] | None,
+    extra: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The history row of the chunk's step `i` (its keys: `RunLog.record`), in a fixed key
+    order: step, loss (partial_loss, reported), samples_per_s, end, eval_loss, perplexity, the
+    loss function's stats, data_wait and the pipeline's figures, `extra`."""
+    first = per_rank[0][i]
+    loss = sum(r[i].loss for r in per_rank) / len(per_rank)
+    end = max(r[i].end for r in per_rank)  # wall time the last rank finished it
+    row: dict[str, Any] = {"step": first.step, "loss": loss}
+    partial = reported is not None and not all(reported)
+    if partial:  # a lost rank's figure is gone: the world's mean is unknown
+        assert reported is not None
+        row.update(
+            loss=None,
+            partial_loss=loss,
+            reported=[r for r, ok in enumerate(reported) if ok],
+        )
+    row.update(samples_per_s=rate, end=end)
+    if first.eval_loss is not None:  # the same on every rank (all-reduced)
+        row.update(eval_loss=first.eval_loss, perplexity=_perplexity(first.eval_loss))
+    if first.stats and not partial:  # weighed per rank as the loss is: their mean is global
+        every = [r[i].stats or {} for r in per_rank]
+        row.update({k: sum(s.get(k, 0.0) for s in every) / len(every) for k in first.stats})
+    if data is not None:
+        row["data_wait"] = _data_wait(per_rank, i)
+        row.update(data)
+    if extra is not None:
+        row.update(extra)
+    return row
+
+
+def _data_wait(per_rank: list[list[StepMetrics]], i: int) -> float:
+    """The ranks' mean share of step `i` spent waiting for batches (a rank whose step took no
+    time counts as 0, but still in the mean)."""
+    waits = [r[i].data_wait_s or 0.0 for r in per_rank]
+    return sum(w / r[i].step_s for w, r in zip(waits, per_rank) if r[i].step_s > 0) / len(per_rank)
+
+
+def _spread(values: tuple[float, ...], reported: Sequence[bool] | None) -> tuple[float | None, ...]:
+    """`values`, one per reporting rank, at their ranks' places in the world (None where a
+    rank did not report); `values` itself when every rank did (`reported` None)."""
+    if reported is None:
+        return values
+    it = iter(values)
+    return tuple(next(it) if r else None for r in reported)
 
 
 def _perplexity(loss: float) -> float:

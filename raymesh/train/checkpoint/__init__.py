@@ -1,11 +1,12 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, atomic, verified, resharded.
 
 The public front of a package: the writer and the readers (`checkpointer`: `Checkpointer`,
-`export_state_dict`; `weights`: `resolve_checkpoint`, `load_weights`, for serving and
-exporting) over one on-disk contract (`layout`: the folders, the manifest and the
-check that a folder holds what its manifest says), whose DCP files are read without running
-code (`unpickling`); a Hugging Face model's record in the manifest (`hf_record`: what rebuilds
-it without its build function); `CheckpointError` (`errors`) is what each of them raises.
+`export_state_dict`; `commit`: what makes a written save a checkpoint; `weights`:
+`resolve_checkpoint`, `load_weights`, for serving and exporting) over one on-disk contract
+(`layout`: the folders, the manifest and the check that a folder holds what its manifest says),
+whose DCP files are read without running code (`unpickling`); a Hugging Face model's record in
+the manifest (`hf_record`: what rebuilds it without its build function); `CheckpointError`
+(`errors`) is what each of them raises.
 
 Layout of `Checkpointer(dir)`:
 

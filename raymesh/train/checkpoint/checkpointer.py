@@ -1,6 +1,7 @@
 """`Checkpointer` (save, commit, find, load) and `export_state_dict`: a job's checkpoints written
 and read with torch.distributed.checkpoint, in the layout of raymesh.train.checkpoint's docstring
-(`layout`), its guarantees (atomic, verified, resharded, no code run) and its requirements.
+(`layout`), its guarantees (atomic, verified, resharded, no code run) and its requirements. The
+commit's collectives are here; rank 0's file work (manifest, fsync, rename) is `commit`'s.
 """
 
 from __future__ import annotations
@@ -8,14 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
-import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from raymesh.train.checkpoint.commit import Commit, commit_files
 from raymesh.train.checkpoint.errors import CheckpointError
 from raymesh.train.checkpoint.hf_record import hf_record
 from raymesh.train.checkpoint.layout import (
-    MANIFEST,
     MODEL,
     OPTIM,
     TMP_PREFIX,
     Manifest,
     committed_steps,
     read_manifest,
-    sha256,
     verify,
 )
 from raymesh.train.checkpoint.unpickling import MetadataReader, WeightsOnlyLoadPlanner
@@ -65,7 +62,7 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save and hasattr(dcp, "async_save")
         self._group: Any = None  # private gloo group, made on the first collective call
-        self._pending: tuple[Future[Any], _Commit] | None = None
+        self._pending: tuple[Future[Any], Commit] | None = None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -97,30 +94,12 @@ class Checkpointer:
         CheckpointError, on every rank, if any rank failed to write or rank 0 failed to commit.
         """
         self.wait()
-        for name, value in (("step", step), ("data_position", data_position)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r}: must be an integer >= 0")
-        try:
-            config = json.loads(json.dumps(config))  # a copy: the commit may come steps later
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"config is not JSON data ({e}); pass plain dicts/lists/numbers/strings, "
-                "e.g. TrainConfig.to_dict()"
-            ) from None
-        try:
-            extra = json.loads(json.dumps(extra or {}))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"extra is not JSON data ({e}); pass plain dicts/lists") from None
-        if _distributed() and (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
-            raise ValueError(
-                f"rank={rank}, world_size={world_size} disagree with the process group "
-                f"(rank {dist.get_rank()} of {dist.get_world_size()})"
-            )
-        # Every rank writes into the same folder: rank 0 names it.
-        name = self._broadcast(f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:12]}")
-        tmp = self.dir / name
-        tmp.mkdir(parents=True, exist_ok=True)
-        commit = _Commit(
+        config, extra = _checked_args(
+            step=step, data_position=data_position, config=config, extra=extra
+        )
+        _check_rank(rank=rank, world_size=world_size)
+        tmp = self._open(step)  # COLLECTIVE: rank 0 names the folder every rank writes into
+        commit = Commit(
             tmp=tmp,
             step=step,
             world_size=world_size,
@@ -134,22 +113,39 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
         if self.async_save:
-            with _quiet_single_process():
-                response = dcp.async_save(
-                    state, checkpoint_id=tmp, process_group=self._pg(), no_dist=not _distributed()
-                )
-            future = response if isinstance(response, Future) else response.upload_completion
-            self._pending = (future, commit)
+            self._pending = (self._write_async(state, commit.tmp), commit)
             return
-        error = None
+        self._commit(commit, self._write(state, commit.tmp))
+
+    def _open(self, step: int) -> Path:
+        """Make the save's `.tmp-*` folder and return it. COLLECTIVE: every rank writes into the
+        same folder, and rank 0 names it."""
+        name = self._broadcast(f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:12]}")
+        tmp = self.dir / name
+        tmp.mkdir(parents=True, exist_ok=True)
+        return tmp
+
+    def _write(self, state: dict[str, Any], tmp: Path) -> str | None:
+        """Write this rank's part of `state` into `tmp` and wait for it; returns the error
+        (`Type: message`), None if written. Never raises: `_commit` reports every rank's error
+        on every rank, so that no rank is left waiting in a collective."""
         try:
             with _quiet_single_process():
                 dcp.save(
                     state, checkpoint_id=tmp, process_group=self._pg(), no_dist=not _distributed()
                 )
         except Exception as e:  # reported on every rank by _commit, not swallowed
-            error = f"{type(e).__name__}: {e}"
-        self._commit(commit, error)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _write_async(self, state: dict[str, Any], tmp: Path) -> Future[Any]:
+        """Start writing this rank's part of `state` into `tmp` in the background, once it is
+        copied to CPU memory; returns the future that `wait` commits on."""
+        with _quiet_single_process():
+            response = dcp.async_save(
+                state, checkpoint_id=tmp, process_group=self._pg(), no_dist=not _distributed()
+            )
+        return response if isinstance(response, Future) else response.upload_completion
 
     def wait(self) -> None:
         """Finish the async save in flight, if any, and commit it. COLLECTIVE when a save is in
@@ -165,7 +161,7 @@ class Checkpointer:
             error = f"{type(e).__name__}: {e}"
         self._commit(commit, error)
 
-    def _commit(self, commit: _Commit, local_error: str | None) -> None:
+    def _commit(self, commit: Commit, local_error: str | None) -> None:
         # The gather doubles as the barrier "every rank's files are written".
         errors = self._all_gather(local_error)
         failed = {r: e for r, e in enumerate(errors) if e is not None}
@@ -176,51 +172,13 @@ class Checkpointer:
         error = None
         if commit.rank == 0:
             try:
-                self._commit_files(commit)
+                commit_files(commit, self.dir, keep=self.keep)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         # The broadcast doubles as the barrier "committed": no rank returns before rank 0 renamed.
         error = self._broadcast(error)
         if error is not None:
             raise CheckpointError(f"checkpoint of step {commit.step} was not committed: {error}")
-
-    def _commit_files(self, commit: _Commit) -> None:
-        files = {
-            p.relative_to(commit.tmp).as_posix(): sha256(p)
-            for p in sorted(commit.tmp.rglob("*"))
-            if p.is_file() and p.name != MANIFEST
-        }
-        manifest = Manifest(
-            step=commit.step,
-            world_size=commit.world_size,
-            strategy=commit.strategy,
-            config=commit.config,
-            data_position=commit.data_position,
-            files=files,
-            extra=commit.extra,
-            hf=commit.hf,
-            created=time.time(),
-        )
-        with open(commit.tmp / MANIFEST, "w") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(commit.tmp)
-        target = self.dir / f"step-{commit.step:08d}"
-        if target.exists():
-            # rename(2) cannot replace a non-empty folder: move the old one aside (to a .tmp-
-            # name, so a crash right here leaves only litter that the next commit removes).
-            os.replace(target, self.dir / f"{TMP_PREFIX}replaced-{target.name}-{uuid.uuid4().hex}")
-        os.replace(commit.tmp, target)
-        _fsync_dir(self.dir)
-        log.info("checkpoint: committed %s", target)
-        committed = sorted(committed_steps(self.dir), reverse=True)
-        for _, old in committed[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
-        # At most one save is in flight and it is this one, so every other .tmp-* is stale.
-        for entry in self.dir.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True)
 
     # -- finding and loading -----------------------------------------------------------------
 
@@ -338,19 +296,35 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 # -- private ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Commit:
-    """What rank 0 needs to commit a written save."""
+def _checked_args(
+    *, step: int, data_position: int, config: dict[str, Any], extra: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check `save`'s step and data position, and return JSON copies of its `config` and
+    `extra` (a copy: the commit may come steps later). ValueError naming the first bad one."""
+    for name, value in (("step", step), ("data_position", data_position)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 0")
+    try:
+        config = json.loads(json.dumps(config))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"config is not JSON data ({e}); pass plain dicts/lists/numbers/strings, "
+            "e.g. TrainConfig.to_dict()"
+        ) from None
+    try:
+        extra = json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra is not JSON data ({e}); pass plain dicts/lists") from None
+    return config, extra
 
-    tmp: Path
-    step: int
-    world_size: int
-    strategy: str
-    config: dict[str, Any]
-    data_position: int
-    rank: int
-    extra: dict[str, Any]
-    hf: dict[str, Any]
+
+def _check_rank(*, rank: int, world_size: int) -> None:
+    """ValueError unless `rank` and `world_size` are the process group's (if there is one)."""
+    if _distributed() and (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
+        raise ValueError(
+            f"rank={rank}, world_size={world_size} disagree with the process group "
+            f"(rank {dist.get_rank()} of {dist.get_world_size()})"
+        )
 
 
 def _distributed() -> bool:
@@ -363,12 +337,3 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename or a new file is durable only once its folder's entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
