@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raymesh._common import is_int
-
 __all__ = ["JsonLines", "Run", "Runs", "Study"]
 
 logger = logging.getLogger("raymesh.dashboard")
@@ -391,7 +389,7 @@ def _id(root: Path, path: Path) -> str:
 
 
 def _alive(pid: Any) -> bool:
-    if not is_int(pid) or pid <= 0:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
