@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from raymesh.train.estimate import MemoryEstimate
 
-if TYPE_CHECKING:  # types only: strategy imports this module to word its decisions
-    from raymesh.train.strategy import Figures, Sharding, Verdict
+if TYPE_CHECKING:
+    from raymesh.train.choice import Figures, Sharding, Verdict
 
 __all__ = [
     "ddp_sum",

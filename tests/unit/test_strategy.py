@@ -1,18 +1,13 @@
-"""Unit tests for `raymesh.train.strategy`: the DDP/HSDP/FSDP decision, from made-up numbers."""
+"""Unit tests for `raymesh.train.strategy` and `choice`: the DDP/HSDP/FSDP decision, from made-up
+numbers."""
 
 from __future__ import annotations
 
 import pytest
 
+from raymesh.train.choice import Figures, Verdict, judge
 from raymesh.train.estimate import MemoryEstimate
-from raymesh.train.strategy import (
-    Figures,
-    StrategyPolicy,
-    Verdict,
-    host_shard_size,
-    judge,
-    splits_into_shard_groups,
-)
+from raymesh.train.strategy import StrategyPolicy, host_shard_size, splits_into_shard_groups
 
 GIB = 1 << 30
 MIB = 1 << 20
