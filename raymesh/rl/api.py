@@ -21,7 +21,7 @@ from raymesh.rl.algorithms import PPO, Stats
 from raymesh.rl.config import RLConfig
 from raymesh.rl.learner import TrainedLearner, TrainedPPOLearner
 from raymesh.rl.learner_job import learner_config, start_learner
-from raymesh.rl.loop import _Loop
+from raymesh.rl.loop import Loop
 from raymesh.rl.result import RLResult
 from raymesh.rl.roles import env_roles, text_roles
 from raymesh.rl.workers import Worker, WorkerSpawner, measure_prompts, stop_workers
@@ -184,12 +184,12 @@ class _RunState:
             resumed_from=start,
         )
 
-    def _loop(self, job: DrivenJob, position: Any) -> _Loop:
+    def _loop(self, job: DrivenJob, position: Any) -> Loop:
         """The loop over the roles, from the saved `position` (ValueError naming the
         checkpoint for one no run of these settings wrote), once the roles are told to the
         run folder."""
         roles, config = self.roles, self.config
-        loop = _Loop(
+        loop = Loop(
             roles.request, roles.per_step, config.max_staleness, config.timeout_s, self.spawn
         )
         loop.check = roles.check

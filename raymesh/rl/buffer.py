@@ -99,7 +99,7 @@ class RolloutBuffer:
                 if left <= 0:
                     raise TimeoutError(
                         f"rollout buffer: {len(self._heap)} of {n} rollouts after "
-                        f"{timeout_s:g}s; the generators are not delivering"
+                        f"{timeout_s:g}s; the generators or environment runners are not delivering"
                     )
                 self._cond.wait(left)
 

@@ -53,7 +53,7 @@ Published = tuple[int, Shared[dict[str, torch.Tensor]] | ShardedState]
 _POLL_S = 0.5  # the longest the loop waits between looks at the calls (a reply wakes it)
 
 
-class _Loop:
+class Loop:
     """The loop's state: the keys handed out and to make again, the buffer, the version
     published, the keys the learner took, and the workers replaced (see the module)."""
 
@@ -184,7 +184,8 @@ class _Loop:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"rl.run: step {step} got fewer than {self.per_step} rollouts in "
-                        f"{self.timeout_s:g}s; the generators are not delivering"
+                        f"{self.timeout_s:g}s; the generators or environment runners are not "
+                        "delivering"
                     ) from None
             # Woken by a reply (or a proc's death); _POLL_S bounds the wait regardless.
             self.arrived.wait(_POLL_S)
@@ -227,7 +228,11 @@ class _Loop:
         """Replace the worker at `index`, lost to `error`: its keys are made again first, and
         the new one installs the version published last (told to the run folder)."""
         lost = self.workers[index]
-        logger.warning("raymesh.rl: generator %d lost (%s); replacing it", index, error)
+        logger.warning(
+            "raymesh.rl: worker %d (a generator or environment runner) lost (%s); replacing it",
+            index,
+            error,
+        )
         self.remade.extend(lost.keys)
         self.todo.extendleft(reversed(lost.keys))
         lost.procs.stop()

@@ -11,15 +11,15 @@ import torch
 
 from raymesh import rl
 from raymesh.cli.rl import progress_line
-from raymesh.rl.loop import _Loop
+from raymesh.rl.loop import Loop
 from raymesh.rl.sampling import Completions, check_scored
 
 
-def _loop(per_step: int = 4, max_staleness: int = 1) -> _Loop:
+def _loop(per_step: int = 4, max_staleness: int = 1) -> Loop:
     def no_workers(index: int) -> object:
         raise AssertionError("restoring a position starts no worker")
 
-    return _Loop(lambda keys: keys, per_step, max_staleness, 10.0, no_workers)  # type: ignore[arg-type]
+    return Loop(lambda keys: keys, per_step, max_staleness, 10.0, no_workers)  # type: ignore[arg-type]
 
 
 def test_a_position_taken_out_of_order_restores_the_keys_not_taken_first():
