@@ -27,23 +27,31 @@ Guarantees:
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import runpy
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from raymesh.actor import (
     Actor,
+    ActorError,
     ActorMesh,
     ProcMesh,
     current_rank,
     current_size,
     endpoint,
+    host_mesh,
     this_host,
 )
 
-__all__ = ["SPMDActor", "setup_torch_elastic_env"]
+__all__ = ["Attempt", "SPMDActor", "SPMDError", "launch", "setup_torch_elastic_env"]
+
+logger = logging.getLogger("raymesh")
 
 
 class SPMDActor(Actor):
@@ -146,3 +154,110 @@ def setup_torch_elastic_env(
         master_addr, master_port = first.get_host_port.call_one(use_ipaddr).get()
     actors.setup_env.call(master_addr, master_port).get()
     return actors
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of a program's ranks: what ended each rank that failed (none: it succeeded)."""
+
+    failures: dict[int, str]
+
+
+class SPMDError(RuntimeError):
+    """A program failed on some rank in every attempt `launch` was allowed."""
+
+    def __init__(self, message: str, attempts: list[Attempt]) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+def launch(
+    script_args: list[str],
+    *,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    max_restarts: int = 0,
+    timeout_s: float = 86400.0,
+) -> list[Attempt]:
+    """Run a torchrun script (`["train.py", *args]` or `["-m", "module", *args]`) as
+    `nnodes` x `nproc_per_node` ranks, one proc each (`raymesh run`'s launcher): this host's
+    procs, or `nnodes` hosts of the cluster's. When a rank fails (raises, exits non-zero, its
+    proc dies) every proc of the attempt is stopped at once, and up to `max_restarts` times the
+    group starts again on new procs (the script's own checkpoints resume it, as under
+    torchrun); an attempt that runs past `timeout_s` fails. Returns the attempts, the last
+    one a success; raises SPMDError naming each rank's failure when none is left."""
+    for name, value, least in (
+        ("nproc_per_node", nproc_per_node, 1),
+        ("nnodes", nnodes, 1),
+        ("max_restarts", max_restarts, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r}: give an integer >= {least}")
+    if not script_args:
+        raise ValueError("script_args=[]: give the script and its arguments")
+    attempts: list[Attempt] = []
+    for n in range(max_restarts + 1):
+        attempt = _attempt(script_args, nproc_per_node, nnodes, timeout_s)
+        attempts.append(attempt)
+        if not attempt.failures:
+            return attempts
+        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(attempt.failures.items()))
+        if n < max_restarts:
+            logger.warning("raymesh run: restart %d of %d after %s", n + 1, max_restarts, said)
+    raise SPMDError(
+        f"{' '.join(script_args)} failed in {len(attempts)} attempt(s); the last: {said}",
+        attempts,
+    )
+
+
+def _attempt(script_args: list[str], per_host: int, hosts: int, timeout_s: float) -> Attempt:
+    """The ranks started once, watched until all succeed, one fails or `timeout_s` passes."""
+    where = this_host()
+    if hosts > 1:
+        every = host_mesh()
+        have = every.extent.sizes[0]
+        if have < hosts:
+            raise ValueError(
+                f"nnodes={hosts}: the cluster has {have} host(s) that can run a proc; ask for "
+                "at most that many, or add hosts"
+            )
+        where = every.slice(hosts=slice(0, hosts))
+    procs = where.spawn_procs(per_host={"procs": per_host}, name="spmd", escalate=False)
+    ok = False
+    try:
+        flat = procs.spawn("spmd", SPMDActor).flatten("rank")
+        addr, port = flat.slice(rank=0).get_host_port.call_one(None).get(timeout=60)
+        world = per_host * hosts
+        calls = [flat.slice(rank=r).main.call_one(addr, port, script_args) for r in range(world)]
+        settled = threading.Event()
+        for c in calls:
+            c.add_done_callback(settled.set)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            failures = {r: why for r, c in enumerate(calls) if (why := _failure(c)) is not None}
+            if failures or all(c.done() for c in calls):
+                break
+            if time.monotonic() > deadline:
+                left = [r for r, c in enumerate(calls) if not c.done()]
+                return Attempt({r: f"still running after {timeout_s:g}s" for r in left})
+            settled.wait(0.5)  # a reply wakes it; the bound only rechecks the deadline
+            settled.clear()
+        ok = not failures
+        return Attempt(failures)
+    finally:
+        if not ok:  # the other ranks may wait in a collective for the failed one: end them now
+            procs.kill()
+        procs.stop()
+
+
+def _failure(call: Any) -> str | None:
+    """What ended a finished call in failure (None: it is running, or succeeded)."""
+    if not call.done():
+        return None
+    try:
+        call.get(timeout=0)
+    except ActorError as e:  # the script's own error, not the one-point slice's "rank 0"
+        return f"{e.remote_type}: {e.remote_message}".splitlines()[0][:300]
+    except Exception as e:  # its proc died (SupervisionError), or the call could not be made
+        return str(e).splitlines()[0][:300] or type(e).__name__
+    return None

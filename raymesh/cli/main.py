@@ -24,6 +24,8 @@
                                an edge client taking part in a federated run
     raymesh rl JOB.toml [--steps N]
                                post-train a policy with GRPO (a line per step)
+    raymesh run [--nproc-per-node N] [--max-restarts K] script.py [args...]
+                               a torchrun script, unchanged, on a proc mesh
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else to
 the local runtime when one is up, else it starts the embedded local Ray (and stops it again on
@@ -43,6 +45,7 @@ from raymesh.cli import dashboard as dashboard_cli
 from raymesh.cli import export as export_cli
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import rl as rl_cli
+from raymesh.cli import run as run_cli
 from raymesh.cli import runtime as runtime_cli
 from raymesh.cli import serve as serve_cli
 from raymesh.cli import topology as topology_cli
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     export_cli.add_parser(sub)
     federated_cli.add_parser(sub)
     rl_cli.add_parser(sub)
+    run_cli.add_parser(sub)
     dashboard_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("up", "status", "down"):
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard_cli.run(args)
     if args.command == "rl":
         return rl_cli.run(args)
+    if args.command == "run":
+        return run_cli.run(args)
     if args.command == "train":
         return train_cli.run(args)
     if args.command == "info":

@@ -13,6 +13,7 @@ import pytest
 
 from raymesh import ActorError, this_host
 from raymesh.actor import Actor, endpoint
+from raymesh.cli.main import main as cli_main
 from raymesh.spmd import SPMDActor, setup_torch_elastic_env
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(120)]
@@ -96,3 +97,41 @@ def test_a_torchrun_program_runs_on_a_mesh_unchanged(tmp_path):
             spmd.slice(procs=0).main.call_one(addr, port, []).get(timeout=30)
     finally:
         procs.stop()
+
+
+RESTARTED = """
+import os, pathlib, sys
+import torch
+import torch.distributed as dist
+
+out, mode = sys.argv[1], sys.argv[2]
+flag = pathlib.Path(out + ".flag")
+if os.environ["RANK"] == "1" and (mode == "always" or not flag.exists()):
+    flag.touch()
+    sys.exit(3)  # rank 0 waits for it in the rendezvous: the attempt ends both
+dist.init_process_group("gloo")
+x = torch.tensor([1.0])
+dist.all_reduce(x)
+dist.destroy_process_group()
+pathlib.Path(out + "." + os.environ["RANK"]).write_text(str(float(x)))
+"""
+
+
+def test_raymesh_run_restarts_the_group_after_a_rank_fails_and_says_why_when_out_of_restarts(
+    tmp_path, capsys
+):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(RESTARTED))
+    out = str(tmp_path / "out")
+    run = ["run", "--nproc_per_node", "2", "--max-restarts", "1", str(script)]
+    assert cli_main([*run, out, "once"]) == 0
+    assert "succeeded at attempt 2" in capsys.readouterr().out
+    assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["2.0", "2.0"]
+    # Every attempt fails on rank 1: status 1, one line naming the rank and its exit status.
+    assert cli_main(["run", "--nproc-per-node", "2", str(script), out, "always"]) == 1
+    said = capsys.readouterr().err
+    assert said.startswith("raymesh run: ") and "failed in 1 attempt(s)" in said, said
+    assert "rank 1: " in said and "exited with status 3 on rank 1" in said, said
+    # torchrun's rendezvous flags are refused by name, with what to do instead.
+    assert cli_main(["run", "--rdzv_endpoint", "h:29500", str(script)]) == 2
+    assert "--rdzv-endpoint: raymesh rendezvous at rank 0's proc" in capsys.readouterr().err
