@@ -1,0 +1,146 @@
+"""`raymesh run` against `torchrun`, on one 2-rank DDP script (issue 38's SPMD targets).
+
+    python bench/spmd.py                # 3 rounds, medians (~2 min on 2 cores)
+    python bench/spmd.py --save         # also write bench/results/spmd.json
+
+Issue 38's targets, both sides in one run on one machine:
+  launch      from the command's start to the script's first trained step on every rank:
+              `raymesh run` within 1.2x `torchrun`'s
+  restart     from a rank's SIGKILL (its last act: the time is written first) to the first
+              step of the restarted group: `raymesh run --max-restarts 1` within 0.5x
+              `torchrun`'s (given 3 restarts: its second group's gloo rendezvous can read the
+              first group's addresses from its agent's store and fail, on torch 2.13 here)
+The script: a 2-rank DDP MLP (gloo), 30 steps of 64 samples, each rank writing the wall time
+of its first step; with KILL set, rank 1 SIGKILLs itself at step 10 of the first attempt.
+`raymesh run` starts the embedded local Ray each time, as a fresh command does; run
+`raymesh up` first to measure it attached to a local runtime instead (`--note` says which).
+Prints one JSON object with the load average at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = r"""
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+
+out, kill = sys.argv[1], sys.argv[2] == "kill"
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+flag = out + ".killed"
+again = os.path.exists(flag)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(30):
+    x = torch.randn(64, 64)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step == 0:
+        with open(f"{out}.first.{rank}.{int(again)}", "w") as f:
+            f.write(repr(time.time()))
+    if kill and not again and rank == 1 and step == 10:
+        with open(flag, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+dist.destroy_process_group()
+"""
+
+
+def _command(side: str, script: Path, out: str, kill: bool) -> list[str]:
+    args = [str(script), out, "kill" if kill else "run"]
+    restarts = ["--max-restarts", "1"] if kill else []
+    if side == "torchrun":
+        # Its restarted group's gloo rendezvous can read the first group's addresses from the
+        # agent's store and fail (torch 2.13): it gets 3 tries, and its time is the one that
+        # trains again.
+        restarts = ["--max-restarts", "3"] if kill else []
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", *restarts, *args]  # fmt: skip
+    return [sys.executable, "-m", "raymesh.cli.main", "run", "--nproc-per-node", "2",
+            *restarts, *args]  # fmt: skip
+
+
+def _once(side: str, script: Path, folder: Path, kill: bool) -> dict[str, float]:
+    out = str(folder / f"{side}-{'kill' if kill else 'run'}-{time.monotonic_ns()}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.time()
+    try:
+        done = subprocess.run(
+            _command(side, script, out, kill), env=env, capture_output=True, text=True, timeout=180
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": 1.0}  # torchrun's restarted group can hang in its rendezvous
+    if done.returncode != 0:
+        print(f"{side} failed ({done.returncode}):\n{done.stderr[-2000:]}", file=sys.stderr)
+        return {"failed": 1.0}
+    first = max(float(Path(f"{out}.first.{r}.0").read_text()) for r in (0, 1))
+    row = {"launch_s": first - start, "wall_s": time.time() - start}
+    if kill:
+        killed = float(Path(f"{out}.killed").read_text())
+        again = max(float(Path(f"{out}.first.{r}.1").read_text()) for r in (0, 1))
+        row["restart_s"] = again - killed
+    return row
+
+
+def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds that measured it (-1: a run that failed or hung,
+    counted apart)."""
+    out = {"failed_runs": float(sum(1 for r in rows for v in r.values() if v == -1.0))}
+    for key in ("launch_s", "wall_s", "restart_s"):
+        got = [r[key] for r in rows if r.get(key, -1.0) >= 0]
+        out[key] = round(statistics.median(got), 3) if got else -1.0
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--save", action="store_true")
+    parser.add_argument("--note", default="embedded Ray per command (no `raymesh up`)")
+    args = parser.parse_args()
+    load_start = os.getloadavg()
+    rows: dict[str, list[dict[str, float]]] = {"torchrun": [], "raymesh": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "ddp.py"
+        script.write_text(SCRIPT)
+        for i in range(args.rounds):
+            order = ["torchrun", "raymesh"] if i % 2 == 0 else ["raymesh", "torchrun"]
+            for side in order:
+                launch = _once(side, script, Path(tmp), kill=False)
+                heal = _once(side, script, Path(tmp), kill=True)
+                rows[side].append({**launch, "restart_s": heal.get("restart_s", -1.0)})
+    med = {side: _medians(rs) for side, rs in rows.items()}
+    result = {
+        "bench": "raymesh run vs torchrun, 2-rank DDP script",
+        "note": args.note,
+        "rounds": rows,
+        "median": med,
+        "launch_ratio": round(med["raymesh"]["launch_s"] / med["torchrun"]["launch_s"], 2),
+        "restart_ratio": round(med["raymesh"]["restart_s"] / med["torchrun"]["restart_s"], 2),
+        "targets": {"launch_ratio": "<= 1.2", "restart_ratio": "<= 0.5"},
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(json.dumps(result, indent=1))
+    if args.save:
+        path = Path(__file__).parent / "results" / "spmd.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
