@@ -8,8 +8,9 @@ Issue 38's targets, both sides in one run on one machine:
               `raymesh run` within 1.2x `torchrun`'s
   restart     from a rank's SIGKILL (its last act: the time is written first) to the first
               step of the restarted group: `raymesh run --max-restarts 1` within 0.5x
-              `torchrun`'s (given 3 restarts: its second group's gloo rendezvous can read the
-              first group's addresses from its agent's store and fail, on torch 2.13 here)
+              `torchrun`'s (given 3 restarts: its restarted group's gloo rendezvous can fail,
+              "Connection refused" from an address of the first group, or hang, on torch
+              2.13 here)
 The script: a 2-rank DDP MLP (gloo), 30 steps of 64 samples, each rank writing the wall time
 of its first step; with KILL set, rank 1 SIGKILLs itself at step 10 of the first attempt.
 `raymesh run` starts the embedded local Ray each time, as a fresh command does; run
@@ -65,9 +66,9 @@ def _command(side: str, script: Path, out: str, kill: bool) -> list[str]:
     args = [str(script), out, "kill" if kill else "run"]
     restarts = ["--max-restarts", "1"] if kill else []
     if side == "torchrun":
-        # Its restarted group's gloo rendezvous can read the first group's addresses from the
-        # agent's store and fail (torch 2.13): it gets 3 tries, and its time is the one that
-        # trains again.
+        # Its restarted group's gloo rendezvous can fail ("Connection refused" from an address
+        # of the first group) or hang (torch 2.13): it gets 3 tries, and its time is the one
+        # that trains again.
         restarts = ["--max-restarts", "3"] if kill else []
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", *restarts, *args]  # fmt: skip
