@@ -151,8 +151,8 @@ def setup_torch_elastic_env(
     actors = proc_mesh.spawn("_spmd", SPMDActor)
     if master_addr is None:
         first = actors.slice(**dict.fromkeys(proc_mesh.extent.labels, 0))
-        master_addr, master_port = first.get_host_port.call_one(use_ipaddr).get()
-    actors.setup_env.call(master_addr, master_port).get()
+        master_addr, master_port = first.get_host_port.call_one(use_ipaddr).get(timeout=60)
+    actors.setup_env.call(master_addr, master_port).get(timeout=60)
     return actors
 
 
