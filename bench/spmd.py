@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,14 +81,22 @@ def _once(side: str, script: Path, folder: Path, kill: bool) -> dict[str, float]
     out = str(folder / f"{side}-{'kill' if kill else 'run'}-{time.monotonic_ns()}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.time()
+    proc = subprocess.Popen(
+        _command(side, script, out, kill),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its workers too are ended if it hangs
+    )
     try:
-        done = subprocess.run(
-            _command(side, script, out, kill), env=env, capture_output=True, text=True, timeout=180
-        )
-    except subprocess.TimeoutExpired:
-        return {"failed": 1.0}  # torchrun's restarted group can hang in its rendezvous
-    if done.returncode != 0:
-        print(f"{side} failed ({done.returncode}):\n{done.stderr[-2000:]}", file=sys.stderr)
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:  # torchrun's restarted group can hang in its rendezvous
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"failed": 1.0}
+    if proc.returncode != 0:
+        print(f"{side} failed ({proc.returncode}):\n{err[-2000:]}", file=sys.stderr)
         return {"failed": 1.0}
     first = max(float(Path(f"{out}.first.{r}.0").read_text()) for r in (0, 1))
     row = {"launch_s": first - start, "wall_s": time.time() - start}
