@@ -26,7 +26,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import logging
 import math
 import os
@@ -34,6 +36,7 @@ import runpy
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +99,7 @@ class SPMDActor(Actor):
                 '["train.py", "--lr", "0.1"], or ["-m", "module", ...]'
             )
         self._setup_env(master_addr, master_port)
-        argv = sys.argv
+        argv, error = sys.argv, None
         try:
             if script_args[0] == "-m":
                 sys.argv = list(script_args[1:])
@@ -106,11 +109,20 @@ class SPMDActor(Actor):
                 runpy.run_path(script_args[0], run_name="__main__")
         except SystemExit as e:  # sys.exit() in a script ends the script, not the proc
             if e.code not in (None, 0):
-                raise RuntimeError(
+                error = RuntimeError(
                     f"{' '.join(script_args)} exited with status {e.code} on rank {self.rank}"
-                ) from None
+                )
+                error.__suppress_context__ = True
+        except BaseException as e:
+            # Its frames let go of what the script made (a DDP model holds the process group,
+            # whose sockets then close: a peer waiting on this rank learns it failed).
+            traceback.clear_frames(e.__traceback__)
+            error = e
         finally:
             sys.argv = argv
+        _leave_group()
+        if error is not None:
+            raise error
         return True
 
     def _setup_env(self, master_addr: str, master_port: int) -> None:
@@ -131,6 +143,18 @@ class SPMDActor(Actor):
         )
         if master_addr.startswith("127."):  # gloo picks an interface that reaches the address
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _leave_group() -> None:
+    """Destroy the default process group a script left (it failed, or never destroyed it), so
+    that a later run in this proc can join a new one, as a new process would."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peer died may not close cleanly; it is gone anyway
+            logger.debug("raymesh: destroying a script's process group failed", exc_info=True)
+    gc.collect()  # what still holds the group is in reference cycles (a traceback's frames)
 
 
 def setup_torch_elastic_env(
@@ -182,10 +206,17 @@ def launch(
     """Run a torchrun script (`["train.py", *args]` or `["-m", "module", *args]`) as
     `nnodes` x `nproc_per_node` ranks, one proc each (`raymesh run`'s launcher): this host's
     procs, or `nnodes` hosts of the cluster's. When a rank fails (raises, exits non-zero, its
-    proc dies) every proc of the attempt is stopped at once, and up to `max_restarts` times the
-    group starts again on new procs (the script's own checkpoints resume it, as under
-    torchrun); an attempt that runs past `timeout_s` fails. Returns the attempts, the last
-    one a success; raises SPMDError naming each rank's failure when none is left."""
+    proc dies) the attempt ends, and up to `max_restarts` times the group starts again **in
+    place**: a dead rank's proc is replaced by a new one on its host, the other ranks run the
+    script again in the procs they ran it in (torch and the script's imports already loaded;
+    their process group destroyed first), and the script's own checkpoints resume it, as under
+    torchrun. A surviving rank that has not ended `_DRAIN_S` after the failure (a peer in a
+    computation, or a collective that does not notice) is killed and replaced too. An attempt
+    that runs past `timeout_s` fails. Returns the attempts, the last one a success; raises
+    SPMDError naming each rank's failure when none is left.
+
+    A script run again in the same proc sees the module state its imports left (a module
+    global a script's import changed keeps its value); torchrun's new processes do not."""
     for name, value, least in (
         ("nproc_per_node", nproc_per_node, 1),
         ("nnodes", nnodes, 1),
@@ -195,59 +226,128 @@ def launch(
             raise ValueError(f"{name}={value!r}: give an integer >= {least}")
     if not script_args:
         raise ValueError("script_args=[]: give the script and its arguments")
-    attempts: list[Attempt] = []
-    for n in range(max_restarts + 1):
-        attempt = _attempt(script_args, nproc_per_node, nnodes, timeout_s)
-        attempts.append(attempt)
-        if not attempt.failures:
-            return attempts
-        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(attempt.failures.items()))
-        if n < max_restarts:
-            logger.warning("raymesh run: restart %d of %d after %s", n + 1, max_restarts, said)
-    raise SPMDError(
-        f"{' '.join(script_args)} failed in {len(attempts)} attempt(s); the last: {said}",
-        attempts,
-    )
-
-
-def _attempt(script_args: list[str], per_host: int, hosts: int, timeout_s: float) -> Attempt:
-    """The ranks started once, watched until all succeed, one fails or `timeout_s` passes."""
-    where = this_host()
-    if hosts > 1:
-        every = host_mesh()
-        have = every.extent.sizes[0]
-        if have < hosts:
-            raise ValueError(
-                f"nnodes={hosts}: the cluster has {have} host(s) that can run a proc; ask for "
-                "at most that many, or add hosts"
-            )
-        where = every.slice(hosts=slice(0, hosts))
-    procs = where.spawn_procs(per_host={"procs": per_host}, name="spmd", escalate=False)
-    ok = False
+    group = _Group(nproc_per_node, nnodes)
     try:
-        flat = procs.spawn("spmd", SPMDActor).flatten("rank")
-        addr, port = flat.slice(rank=0).get_host_port.call_one(None).get(timeout=60)
-        world = per_host * hosts
-        calls = [flat.slice(rank=r).main.call_one(addr, port, script_args) for r in range(world)]
+        attempts: list[Attempt] = []
+        for n in range(max_restarts + 1):
+            attempt = group.run(script_args, timeout_s)
+            attempts.append(attempt)
+            if not attempt.failures:
+                return attempts
+            said = "; ".join(f"rank {r}: {why}" for r, why in sorted(attempt.failures.items()))
+            if n < max_restarts:
+                logger.warning("raymesh run: restart %d of %d after %s", n + 1, max_restarts, said)
+                group.renew()
+        raise SPMDError(
+            f"{' '.join(script_args)} failed in {len(attempts)} attempt(s); the last: {said}",
+            attempts,
+        )
+    finally:
+        group.stop()
+
+
+_DRAIN_S = 10.0  # how long survivors of a failed attempt get to end their script by themselves
+
+
+class _Placed(SPMDActor):
+    """A rank started in a proc of its own (a replacement): its place is given, not read from
+    the one-proc mesh it lives in."""
+
+    def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = rank % local_world_size, local_world_size
+        self._store = None
+
+
+class _Group:
+    """The ranks of a `launch`, one proc each: the first mesh's procs, and one-proc meshes for
+    the ranks replaced since. Rank r lives on host r // per_host."""
+
+    def __init__(self, per_host: int, hosts: int) -> None:
+        self.per_host, self.world = per_host, per_host * hosts
+        self.hosts = this_host()
+        if hosts > 1:
+            every = host_mesh()
+            have = every.extent.sizes[0]
+            if have < hosts:
+                raise ValueError(
+                    f"nnodes={hosts}: the cluster has {have} host(s) that can run a proc; ask "
+                    "for at most that many, or add hosts"
+                )
+            self.hosts = every.slice(hosts=slice(0, hosts))
+        first = self.hosts.spawn_procs(per_host={"procs": per_host}, name="spmd", escalate=False)
+        self.meshes: list[ProcMesh] = [first]
+        try:
+            flat = first.spawn("spmd", SPMDActor).flatten("rank")
+        except BaseException:
+            first.stop()
+            raise
+        procs = first.flatten("rank")
+        self.procs = [procs.slice(rank=r) for r in range(self.world)]
+        self.actors = [flat.slice(rank=r) for r in range(self.world)]
+        self.calls: list[Any] = []
+        self.ok = False  # the last attempt succeeded: the procs stop gracefully
+
+    def run(self, script_args: list[str], timeout_s: float) -> Attempt:
+        """Every rank runs the script once; watched until all succeed, one fails or
+        `timeout_s` passes."""
+        addr, port = self.actors[0].get_host_port.call_one(None).get(timeout=60)
+        self.calls = [a.main.call_one(addr, port, script_args) for a in self.actors]
         settled = threading.Event()
-        for c in calls:
+        for c in self.calls:
             c.add_done_callback(settled.set)
         deadline = time.monotonic() + timeout_s
         while True:
-            failures = {r: why for r, c in enumerate(calls) if (why := _failure(c)) is not None}
-            if failures or all(c.done() for c in calls):
-                break
+            failures = {r: why for r, c in enumerate(self.calls) if (why := _failure(c))}
+            if failures or all(c.done() for c in self.calls):
+                self.ok = not failures
+                return Attempt(failures)
             if time.monotonic() > deadline:
-                left = [r for r, c in enumerate(calls) if not c.done()]
+                left = [r for r, c in enumerate(self.calls) if not c.done()]
                 return Attempt({r: f"still running after {timeout_s:g}s" for r in left})
             settled.wait(0.5)  # a reply wakes it; the bound only rechecks the deadline
             settled.clear()
-        ok = not failures
-        return Attempt(failures)
-    finally:
-        if not ok:  # the other ranks may wait in a collective for the failed one: end them now
-            procs.kill()
-        procs.stop()
+
+    def renew(self) -> None:
+        """After a failed attempt: survivors end their script (or are killed) and destroy
+        their process group; every rank whose proc is gone gets a new proc on its host."""
+        deadline = time.monotonic() + _DRAIN_S
+        for c in self.calls:
+            with contextlib.suppress(Exception):  # its end is read below, not here
+                c.get(timeout=max(0.0, deadline - time.monotonic()))
+        # A rank still running (or leaving its group) is replaced with the dead ones.
+        dead = [r for r, c in enumerate(self.calls) if not c.done() or _gone(c)]
+        for r in dead:
+            with contextlib.suppress(Exception):  # already dead, most often
+                self.procs[r].kill()
+            host = (
+                self.hosts.slice(hosts=r // self.per_host)
+                if self.world > self.per_host
+                else self.hosts
+            )
+            mesh = host.spawn_procs(per_host={"procs": 1}, name=f"spmd-r{r}", escalate=False)
+            self.meshes.append(mesh)
+            self.procs[r] = mesh
+            self.actors[r] = mesh.spawn("spmd", _Placed, r, self.world, self.per_host)
+        logger.info("raymesh run: ranks %s on new procs, the others in place", sorted(dead))
+
+    def stop(self) -> None:
+        for mesh in self.meshes:
+            if not self.ok:  # a rank may wait in a collective for one that failed: end it now
+                with contextlib.suppress(Exception):
+                    mesh.kill()
+            mesh.stop()
+
+
+def _gone(call: Any) -> bool:
+    """Whether a finished call ended because its proc is gone (not by the script's error)."""
+    try:
+        call.get(timeout=0)
+    except ActorError:
+        return False
+    except Exception:
+        return True
+    return False
 
 
 def _failure(call: Any) -> str | None:

@@ -135,3 +135,55 @@ def test_raymesh_run_restarts_the_group_after_a_rank_fails_and_says_why_when_out
     # torchrun's rendezvous flags are refused by name, with what to do instead.
     assert cli_main(["run", "--rdzv_endpoint", "h:29500", str(script)]) == 2
     assert "--rdzv-endpoint: raymesh rendezvous at rank 0's proc" in capsys.readouterr().err
+
+
+IN_PLACE = """
+import os, pathlib, signal, sys, time
+import torch
+import torch.distributed as dist
+
+out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+rank, again = os.environ["RANK"], (out / "flag").exists()
+(out / f"pid.{rank}.{int(again)}").write_text(str(os.getpid()))
+if mode == "hang" and not again:
+    if rank == "1":
+        (out / "flag").touch()
+        sys.exit(3)
+    time.sleep(300)  # in no collective: it never learns of rank 1, and is replaced
+dist.init_process_group("gloo")
+x = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(x)
+if mode == "kill" and not again and rank == "2":
+    (out / "flag").touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(x)  # the survivors' collective fails: their peer is gone
+(out / f"sum.{rank}").write_text(str(float(x)))
+"""
+
+
+def test_a_restart_replaces_only_the_lost_ranks_procs(tmp_path, monkeypatch):
+    from raymesh import spmd
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(IN_PLACE))
+
+    def pids(folder, rank):
+        return [(folder / f"pid.{rank}.{a}").read_text() for a in (0, 1)]
+
+    # 4 ranks, rank 2 SIGKILLed between two all-reduces: its proc is new in attempt 2, and the
+    # three whose collective failed run the script again in the procs they ran it in.
+    out = tmp_path / "kill"
+    out.mkdir()
+    attempts = spmd.launch([str(script), str(out), "kill"], nproc_per_node=4, max_restarts=1)
+    assert len(attempts) == 2 and 2 in attempts[0].failures, attempts
+    assert [(out / f"sum.{r}").read_text() for r in range(4)] == ["40.0"] * 4
+    same = {r: len(set(pids(out, r))) == 1 for r in range(4)}
+    assert same == {0: True, 1: True, 2: False, 3: True}, same
+    # A survivor that never notices (it sleeps, in no collective) is killed and replaced once
+    # its drain time is up, rather than keeping the restart waiting.
+    monkeypatch.setattr(spmd, "_DRAIN_S", 1.0)
+    out = tmp_path / "hang"
+    out.mkdir()
+    attempts = spmd.launch([str(script), str(out), "hang"], nproc_per_node=2, max_restarts=1)
+    assert [sorted(a.failures) for a in attempts] == [[1], []], attempts
+    assert [len(set(pids(out, r))) for r in (0, 1)] == [2, 1]
