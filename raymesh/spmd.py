@@ -99,7 +99,8 @@ class SPMDActor(Actor):
                 '["train.py", "--lr", "0.1"], or ["-m", "module", ...]'
             )
         self._setup_env(master_addr, master_port)
-        argv, error = sys.argv, None
+        argv = sys.argv
+        error: BaseException | None = None
         try:
             if script_args[0] == "-m":
                 sys.argv = list(script_args[1:])
