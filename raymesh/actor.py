@@ -11,6 +11,7 @@ from raymesh._src.accumulator import Accumulator
 from raymesh._src.actor import Actor
 from raymesh._src.actor_mesh import ActorMesh, EndpointRef, send
 from raymesh._src.backend import PlacementError
+from raymesh._src.bootstrap import attach_to_workers, run_worker_loop_forever
 from raymesh._src.channel import Channel, PortReceiver
 from raymesh._src.context import (
     ActorContext,
@@ -54,6 +55,7 @@ __all__ = [
     "Shared",
     "SupervisionError",
     "ValueMesh",
+    "attach_to_workers",
     "concurrent_endpoint",
     "context",
     "current_actor_name",
@@ -64,6 +66,7 @@ __all__ = [
     "host_mesh",
     "hosts_from_config",
     "preload",
+    "run_worker_loop_forever",
     "send",
     "set_unhandled_fault_hook",
     "shutdown_context",

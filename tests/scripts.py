@@ -30,11 +30,16 @@ def run_python(args: list[str], env: dict[str, str], timeout: float = 180) -> st
     return out.stdout
 
 
+_SESSION_ONLY = ("RAY_ADDRESS", "RAYMESH_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+
 def run_cluster_script(path: Path, text: str, timeout: float) -> Any:
     """Write `text` to `path` and run it without this session's Ray address (so its own cluster
     is the one it joins) and without warm procs; returns the JSON of its RESULT line."""
     path.write_text(text)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYMESH_ADDRESS")}
+    # Nor the session's single-machine switch (`runtime._loopback_only`): its cluster's nodes
+    # join a head at the machine's address, as a real cluster's do.
+    env = {k: v for k, v in os.environ.items() if k not in _SESSION_ONLY}
     # No warm procs: a script's cluster is small and short-lived, its ranks mostly on nodes
     # the pool has not reached yet, and 8 procs importing torch would compete for the CPUs.
     env.setdefault("RAYMESH_WARM_PROCS", "0")

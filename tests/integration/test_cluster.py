@@ -35,19 +35,32 @@ def test_version_and_info_on_an_existing_cluster():
 
 MULTI_HOST = textwrap.dedent(
     """
-    import dataclasses, json, os
+    import dataclasses, json, os, subprocess, sys
     from ray.cluster_utils import Cluster
-    # A head without CPUs (a cluster's usual head) and two hosts of 4.
+    # A head without CPUs (a cluster's usual head) and two hosts of 4: one a machine made a
+    # host by its own command (Monarch's bootstrap), named as Monarch names workers. (One: two
+    # `ray start` nodes on one machine collide on a port of Ray's.)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=4)
-    cluster.wait_for_nodes()
+    cluster.add_node(num_cpus=4)
+    workers = ["tcp://host-a:26600"]
+    code = ("import sys; from raymesh.actor import run_worker_loop_forever as run; "
+            "run(address=sys.argv[1], ca='trust_all_connections', num_cpus=4)")
+    env = dict(os.environ, RAYMESH_ADDRESS=cluster.address)
+    machines = [subprocess.Popen([sys.executable, "-c", code, w], env=env) for w in workers]
     import ray
     ray.init(address=cluster.address)
     head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
     from raymesh import Actor, endpoint, host_mesh
-    from raymesh.actor import PlacementError
+    from raymesh.actor import PlacementError, attach_to_workers
     import ray as _ray
+
+    attached = attach_to_workers(workers=workers, ca="trust_all_connections", timeout=120)
+    try:  # a worker that never joins: no mesh, an error naming it
+        attach_to_workers(workers=[workers[0], "tcp://host-c:1"], ca="trust_all_connections",
+                          timeout=1)
+        unknown = None
+    except TimeoutError as e:
+        unknown = str(e)
 
     class Where(Actor):
         @endpoint
@@ -109,14 +122,20 @@ MULTI_HOST = textwrap.dedent(
         "losses": [h["loss"] for h in hsdp.history],
         "local": [local[r] for r in sorted(local)],
         "said": said,
+        "attached": [attached.node_ids, attached.sizes], "unknown": unknown,
     }))
+    for m in machines:
+        m.terminate()  # ends each machine's node with it
+        m.wait(timeout=60)
     ray.shutdown()
     cluster.shutdown()
     """
 )
 
 
+@pytest.mark.timeout(300)  # a cluster of 3 nodes and a training run, on 2 cores
 def test_host_mesh_spans_every_node_leaves_out_a_head_without_cpus_and_pins_procs(tmp_path):
+    """Hosts joined by `run_worker_loop_forever`, picked by `attach_to_workers`."""
     out = run_cluster_script(tmp_path / "multi.py", MULTI_HOST, timeout=300)
     assert out["sizes"] == {"hosts": 2, "procs": 2}
     hosts, head = out["host_ids"], out["head"]
@@ -136,6 +155,10 @@ def test_host_mesh_spans_every_node_leaves_out_a_head_without_cpus_and_pins_proc
     nodes = [n for n, *_ in local]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and set(nodes) == set(hosts), local
     assert [x[1:] for x in local] == [[0, 2, "0", "2"], [1, 2, "1", "2"]] * 2, local
+    # attach_to_workers: exactly the named machine's host; a worker never seen fails closed.
+    attached, sizes = out["attached"]
+    assert len(attached) == 1 and attached[0] in hosts and sizes == {"hosts": 1}, out["attached"]
+    assert "workers ['tcp://host-c:1'] did not join the cluster" in out["unknown"], out["unknown"]
 
 
 FROM_A_THREAD = """
