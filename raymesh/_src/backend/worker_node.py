@@ -84,7 +84,11 @@ def _end_on_sigterm() -> Callable[[], None]:
         raise SystemExit(128 + signum)
 
     before = signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, before)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, before)
+
+    return restore
 
 
 def _die_with_parent() -> None:
