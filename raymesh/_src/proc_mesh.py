@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 import weakref
 from typing import Any, TypeVar
@@ -43,6 +44,9 @@ _STOP_TIMEOUT_S = 30.0
 # How long a stopped proc gets to exit as Python exits (its finalizers, `atexit`) once its
 # actors have stopped, before it is killed.
 _GRACE_S = 5.0
+# How long stop() waits, once the procs have exited, for the last lines they wrote to be
+# printed here (the flush barrier, `backend.flush_output`); `RAYMESH_LOG_FLUSH_S` sets it.
+_LOG_FLUSH_S = 5.0
 
 
 def proc_resources(cpus_per_proc: float, gpu: bool) -> dict[str, float]:
@@ -107,18 +111,20 @@ def _own(state: ProcMeshState) -> None:
 
 def shutdown_context() -> Future[None]:
     """Monarch's: end this process's raymesh resources. Stops every proc mesh it owns (their
-    actors' `__cleanup__` runs, each proc ends and is waited for), then in the controller
+    actors' `__cleanup__` runs, each proc ends and is waited for, and its output printed, as in
+    `ProcMesh.stop`), then in the controller
     disconnects from Ray if raymesh connected (the local Ray raymesh started stops with it; a
     `ray.init` of the user's own is left as it is). Idempotent; a later spawn connects again.
     Returns a resolved Future (it has waited). With the local runtime this program attached to
     gone (`RuntimeLostError`), there is nothing left to stop: it returns at once."""
     from raymesh._src.proc import current_runtime
 
+    flush_s = log_flush_s()
     if backend.runtime_lost():
         return Future.resolved(None, "shutdown_context")
     for state in list(_owned):
         try:
-            _stop(state, wait=True)
+            _stop(state, wait=True, flush_s=flush_s)
         except Exception:
             logger.warning("raymesh: stopping %r at shutdown failed", state.name, exc_info=True)
     if current_runtime() is None and backend.connected():
@@ -137,7 +143,26 @@ def _stop_owned() -> None:
 backend.before_shutdown(_stop_owned)  # at exit, too: the procs of a remote cluster stay up
 
 
-def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S) -> None:
+def log_flush_s() -> float:
+    """The flush barrier's bound, from `RAYMESH_LOG_FLUSH_S` (default 5 s; 0 turns it off)."""
+    raw = os.environ.get("RAYMESH_LOG_FLUSH_S")
+    if raw is None:
+        return _LOG_FLUSH_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(
+            f"RAYMESH_LOG_FLUSH_S={raw!r}: give the seconds stop() waits for the last lines of "
+            f"its procs' output, a number >= 0 (0: no wait; unset: {_LOG_FLUSH_S:g})"
+        )
+    return value
+
+
+def _stop(
+    state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S, flush_s: float = 0.0
+) -> None:
     with state.lock:
         if state.stopped:
             return
@@ -157,6 +182,29 @@ def _stop(state: ProcMeshState, *, wait: bool, timeout: float = _STOP_TIMEOUT_S)
         alive = backend.wait_exited(state.group.procs, timeout)
         if alive:
             raise TimeoutError(f"procs {alive} of mesh {state.name!r} still run after {timeout}s")
+        _flush_output(state, min(flush_s, timeout))
+
+
+def _flush_output(state: ProcMeshState, timeout: float) -> None:
+    """Return once every line the mesh's procs wrote has been printed here (the flush barrier),
+    or after `timeout` seconds with one line naming the ranks whose output may be incomplete."""
+    try:
+        incomplete = backend.flush_output(state.group.procs, timeout)
+    except Exception:  # the procs have ended all the same: stop() has done its part
+        logger.warning("raymesh: flushing the output of mesh %r failed", state.name, exc_info=True)
+        return
+    by_reason: dict[str, list[int]] = {}
+    for rank, why in incomplete.items():
+        by_reason.setdefault(why, []).append(rank)
+    if by_reason:
+        logger.warning(
+            "raymesh: the output of mesh %r may be incomplete: %s",
+            state.name,
+            "; ".join(
+                f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}"
+                for why, r in by_reason.items()
+            ),
+        )
 
 
 def _stop_actors(state: ProcMeshState, timeout: float) -> None:
@@ -233,10 +281,15 @@ class ProcMesh(MeshTrait):
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> Future[None]:
         """End every proc of this mesh (all of it, even when called on a slice) and wait until
         the processes are gone; returns a resolved Future (as Monarch's `stop()` returns one:
-        `await procs.stop()` works too). Later calls on its actors raise SupervisionError."""
+        `await procs.stop()` works too). Later calls on its actors raise SupervisionError.
+
+        In the controller, it returns once every line the procs wrote (their `__cleanup__`,
+        their `atexit` handlers, their threads until the end) has been printed here, after
+        what they printed before: the flush barrier, bounded by `RAYMESH_LOG_FLUSH_S` (default
+        5 s; 0: no wait), past which one warning names the ranks whose output may be cut."""
         if not self._state.owned:
             raise RuntimeError(f"only the owner of mesh {self.name!r} can stop it")
-        _stop(self._state, wait=True, timeout=timeout)
+        _stop(self._state, wait=True, timeout=timeout, flush_s=log_flush_s())
         return Future.resolved(None, f"stop of {self.name!r}")
 
     async def logging_option(

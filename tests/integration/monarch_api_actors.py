@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from raymesh import Actor, current_rank, endpoint, get_or_spawn_controller
 
@@ -145,3 +146,44 @@ class Tidy(Actor):
 
     def __cleanup__(self, exc: Exception | None) -> None:
         Path(self.path).write_text(f"cleaned {exc}")
+
+
+class Farewell(Actor):
+    """Writes numbered lines to its stdout and stderr up to its very end (for the flush
+    barrier): `chat` a burst of `chat_lines`; `__cleanup__` three, with print; an `atexit`
+    handler, the last code a stopped proc runs, a burst of `atexit_lines` at the descriptors
+    and then, on stdout, a line without its newline that only the proc's exit flushes."""
+
+    def __init__(self, chat_lines: int, atexit_lines: int) -> None:
+        import atexit
+
+        self.chat_lines = chat_lines
+        atexit.register(_farewell, atexit_lines, sys.stdout)
+
+    @endpoint
+    def chat(self) -> int:
+        _burst("chat", self.chat_lines)
+        return os.getpid()
+
+    @endpoint
+    def lose_logs(self) -> None:
+        """Remove this proc's log files, which Ray's log monitor tails (as it moves files away
+        when it tails too many): no marker can be appended to them any more."""
+        for fd in (1, 2):
+            os.unlink(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        for i in range(3):
+            print(f"cleanup {i}")
+            print(f"cleanup {i}", file=sys.stderr)
+
+
+def _burst(kind: str, n: int) -> None:
+    lines = "".join(f"{kind} {i}\n" for i in range(n)).encode()
+    os.write(1, lines)
+    os.write(2, lines)
+
+
+def _farewell(n: int, stdout: TextIO) -> None:
+    _burst("atexit", n)
+    stdout.write("tail")  # no newline, no flush

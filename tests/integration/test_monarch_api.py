@@ -8,6 +8,8 @@ import logging
 import operator
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -344,3 +346,87 @@ def test_shutdown_context_stops_the_procs_running_cleanup_and_disconnects(tmp_pa
     pids = [int(p) for p in out.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     assert marker.read_text() == "cleaned None"
     assert not any(alive(p) for p in pids)  # the session's Ray still runs; these procs do not
+
+
+# ---- the flush barrier: stop() and shutdown_context() return after the procs' last lines ----
+
+_FAREWELLS = """
+import sys
+from raymesh import shutdown_context, this_host
+from tests.integration.monarch_api_actors import Farewell
+
+n = int(sys.argv[1])
+
+def stopped(mesh):
+    print(f"{mesh} STOPPED", flush=True)
+    print(f"{mesh} STOPPED", file=sys.stderr, flush=True)
+
+a = this_host().spawn_procs(per_host={"procs": 1}, name="farewell-a")
+print("PIDS a", *a.spawn("farewell", Farewell, n, 0).chat.call().get(timeout=60).values())
+a.kill()  # dead right after its burst, before stop(): what it wrote is flushed all the same
+a.stop()
+stopped("a")
+b = this_host().spawn_procs(per_host={"procs": 2}, name="farewell-b")
+bye = b.spawn("farewell", Farewell, 0, n)
+print("PIDS b", *bye.chat.call().get(timeout=60).values(), flush=True)
+bye.slice(procs=1).lose_logs.call_one().get(timeout=60)
+shutdown_context()
+stopped("b")
+"""
+
+
+def _lines_by_pid(text: str) -> dict[int, list[str]]:
+    """The procs' lines Ray printed in `text` (one stream of the controller), by proc pid."""
+    import re
+
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if m := re.search(r"pid=(\d+)(?:, ip=[^)]*)?\) (.*)$", line):
+            out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_stop_and_shutdown_context_return_once_every_line_the_procs_wrote_has_printed():
+    from raymesh._src import backend
+
+    # Every line printed as it comes: no colours, and no aggregation of lines that differ only
+    # in their numbers (Ray's, for the whole job).
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    env.update(RAY_DEDUP_LOGS="0", RAY_COLOR_PREFIX="0", RAYMESH_LOG_FLUSH_S="60")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+    )
+    n = 10_000  # a burst that Ray's log monitor takes longer to forward than the proc to end
+    done = subprocess.run(
+        [sys.executable, "-c", _FAREWELLS, str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    pids = {
+        m: [int(p) for p in done.stdout.split(f"PIDS {m} ")[1].split("\n")[0].split()] for m in "ab"
+    }
+    for stream in (done.stdout, done.stderr):
+        assert ":raymesh_output_end:" not in stream  # the markers are never printed
+        before_a, after_a = stream.split("a STOPPED\n", 1)
+        before_b, after_b = after_a.split("b STOPPED\n", 1)
+        tail = ["tail"] if stream is done.stdout else []
+        cleanup = [f"cleanup {i}" for i in range(3)]
+        # Every line, in order, printed before stop() returned: a killed proc's...
+        assert _lines_by_pid(before_a).get(pids["a"][0]) == [f"chat {i}" for i in range(n)]
+        assert pids["a"][0] not in _lines_by_pid(after_a)
+        # ... and those of a proc stopped by shutdown_context(), up to its atexit handlers'.
+        assert (
+            _lines_by_pid(before_b).get(pids["b"][0])
+            == cleanup + [f"atexit {i}" for i in range(n)] + tail
+        )
+        assert pids["b"][0] not in _lines_by_pid(after_b)
+    # A proc whose lines cannot be flushed is named, once, without the full wait.
+    warnings = [x for x in done.stderr.splitlines() if "may be incomplete" in x]
+    assert warnings == [
+        "raymesh: the output of mesh 'farewell-b' may be incomplete: rank 1: its log files "
+        "could not be marked (Ray moved them, or its agent failed)"
+    ]

@@ -11,7 +11,8 @@ Linux, or the race lost), the cause says the status is unknown.
 
 It also creates what must be owned by the driver rather than by the actor that first asks for it
 (the job's registry, see `registry`): the agent of a host where the driver spawned procs is the
-driver's (`own`).
+driver's (`own`). And it appends the flush barrier's markers to exited procs' log files
+(`mark_logs`, see `log_barrier`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,18 @@ class _HostAgent:
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "hostname": os.uname().nodename}
 
+    def mark_logs(self, files: dict[int, list[str]], line: str) -> list[int]:
+        """Append `line` to each exited proc's log files (pid -> its stdout and stderr files):
+        the flush barrier's marker, after every byte the proc wrote (see `log_barrier`).
+        Returns the pids whose files all took it. A file is never created: one Ray moved
+        away is no longer tailed, and a proc still running is skipped (what it writes next
+        would follow the marker)."""
+        done = []
+        for pid, paths in files.items():
+            if not _is_running(pid) and all(_append(path, line) for path in paths):
+                done.append(pid)
+        return done
+
     def own(self, make: Callable[..., Any], *args: Any) -> Any:
         """`make(*args)`, run here: the actors it creates are this agent's, and so live as
         long as whoever created the agent (the driver, on a host where it spawned procs)."""
@@ -245,6 +258,19 @@ def _cpu_times() -> list[int]:
     """The host's CPU time counters (user, nice, system, idle, iowait, ...) from /proc/stat."""
     with open("/proc/stat") as f:
         return [int(x) for x in f.readline().split()[1:]]
+
+
+def _append(path: str, line: str) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return False
+    try:
+        return os.write(fd, line.encode()) == len(line.encode())
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _is_running(pid: int) -> bool:

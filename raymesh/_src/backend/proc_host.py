@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import ray
 from ray._private import ray_constants
 
-from raymesh._src.backend import channel, proc_exit, zero_copy
+from raymesh._src.backend import channel, log_barrier, proc_exit, zero_copy
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.shape import Point
 
@@ -206,6 +206,7 @@ class _ProcHost:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "channel": self._channel.address,
+            "logs": log_barrier.worker_log_files(),  # before any redirection (logging_option)
         }
 
 

@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raymesh._src.backend import channel, pool, ray_output, runtime
+from raymesh._src.backend import channel, log_barrier, pool, ray_output, runtime
 from raymesh._src.backend.host_agent import REFILL_IDLE, REFILL_WAIT_S, host_agent, own_agent
 from raymesh._src.backend.placement import PlacementError, check_feasible, reserve
 from raymesh._src.backend.proc_host import ProcHost, StartRuntime, inherited_origin
@@ -52,13 +52,15 @@ runtime.on_connect(_prepare_this_node)  # ready before a new session's first spa
 
 @dataclass
 class RayProc:
-    """One proc: its Ray actor handle, where its process runs, and its channel's address (None:
-    messages go through Ray only)."""
+    """One proc: its Ray actor handle, where its process runs, its channel's address (None:
+    messages go through Ray only), and the files its stdout and stderr write (None: unknown;
+    see `log_barrier`)."""
 
     handle: Any
     pid: int
     node_id: str
     channel: str | None = None
+    logs: tuple[str, str] | None = None
 
     def submit(
         self,
@@ -194,7 +196,10 @@ def create_procs(
         for n, k in per_node.items():
             pool.reserve(n)
             pool.fill({n: k}, after=agents[n].wait_idle.remote(*REFILL_IDLE, REFILL_WAIT_S))
-    procs = [RayProc(h, i["pid"], i["node_id"], i["channel"]) for h, i in zip(handles, infos)]
+    procs = [
+        RayProc(h, i["pid"], i["node_id"], i["channel"], _logs(i.get("logs")))
+        for h, i in zip(handles, infos)
+    ]
     if adopted := [procs[i].pid for i in sorted(shared)]:
         ray_output.forward_output_of(adopted)  # the runtime's procs print here, as our own do
     # Registered before spawn returns, so that a proc killed right away still has its exit seen.
@@ -203,6 +208,12 @@ def create_procs(
         timeout=max(timeout, 60),
     )
     return ProcGroup(procs, pg)
+
+
+def _logs(paths: Any) -> tuple[str, str] | None:
+    """A proc's log files as its `info()` gave them (a local runtime's warm proc, started by
+    older code, gives none)."""
+    return (str(paths[0]), str(paths[1])) if paths else None
 
 
 def _fresh(
@@ -303,6 +314,13 @@ def kill(group: ProcGroup) -> None:
         remove_placement_group(group.pg)
     except Exception:
         pass
+
+
+def flush_output(procs: Sequence[RayProc], timeout: float) -> dict[int, str]:
+    """The flush barrier (see `log_barrier.flush`): wait until the output of `procs`, which
+    have all exited, has been printed here, at most `timeout` seconds; the index of each proc
+    whose output may be incomplete, and why."""
+    return log_barrier.flush(procs, timeout)
 
 
 def wait_exited(procs: Sequence[RayProc], timeout: float) -> list[int]:
