@@ -243,6 +243,11 @@ def set_proc_point(point: Point, proc_mesh_name: str | None = None) -> None:
     _proc_mesh_name = proc_mesh_name
 
 
+def proc_rank() -> int:
+    """This process's rank in its proc mesh (0 in the controller)."""
+    return _proc_point.rank if _proc_point is not None else 0
+
+
 def enter(ctx: ActorContext) -> contextvars.Token:
     return _current.set(ctx)
 

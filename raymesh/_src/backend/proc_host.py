@@ -10,7 +10,7 @@ arrive two ways: small ones from callers on this host over the proc's channel (s
 run on the channel's threads; the rest as Ray calls, run on the default concurrency group's
 threads. The runtime orders them per caller and serialises them per actor, whichever way they
 came. Control calls (spawn, watch, info) have their own group so a backlog of messages never
-starves them.
+starves them, and so do the reads and writes of lent buffers (`buffers`), which no actor sees.
 """
 
 from __future__ import annotations
@@ -26,13 +26,16 @@ from typing import Any, Protocol
 import ray
 from ray._private import ray_constants
 
-from raymesh._src.backend import channel, log_barrier, proc_exit, zero_copy
+from raymesh._src.backend import buffers, channel, log_barrier, proc_exit, zero_copy
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.shape import Point
 
 # Threads for messages (on each path). Each in-flight message holds one while it waits for its
 # turn, so this bounds how many messages a proc runs at once (the rest queue, in order).
 MESSAGE_THREADS = 256
+# Threads serving other processes' reads and writes of the buffers this proc lent: copies of
+# many MiB each, kept off the message and control threads.
+BUFFER_THREADS = 4
 
 
 class HostedRuntime(Protocol):
@@ -132,6 +135,13 @@ class _ProcHost:
         over the channel: it travels through Ray instead."""
         return self._channel.take_reply(msgid)
 
+    @ray.method(concurrency_group="buffers")
+    def buffer_op(self, op: str, buffer_id: int, token: int, src: Any = None) -> Any:
+        """A read, write or drop of an `RDMABuffer` this proc lent (`buffers.serve`), for a
+        reader that cannot copy one-sidedly: served by the proc on threads of its own, never by
+        the actor that made the buffer, whose endpoints neither see nor wait for it."""
+        return buffers.serve(op, buffer_id, token, src)
+
     @ray.method(concurrency_group="control")
     def spawn(
         self,
@@ -211,7 +221,7 @@ class _ProcHost:
 
 
 ProcHost: Any = ray.remote(  # type: ignore[call-overload]  # stubs omit these options
-    max_concurrency=MESSAGE_THREADS, concurrency_groups={"control": 16}
+    max_concurrency=MESSAGE_THREADS, concurrency_groups={"control": 16, "buffers": BUFFER_THREADS}
 )(_ProcHost)
 
 
