@@ -4,6 +4,7 @@ Run (from the repository root):
     python bench/messaging.py            # full: 1000 call_one, 300 call-all, 25 tensor sends
     python bench/messaging.py --quick    # smoke run: 100 / 30 / 3
     python bench/messaging.py --sigkill  # only SIGKILL -> SupervisionError (5 kills)
+    python bench/messaging.py --buffers  # only the 64 MiB buffer reads (add --big for 1 GiB)
 
 Per system: spawn 4 (and 16) procs until every actor replied, with Ray (for Monarch: the
 process) already up; call_one round trip to one actor; call to all 4 (and to all 16) actors +
@@ -11,7 +12,9 @@ gather; a 64 MiB float32 tensor sent to one actor and acknowledged, and sent to 
 echoed back; and the whole process: a fresh `python` that imports the system, starts it (raymesh:
 its local Ray) and spawns 4 procs until every actor replied, timed from before the launch. For
 raymesh alone, the milliseconds from SIGKILL of a proc to the SupervisionError of a call pending
-on it (5 kills, one proc each; `--sigkill` measures only that).
+on it (5 kills, one proc each; `--sigkill` measures only that). And a 64 MiB buffer read between
+two procs (1 GiB too with `--big`): raymesh's `RDMABuffer.read_into`, the same bytes through an
+endpoint argument, and torchmonarch's `RDMABuffer` ("not installed" here; see `_buffers.py`).
 raymesh and raw Ray run in this process, interleaved in alternating blocks so machine noise hits
 both alike; torchmonarch (when installed) runs in a subprocess of its own (`--monarch`) so its
 runtime never shares a process with Ray.
@@ -42,6 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _buffers
 
 TENSOR_NUMEL = 64 * 2**20 // 4  # 64 MiB of float32
 TENSOR_WARMUP = 3  # the first sends fault in fresh object-store pages
@@ -453,6 +459,33 @@ def sigkill_only(loadavg: tuple[float, float, float]) -> dict[str, Any]:
     }
 
 
+def buffers_only(
+    loadavg: tuple[float, float, float], sizes: list[str], quick: bool
+) -> dict[str, Any]:
+    """`--buffers`: the buffer reads alone, in the report's shape."""
+    os.environ.setdefault("RAYMESH_WARM_PROCS", "2")  # the two procs come warm
+    monarch = _buffers.run_monarch(sizes, quick)  # before Ray starts, as the full run does
+    from raymesh._src.backend import ensure_ray, shutdown
+
+    ensure_ray()
+    settle_pool()
+    raymesh = _buffers.run_raymesh(sizes, quick)
+    shutdown()
+    return {
+        "bench": "messaging",
+        "only": "buffers",
+        "quick": quick,
+        "cpus": os.cpu_count(),
+        "loadavg_start_end": [loadavg, os.getloadavg()],
+        "versions": {d: version(d) for d in ("raymesh", "ray", "torch", "torchmonarch")},
+        "buffers": {
+            "raymesh": raymesh,
+            "monarch": monarch,
+            "targets": _buffers.targets(raymesh, monarch),
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
@@ -462,6 +495,8 @@ def main() -> None:
     ap.add_argument(
         "--whole", action="store_true", help="only the whole-process rows (embedded, runtime up)"
     )
+    ap.add_argument("--buffers", action="store_true", help="only the buffer reads (64 MiB)")
+    ap.add_argument("--big", action="store_true", help="buffer reads of 1 GiB too")
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per system")
     ap.add_argument("--monarch", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = ap.parse_args()
@@ -480,6 +515,10 @@ def main() -> None:
     loadavg = os.getloadavg()
     if args.sigkill:
         print(json.dumps(sigkill_only(loadavg)), file=out, flush=True)
+        return
+    sizes = ["64MiB", "1GiB"] if args.big else ["64MiB"]
+    if args.buffers:
+        print(json.dumps(buffers_only(loadavg, sizes, args.quick)), file=out, flush=True)
         return
     if args.whole:
         whole = whole_process(args.runs)
@@ -509,6 +548,7 @@ def main() -> None:
     os.environ.setdefault("RAYMESH_WARM_PROCS", "16")
     whole = whole_process(1 if args.quick else args.runs)
     monarch = run_monarch(args.quick)  # before Ray starts: it never shares the machine's Ray
+    monarch_buffers = _buffers.run_monarch(sizes, args.quick)
     from raymesh._src.backend import ensure_ray, shutdown
 
     t0 = time.perf_counter()
@@ -516,6 +556,8 @@ def main() -> None:
     log(f"ray up in {time.perf_counter() - t0:.1f}s")
     res = measure({"raymesh": spawn_raymesh, "raw_ray": spawn_raw_ray}, it)
     res["raymesh"]["sigkill_to_supervision_error_ms"] = sigkill_to_supervision_error(SIGKILLS)
+    settle_pool()
+    rm_buffers = _buffers.run_raymesh(sizes, args.quick)
     shutdown()  # the procs and actors are stopped already; this ends the local Ray
     for system, figure in whole.items():
         if system in ("raymesh_runtime_up", "ray_start"):
@@ -531,6 +573,11 @@ def main() -> None:
         "versions": {d: version(d) for d in ("raymesh", "ray", "torch", "torchmonarch")},
         "zero_copy_torch": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"),
         **build_report(res, monarch),
+        "buffers": {
+            "raymesh": rm_buffers,
+            "monarch": monarch_buffers,
+            "targets": _buffers.targets(rm_buffers, monarch_buffers),
+        },
         "anchors_published": ANCHORS_PUBLISHED,
     }
     print(json.dumps(report), file=out, flush=True)
