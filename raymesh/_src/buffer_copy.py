@@ -132,6 +132,8 @@ def run(fn: Any, ref: BufferRef, tensor: Any, deadline: float, what: str) -> Non
     try:
         fn(ref, tensor, deadline)
     except process_memory.PeerGone as e:
+        with _lock:  # its pidfd goes with it: a long-lived reader meets many owners
+            _peers.pop((ref.pid, ref.started), None)
         raise gone_error(ref)(0, str(e)) from None
     except TimeoutError:
         raise TimeoutError(
