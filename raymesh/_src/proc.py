@@ -49,6 +49,7 @@ from typing import Any
 from raymesh._src import context as _ctx
 from raymesh._src import ownership
 from raymesh._src.actor import Actor, ActorStopped, Job
+from raymesh._src.debugger import breakpoint as debugger
 from raymesh._src.endpoint import Endpoint, endpoints_of
 from raymesh._src.errors import MeshFailure, RemoteFailure
 from raymesh._src.hosted_actor import HostedActor, refused, stopped
@@ -140,6 +141,7 @@ class ProcRuntime:
         if slot is None:
             return
         slot.stopped = True
+        debugger.release(actor_key)  # a paused endpoint quits: stop is not held up by a pause
         slot.cancel_tasks(self._loop, timeout)
         ownership.stop_owned(actor_key)
         slot.cleanup(None, timeout, self._loop)
@@ -174,6 +176,7 @@ class ProcRuntime:
             return stopped(actor_key)
         slot.acquire(sender, seq)
         passed = False  # whether the turn went on to the endpoint, which gives it back itself
+        ctx = None
         try:
             if slot.stopped:
                 return stopped(actor_key)
@@ -198,6 +201,7 @@ class ProcRuntime:
                 result = self._loop.run(ctx, awaited, (result,), {})
             return result
         except BaseException as exc:  # each kind is handled below
+            debugger.post_mortem(ctx, exc)  # if wanted, pdb at the raise before the reply
             return self._raised(slot, endpoint, exc, reply)
         finally:
             if not passed:
@@ -393,6 +397,7 @@ def start_proc_runtime(proc_mesh_name: str, point: Point) -> ProcRuntime:
     hosts its actors. The backend's proc host calls it (`create_procs(start_runtime=...)`), so
     that the backend, a layer below this module, never imports it."""
     _ctx.set_proc_point(point, proc_mesh_name)
+    debugger.install()
     runtime = ProcRuntime(proc_mesh_name=proc_mesh_name, point=point)
     set_current_runtime(runtime)
     return runtime

@@ -26,6 +26,9 @@
                                post-train a policy with GRPO (a line per step)
     raymesh run [--nproc-per-node N] [--max-restarts K] script.py [args...]
                                a torchrun script, unchanged, on a proc mesh
+    raymesh debug [list | attach MESH RANK | cast MESH 'ranks(0:4)' CMD | continue]
+                               actors paused at breakpoint(): list them, attach to one's pdb,
+                               send a pdb command to many; alone, an interactive prompt
 
 `info` connects like any raymesh program: to RAYMESH_ADDRESS or RAY_ADDRESS when set, else to
 the local runtime when one is up, else it starts the embedded local Ray (and stops it again on
@@ -42,6 +45,7 @@ from typing import Any
 
 from raymesh import __version__
 from raymesh.cli import dashboard as dashboard_cli
+from raymesh.cli import debug as debug_cli
 from raymesh.cli import export as export_cli
 from raymesh.cli import federated as federated_cli
 from raymesh.cli import rl as rl_cli
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_cli.add_parser(sub)
     run_cli.add_parser(sub)
     dashboard_cli.add_parser(sub)
+    debug_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("up", "status", "down"):
         return runtime_cli.run(args)
@@ -140,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return federated_cli.run(args)
     if args.command == "dashboard":
         return dashboard_cli.run(args)
+    if args.command == "debug":
+        return debug_cli.run(args)
     if args.command == "rl":
         return rl_cli.run(args)
     if args.command == "run":

@@ -47,3 +47,30 @@ def test_monarchs_ping_pong_and_getting_started_examples_run_with_only_their_imp
     assert "Step with data <fake data 1> and input = None" in out
     assert "It didn't say hello" in out
     assert "Actor rank: " in out
+
+
+@pytest.mark.timeout(200)
+def test_monarchs_debugging_example_runs_its_debugger_session_driven_by_the_script():
+    """16 actors pause at breakpoint(); the script's own thread types Monarch's walk-through
+    at `raymesh debug`'s prompt; the ranks that raise pause post-mortem; the final `get()`
+    raises, as Monarch's does (status 1)."""
+    import subprocess
+    import sys
+
+    from raymesh._src import backend
+
+    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAYMESH_WARM_PROCS="0")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "debugging.py"), "--drive"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    out = done.stdout
+    assert done.returncode == 1 and "ValueError: bad rank" in done.stderr, out + done.stderr
+    assert out.count("debugging.py:59  breakpoint") >= 16  # the first `list`
+    assert "(Pdb) rank\n13\n(Pdb) detach\nDetached from debugee[13]; it stays paused" in out
+    assert "--- rank 4 ---\n--Call--" in out  # cast ranks(2:7:2) s
+    assert out.count("post-mortem: ValueError: bad rank") == 4  # ranks 10, 14; then 2, 6
+    assert "resumed: debugee[2], debugee[6]" in out

@@ -8,10 +8,10 @@ The layers, lowest first (a module may import its own layer and any lower one):
   (`_src.errors`: the backend returns `RemoteFailure` from a proc), the version string.
 - backend (`raymesh._src.backend`): the one package that imports Ray for the runtime.
 - core (the rest of `raymesh._src`, `raymesh.actor`, `raymesh.cluster`, `raymesh.rdma`,
-  `raymesh/__init__.py`): the programming model. It reaches the backend's procs, and the
-  backend runs the core's `ProcRuntime` only as a function handed down to it
+  `raymesh.debug`, `raymesh/__init__.py`): the programming model. It reaches the backend's
+  procs, and the backend runs the core's `ProcRuntime` only as a function handed down to it
   (`create_procs(start_runtime=...)`), never by importing it. `raymesh.actor`,
-  `raymesh.cluster` and `raymesh.rdma` are its public faces.
+  `raymesh.cluster`, `raymesh.rdma` and `raymesh.debug` are its public faces.
 - common (`raymesh._common`): what several subsystems share (field checks, job-file tables,
   "module:function", the HTTP server thread, bearer auth, the error shape, a future adapter).
   It may import the core at most.
@@ -36,7 +36,7 @@ Four more rules, checked the same way:
   raymesh.serve, Ray Data in raymesh.data). `import ray`, `from ray...`, lazy imports and
   `import_module("ray...")` all count.
 - Above the core nothing imports `raymesh._src`: the core's public faces are `raymesh`,
-  `raymesh.actor`, `raymesh.cluster` and `raymesh.rdma`.
+  `raymesh.actor`, `raymesh.cluster`, `raymesh.rdma` and `raymesh.debug`.
 - Above the core, a package imports another package by its exported names (its `__init__`),
   not by a module of its own: a module of another package is imported only where
   `PUBLIC_MODULES` names it a public module, or `PRIVATE_IMPORTS` gives the reason.
@@ -93,6 +93,7 @@ LAYERS = {
     "raymesh.actor": "core",
     "raymesh.cluster": "core",
     "raymesh.rdma": "core",
+    "raymesh.debug": "core",
     "raymesh": "core",
     "raymesh._common": "common",
     "raymesh.topology": "topology",
@@ -125,6 +126,7 @@ PUBLIC = (
     "raymesh.actor",
     "raymesh.cluster",
     "raymesh.rdma",
+    "raymesh.debug",
     "raymesh._common",
     "raymesh.topology",
     "raymesh.spmd",

@@ -12,6 +12,7 @@ from raymesh._src.backend.host_agent import host_agent
 from raymesh._src.backend.placement import PlacementError, free_slots
 from raymesh._src.backend.pool import preload
 from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
+from raymesh._src.backend.proc_host import job_id
 from raymesh._src.backend.procs import (
     ProcGroup,
     RayProc,
@@ -82,6 +83,7 @@ __all__ = [
     "gpu_ids",
     "host_agent",
     "is_ref",
+    "job_id",
     "join",
     "kill",
     "kill_pid",

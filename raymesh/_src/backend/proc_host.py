@@ -252,6 +252,12 @@ def inherited_origin() -> Any:
     return _origin
 
 
+def job_id() -> str:
+    """The Ray job (hex id) of the program this process works for: for a warm proc of the
+    local runtime, the program that adopted it."""
+    return _origin.job if _origin is not None else ray.get_runtime_context().get_job_id()
+
+
 def _take_origin(origin: Any, *, watch: bool) -> None:
     global _origin
     _origin = origin
