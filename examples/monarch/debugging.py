@@ -69,13 +69,13 @@ class DebugeeActor(Actor):
 def _wait_paused(count: int, reason: str) -> str:
     from raymesh import debug
 
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 120
     while True:
         found = [a for a in debug.list_paused() if a.mesh == "debugee"]
         if len(found) == count and all(a.reason.startswith(reason) for a in found):
             return "list"
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} actors did not pause ({reason}) within 300 s")
+            raise TimeoutError(f"{count} actors did not pause ({reason}) within 120 s")
         time.sleep(0.2)
 
 
@@ -99,6 +99,7 @@ SESSION = [
 
 
 def _drive() -> None:
+    from raymesh import debug
     from raymesh.cli.debug import repl
 
     lines = iter(SESSION)
@@ -109,7 +110,12 @@ def _drive() -> None:
         print(prompt + line, flush=True)
         return line
 
-    repl(read=read)
+    try:
+        repl(read=read)
+    finally:  # a session that went wrong must not leave the program paused for ever
+        deadline = time.monotonic() + 30
+        while debug.continue_all() and time.monotonic() < deadline:
+            time.sleep(0.5)  # a rank resumed may pause again at its raise
 
 
 # %%

@@ -49,7 +49,7 @@ def test_monarchs_ping_pong_and_getting_started_examples_run_with_only_their_imp
     assert "Actor rank: " in out
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(330)
 def test_monarchs_debugging_example_runs_its_debugger_session_driven_by_the_script():
     """16 actors pause at breakpoint(); the script's own thread types Monarch's walk-through
     at `raymesh debug`'s prompt; the ranks that raise pause post-mortem; the final `get()`
@@ -65,7 +65,7 @@ def test_monarchs_debugging_example_runs_its_debugger_session_driven_by_the_scri
         capture_output=True,
         text=True,
         env=env,
-        timeout=180,
+        timeout=300,
     )
     out = done.stdout
     assert done.returncode == 1 and "ValueError: bad rank" in done.stderr, out + done.stderr

@@ -162,7 +162,13 @@ class _RemotePdb(pdb.Pdb):
         self.message("Deleted all breakpoints")
         return None
 
+    do_clear.__doc__ = pdb.Pdb.do_clear.__doc__
+    do_cl = do_clear
+
     def do_interact(self, arg: str) -> Any:
+        """interact
+        Not over raymesh debug (it would read the proc's own stdin); run statements with `!`.
+        """
         self.error("interact is not available over raymesh debug; run statements with `!`")
         return None
 
