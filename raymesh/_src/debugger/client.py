@@ -258,7 +258,18 @@ def _connect(entry: _Entry, timeout: float) -> DebugSession:
         sock.close()
         why = answer.removeprefix("refused: ")
         raise DebugError(f"{actor.name} refused the connection: {why}")
-    return DebugSession(actor, sock, timeout)
+    try:
+        return DebugSession(actor, sock, timeout)
+    except TimeoutError:
+        try:  # leave it free for the next client
+            sock.sendall((DETACH + "\n").encode())
+        except OSError:
+            pass
+        sock.close()
+        raise DebugError(
+            f"{actor.name} did not show its pdb prompt within {timeout}s (it is running a "
+            "step); try again"
+        ) from None
 
 
 def _first_line(sock: socket.socket) -> str:

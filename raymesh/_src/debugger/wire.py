@@ -46,7 +46,10 @@ class Wire:
         self._server.settimeout(_POLL_S)
         self.port: int = self._server.getsockname()[1]
         self._lock = threading.Lock()
+        # The attached client, which pdb's output goes to; the one greeted but not yet attached
+        # (pdb's thread attaches it, so that its first output is where pdb stands, whole).
         self._client: socket.socket | None = None
+        self._pending: socket.socket | None = None
         self._events: queue.SimpleQueue[tuple[str, socket.socket | None, str]] = queue.SimpleQueue()
         self._closed = False
         self._quit = False
@@ -78,11 +81,13 @@ class Wire:
             except queue.Empty:
                 continue
             with self._lock:
+                if kind == "attach" and client is not None and client is self._pending:
+                    self._client, self._pending = client, None
                 current = client is not None and client is self._client
                 if current and kind in ("detach", "eof"):
                     self._client = None
             if not current or client is None:
-                continue  # from a client already replaced, or the quit wake-up
+                continue  # from a client already gone, or the quit wake-up
             if kind == "attach":
                 self._on_attach()
                 self._send_mark()
@@ -102,10 +107,12 @@ class Wire:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            client, self._client = self._client, None
+            clients = (self._client, self._pending)
+            self._client = self._pending = None
         _close(self._server)
-        if client is not None:
-            _close(client)
+        for client in clients:
+            if client is not None:
+                _close(client)
 
     def _send_mark(self) -> None:
         self.write(PROMPT_MARK)
@@ -135,19 +142,19 @@ class Wire:
             _refuse(conn, "wrong token")
             return
         with self._lock:
-            busy = self._client is not None
+            busy = self._client is not None or self._pending is not None
             if self._closed:
                 why: str | None = "the actor resumed"
             elif busy:
                 why = "another client is attached to this actor (it must detach first)"
             else:
                 why = None
-                try:  # before it is current: pdb's output must come after the answer
+                try:
                     conn.sendall(b"ok\n")
                 except OSError:
                     pass
                 conn.settimeout(None)
-                self._client = conn
+                self._pending = conn
         if why is not None:
             _refuse(conn, why)
             return
