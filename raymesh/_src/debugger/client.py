@@ -27,6 +27,7 @@ from raymesh._src.debugger.wire import DETACH, PROMPT_MARK
 __all__ = ["DebugError", "DebugSession", "attach", "cast", "continue_all", "list_paused"]
 
 _PROMPT = "(Pdb) "
+_DETACH_WAIT_S = 5.0
 _Entry = tuple[PausedActor, str, Path]
 
 
@@ -125,14 +126,20 @@ class DebugSession:
         return before + self._until_mark(timeout)
 
     def detach(self) -> None:
-        """Leave the actor paused and free for the next client (idempotent)."""
+        """Leave the actor paused and free for the next client (idempotent). Returns once
+        the actor has let go of this client (it closes the connection), so that an `attach`
+        right after is not refused as a second client; at most `_DETACH_WAIT_S` (a step
+        still running holds it)."""
         if self._closed:
             return
         self._closed = True
         try:
             if not self.resumed:
                 self._sock.sendall((DETACH + "\n").encode())
-        except OSError:
+                self._sock.settimeout(_DETACH_WAIT_S)
+                while self._sock.recv(65536):
+                    pass  # what pdb still says to this client: nobody reads it now
+        except OSError:  # TimeoutError included
             pass
         self._sock.close()
 
