@@ -32,6 +32,9 @@ the transport's ordering:
   `context().actor_instance.abort()`. A failed actor's owner gets the supervision event, the
   call that failed it and every later one raise `SupervisionError`, and messages it has not
   started are refused;
+- a `breakpoint()` pauses its endpoint in pdb (`debugger`) with the turn held, so the actor's
+  later messages wait in order; an endpoint that raises may pause at the raise (post-mortem)
+  before its reply; stopping the actor ends a pause;
 - stopping an actor (`stop_actor`, or `stop_all` before its proc is ended) refuses the
   messages it has not started, cancels its running async endpoints and waits for them, stops
   the meshes it owns (`ownership`), then runs its `__cleanup__(None)`, each step bounded. A

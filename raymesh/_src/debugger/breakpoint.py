@@ -25,6 +25,7 @@ Guarantees:
 from __future__ import annotations
 
 import bdb
+import logging
 import os
 import pdb
 import socket
@@ -43,6 +44,8 @@ from raymesh._src.debugger import paused
 from raymesh._src.debugger.wire import Wire
 
 __all__ = ["install", "post_mortem", "release"]
+
+logger = logging.getLogger("raymesh")
 
 POST_MORTEM_ENV = "RAYMESH_DEBUG_POST_MORTEM"
 # Frames of these modules call endpoints: the frame below one is the endpoint's own.
@@ -219,7 +222,11 @@ def post_mortem(ctx: _ctx.ActorContext | None, error: BaseException) -> None:
     if tb is None:
         return
     what = "".join(traceback.format_exception_only(type(error), error)).strip()
-    session = Session(ctx, f"post-mortem: {what}", None)
+    try:
+        session = Session(ctx, f"post-mortem: {what}", None)
+    except Exception:  # the error goes to its caller all the same
+        logger.exception("raymesh: no post-mortem for %s", ctx.actor_key)
+        return
     try:
         session.pdb.reset()
         session.pdb.interaction(None, tb)
