@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from raymesh._src.backend.runtime_file import RuntimeDirError
 from raymesh._src.debugger import paused
 from raymesh._src.debugger.paused import PausedActor
 from raymesh._src.debugger.ranks import parse_ranks, select
@@ -204,7 +205,11 @@ class DebugSession:
 
 
 def _entries(job: str | None) -> list[_Entry]:
-    return [e for e in paused.entries() if job is None or e[0].job == job]
+    try:
+        found = paused.entries()
+    except RuntimeDirError as e:  # open to other users: its tokens cannot be trusted
+        raise DebugError(str(e)) from None
+    return [e for e in found if job is None or e[0].job == job]
 
 
 def _named(name: str, job: str | None) -> list[_Entry]:
