@@ -68,6 +68,10 @@ class SPMDActor(Actor):
         self.world_size = math.prod(sizes.values())
         self.local_rank, self.local_world_size = point[local], sizes[local]
         self._store: Any = None  # rank 0's rendezvous store, kept while the actor lives
+        # What a script that returned left in its globals, kept: freeing a DDP model there can
+        # hang in gloo's process group destructor (joining its threads) after
+        # destroy_process_group, which would keep main() from returning.
+        self._globals: dict[str, Any] | None = None
 
     @endpoint
     def get_host_port(self, use_ipaddr: Any = None) -> tuple[str, int]:
@@ -104,10 +108,12 @@ class SPMDActor(Actor):
         try:
             if script_args[0] == "-m":
                 sys.argv = list(script_args[1:])
-                runpy.run_module(script_args[1], run_name="__main__", alter_sys=True)
+                self._globals = runpy.run_module(
+                    script_args[1], run_name="__main__", alter_sys=True
+                )
             else:
                 sys.argv = list(script_args)
-                runpy.run_path(script_args[0], run_name="__main__")
+                self._globals = runpy.run_path(script_args[0], run_name="__main__")
         except SystemExit as e:  # sys.exit() in a script ends the script, not the proc
             if e.code not in (None, 0):
                 error = RuntimeError(
@@ -257,7 +263,7 @@ class _Placed(SPMDActor):
     def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.local_rank, self.local_world_size = rank % local_world_size, local_world_size
-        self._store = None
+        self._store, self._globals = None, None
 
 
 class _Group:
@@ -287,7 +293,6 @@ class _Group:
         self.procs = [procs.slice(rank=r) for r in range(self.world)]
         self.actors = [flat.slice(rank=r) for r in range(self.world)]
         self.calls: list[Any] = []
-        self.ok = False  # the last attempt succeeded: the procs stop gracefully
 
     def run(self, script_args: list[str], timeout_s: float) -> Attempt:
         """Every rank runs the script once; watched until all succeed, one fails or
@@ -301,7 +306,6 @@ class _Group:
         while True:
             failures = {r: why for r, c in enumerate(self.calls) if (why := _failure(c))}
             if failures or all(c.done() for c in self.calls):
-                self.ok = not failures
                 return Attempt(failures)
             if time.monotonic() > deadline:
                 left = [r for r, c in enumerate(self.calls) if not c.done()]
@@ -333,10 +337,12 @@ class _Group:
         logger.info("raymesh run: ranks %s on new procs, the others in place", sorted(dead))
 
     def stop(self) -> None:
+        """Kill every proc, then release them: a rank may wait in a collective for one that
+        failed, and after a success the script is over, and a process exiting gracefully can
+        hang freeing a gloo process group (joining its threads)."""
         for mesh in self.meshes:
-            if not self.ok:  # a rank may wait in a collective for one that failed: end it now
-                with contextlib.suppress(Exception):
-                    mesh.kill()
+            with contextlib.suppress(Exception):
+                mesh.kill()
             mesh.stop()
 
 
