@@ -32,6 +32,7 @@ from typing import Any
 from raymesh._src import backend, process_memory
 from raymesh._src.backend import buffers
 from raymesh._src.backend.buffers import BufferDropped
+from raymesh._src.backend.switches import switch
 from raymesh._src.context import context, proc_rank
 from raymesh._src.errors import MeshFailure, SupervisionError
 
@@ -331,13 +332,12 @@ def check_tensor(name: str, t: Any, ref: BufferRef, *, reading: bool) -> None:
 
 
 def one_sided() -> bool:
-    value = os.environ.get("RAYMESH_RDMA_ONE_SIDED", "1")
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"RAYMESH_RDMA_ONE_SIDED={value!r}: use 1 (copies on the owner's host go one-sided "
-            "through the kernel; the default) or 0 (every copy goes through the owner's proc)"
-        )
-    return value == "1"
+    return switch(
+        "RAYMESH_RDMA_ONE_SIDED",
+        True,
+        on="copies on the owner's host go one-sided through the kernel",
+        off="every copy goes through the owner's proc",
+    )
 
 
 def _allow_readers(in_proc: bool) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raymesh._src.actor import Actor
+from raymesh._src.backend.switches import switch
 from raymesh._src.context import context, current_actor_context
 
 __all__ = ["LoggingOption", "log_path", "name_actors_in_records"]
@@ -37,7 +38,12 @@ def name_actors_in_records() -> None:
     message is left empty (torch's structured trace logging relies on that). Records made
     outside any actor are untouched. Idempotent; `RAYMESH_LOG_ACTOR_PREFIX=0` turns it off."""
     global _named
-    if os.environ.get("RAYMESH_LOG_ACTOR_PREFIX", "1").strip().lower() in ("0", "false", "no"):
+    if not switch(
+        "RAYMESH_LOG_ACTOR_PREFIX",
+        True,
+        on="log records made in an actor are prefixed with its name",
+        off="they are left as made",
+    ):
         return
     with _installed:
         if _named:

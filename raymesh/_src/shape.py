@@ -268,6 +268,12 @@ class MeshTrait:
         """The axes and their sizes (Monarch's `mesh.extent`: `{'hosts': 2, 'gpus': 8}`)."""
         return self._shape.extent
 
+    @property
+    def _labels(self) -> tuple[str, ...]:
+        """The axis names, in order. Monarch's own docs examples read this private name
+        (`dict.fromkeys(mesh._labels, 0)` in its SPMD example), so raymesh answers to it."""
+        return self._shape.extent.labels
+
     def size(self, axis: str | None = None) -> int:
         """The size of `axis`, or the number of elements when no axis is given."""
         return self._shape.size(axis)

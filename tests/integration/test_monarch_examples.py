@@ -8,9 +8,11 @@ Monarch's own CPU runs of them.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ..scripts import run_python
 
@@ -19,23 +21,41 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "monarch"
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def _run_both() -> str:
-    """Both examples, one after the other, in one script process that joins this session's
+def _cpu_spmd_example(into: Path) -> Path:
+    """spmd_ddp.py beside a copy of Monarch's train.py made for CPUs: gloo for NCCL, no
+    `.cuda()`. The copy is made by exact substitutions that must each apply, so a change to
+    train.py fails here rather than running something else."""
+    script = (EXAMPLES / "train.py").read_text()
+    for gpu, cpu in (
+        ('init_process_group("nccl")', 'init_process_group("gloo")'),
+        ("    torch.cuda.set_device(local_rank)\n", ""),
+        ("nn.Linear(10, 1).cuda()", "nn.Linear(10, 1)"),
+        ("torch.randn(4, 10).cuda()", "torch.randn(4, 10)"),
+    ):
+        assert script.count(gpu) == 1, gpu
+        script = script.replace(gpu, cpu)
+    (into / "train.py").write_text(script)
+    shutil.copy(EXAMPLES / "spmd_ddp.py", into / "spmd_ddp.py")
+    return into / "spmd_ddp.py"
+
+
+def _run_all(*examples: Path) -> str:
+    """The examples, one after the other, in one script process that joins this session's
     Ray cluster (as `RAYMESH_ADDRESS=<head> python example.py` would): a Ray of their own per
-    example would cost ~20 s more on a 2-core machine."""
+    example would cost ~20 s more each on a 2-core machine."""
     from raymesh._src import backend
 
     env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAY_DEDUP_LOGS="0")
-    run = "; ".join(
-        f"runpy.run_path({str(EXAMPLES / name)!r}, run_name='__main__')"
-        for name in ("ping_pong.py", "getting_started.py")
-    )
-    return run_python(["-c", f"import runpy; {run}"], env, timeout=280)
+    run = "; ".join(f"runpy.run_path({str(path)!r}, run_name='__main__')" for path in examples)
+    return run_python(["-c", f"import runpy; {run}"], env, timeout=380)
 
 
-@pytest.mark.timeout(300)
-def test_monarchs_ping_pong_and_getting_started_examples_run_with_only_their_imports_changed():
-    out = _run_both()
+@pytest.mark.timeout(400)
+def test_monarchs_docs_examples_run_with_only_their_imports_changed(
+    tmp_path: Path,
+):
+    names = ("ping_pong.py", "getting_started.py", "rdma.py")
+    out = _run_all(*(EXAMPLES / name for name in names), _cpu_spmd_example(tmp_path))
     # ping_pong: the actors' prints reach the script's stdout (forwarded by Ray, prefixed by
     # proc; some after the script's own last line)
     assert "Example completed successfully!" in out.splitlines()
@@ -47,6 +67,22 @@ def test_monarchs_ping_pong_and_getting_started_examples_run_with_only_their_imp
     assert "Step with data <fake data 1> and input = None" in out
     assert "It didn't say hello" in out
     assert "Actor rank: " in out
+    # rdma: the worker's read_into returned (a failed read raises, and the script with it);
+    # the bytes it moves are checked in test_rdma.py. spmd_ddp: 4 ranks trained 5 DDP steps
+    assert "DDP example completed successfully!" in out.splitlines()
+    for rank in range(4):
+        assert f"[Rank {rank}] Step 0 loss=" in out, rank
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 4,
+    reason="Monarch's SPMD example as written spawns 4 procs that each take a GPU (NCCL)",
+)
+@pytest.mark.timeout(300)
+def test_monarchs_spmd_example_runs_unchanged_on_four_gpus():
+    out = _run_all(EXAMPLES / "spmd_ddp.py")
+    assert "DDP example completed successfully!" in out.splitlines()
 
 
 @pytest.mark.timeout(330)

@@ -59,6 +59,7 @@ from raymesh._src.backend.channel_auth import (
     verified,
 )
 from raymesh._src.backend.channel_sockets import listen, new_address, push
+from raymesh._src.backend.switches import switch
 
 # Messages and replies that pickle to more than this go through Ray's object store instead.
 LARGE_BYTES = 1 << 20
@@ -103,13 +104,12 @@ def dumps(value: Any) -> bytes | None:
 
 def enabled() -> bool:
     """Whether small messages may take channels: `RAYMESH_CHANNELS` is 1 (the default) or 0."""
-    value = os.environ.get("RAYMESH_CHANNELS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"RAYMESH_CHANNELS={value!r}: use 1 (small messages to procs on this host take a "
-            "Unix socket; the default) or 0 (every message goes through Ray)"
-        )
-    return value == "1"
+    return switch(
+        "RAYMESH_CHANNELS",
+        True,
+        on="small messages to procs on this host take a Unix socket",
+        off="every message goes through Ray",
+    )
 
 
 class Server:

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymesh._src.backend import ray_output, runtime_file, zero_copy
 from raymesh._src.backend.runtime_file import RuntimeLostError, RuntimeRecord
+from raymesh._src.backend.switches import switch
 
 logger = logging.getLogger("raymesh")
 
@@ -125,13 +126,6 @@ def _run_quiesce_before_rays_exit_hook() -> None:
         _exit_hook_after_init = True
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def _loopback_only() -> None:
     """Make the embedded local Ray use 127.0.0.1 as its node address. Ray otherwise resolves
     even an explicit 127.0.0.1 to the machine's routable address; its single-machine mode (the
@@ -200,7 +194,12 @@ def ensure_ray() -> None:
             return
         zero_copy.enable()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
-        forward_logs = _env_flag("RAYMESH_FORWARD_LOGS", True)
+        forward_logs = switch(
+            "RAYMESH_FORWARD_LOGS",
+            True,
+            on="procs' output is printed by the controller",
+            off="it stays in Ray's log files",
+        )
         address = os.environ.get("RAYMESH_ADDRESS")
         if address:
             ray.init(address=address, log_to_driver=forward_logs, logging_level=logging.WARNING)
@@ -225,7 +224,9 @@ def ensure_ray() -> None:
             _init_local(
                 address="local",  # always a new instance, even if another Ray runs here
                 num_cpus=cpus,
-                include_dashboard=_env_flag("RAYMESH_DASHBOARD", False),
+                include_dashboard=switch(
+                    "RAYMESH_DASHBOARD", False, on="Ray's dashboard starts", off="it does not"
+                ),
                 _node_ip_address="127.0.0.1",  # the embedded default stays on loopback
                 log_to_driver=forward_logs,
                 logging_level=logging.WARNING,

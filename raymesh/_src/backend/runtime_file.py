@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raymesh._src.backend.switches import switch
 from raymesh._version import __version__
 
 MAX_FILE_BYTES = 64 * 1024
@@ -221,7 +222,12 @@ def current() -> RuntimeRecord | None:
 def find() -> RuntimeRecord | None:
     """The local runtime to attach to, if one is up and runs what this program runs; anything
     else about it is said in one line, with its fix (the caller then starts the embedded Ray)."""
-    if os.environ.get("RAYMESH_RUNTIME", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch(
+        "RAYMESH_RUNTIME",
+        True,
+        on="programs attach to a local runtime that `raymesh up` started",
+        off="each program starts its own Ray",
+    ):
         return None
     try:
         record = current()

@@ -40,6 +40,7 @@ from typing import Any
 from raymesh._src import backend
 from raymesh._src import context as _ctx
 from raymesh._src.actor import ActorStopped
+from raymesh._src.backend.switches import switch
 from raymesh._src.debugger import paused
 from raymesh._src.debugger.wire import Wire
 
@@ -216,7 +217,12 @@ def post_mortem(ctx: _ctx.ActorContext | None, error: BaseException) -> None:
     hit = _hit.get(ctx.actor_key) is ctx
     if hit:
         del _hit[ctx.actor_key]
-    if not hit and os.environ.get(POST_MORTEM_ENV, "").strip().lower() not in ("1", "true"):
+    if not hit and not switch(
+        POST_MORTEM_ENV,
+        False,
+        on="an endpoint that raises pauses in pdb",
+        off="only after a breakpoint()",
+    ):
         return
     tb: TracebackType | None = error.__traceback__
     if tb is None:
