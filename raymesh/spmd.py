@@ -19,9 +19,11 @@ Guarantees:
   rendezvous joins it as a client (`TORCHELASTIC_USE_AGENT_STORE`, as torchrun's agent does).
   Monarch instead probes a free port and closes it, which another socket can take first.
 - `main(addr, port, ["script.py", *args])` (or `["-m", "module", *args]`) runs the script as
-  `__main__` with that `sys.argv`, in the proc; a script that raises, or exits non-zero, fails
-  the call with `ActorError` naming it (the other ranks are the caller's to stop: supervision
-  reports a proc that died). An empty `script_args` is a ValueError.
+  `__main__` with that `sys.argv`, in the proc, its folder first on `sys.path` (as `python
+  script.py`), in the launcher's working folder where the host has it (`launch` passes it);
+  a script that raises, or exits non-zero, fails the call with `ActorError` naming it (the
+  other ranks are the caller's to stop: supervision reports a proc that died). An empty
+  `script_args` is a ValueError.
 """
 
 from __future__ import annotations
@@ -94,25 +96,42 @@ class SPMDActor(Actor):
         self._setup_env(master_addr, master_port)
 
     @endpoint
-    def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
+    def main(
+        self,
+        master_addr: str,
+        master_port: int,
+        script_args: list[str],
+        *,
+        cwd: str | None = None,
+    ) -> bool:
         """Set torchrun's environment and run the script (`["path.py", *args]` or `["-m",
-        "module", *args]`) as `__main__`; True once it returns or exits with status 0."""
+        "module", *args]`) as `__main__`; True once it returns or exits with status 0.
+
+        As `python path.py` would, the script's folder comes first on `sys.path` (its sibling
+        modules import). `cwd` (raymesh's; `launch` gives the launcher's) is the folder the
+        script runs in where this host has it, as torchrun's workers inherit the launcher's;
+        where it does not (a cluster that ships code with Ray's `working_dir`), the proc's
+        own. Both are put back when the script ends."""
         if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
             raise ValueError(
                 f"script_args={script_args!r}: give the script and its arguments, "
                 '["train.py", "--lr", "0.1"], or ["-m", "module", ...]'
             )
         self._setup_env(master_addr, master_port)
-        argv = sys.argv
+        argv, path, here = sys.argv, list(sys.path), os.getcwd()
         error: BaseException | None = None
         try:
+            if cwd is not None and os.path.isdir(cwd):
+                os.chdir(cwd)
             if script_args[0] == "-m":
                 sys.argv = list(script_args[1:])
+                sys.path.insert(0, os.getcwd())  # as `python -m`
                 self._globals = runpy.run_module(
                     script_args[1], run_name="__main__", alter_sys=True
                 )
             else:
                 sys.argv = list(script_args)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(script_args[0])))
                 self._globals = runpy.run_path(script_args[0], run_name="__main__")
         except SystemExit as e:  # sys.exit() in a script ends the script, not the proc
             if e.code not in (None, 0):
@@ -126,7 +145,8 @@ class SPMDActor(Actor):
             traceback.clear_frames(e.__traceback__)
             error = e
         finally:
-            sys.argv = argv
+            sys.argv, sys.path[:] = argv, path
+            os.chdir(here)
         _leave_group()
         if error is not None:
             raise error
@@ -298,7 +318,8 @@ class _Group:
         """Every rank runs the script once; watched until all succeed, one fails or
         `timeout_s` passes."""
         addr, port = self.actors[0].get_host_port.call_one(None).get(timeout=60)
-        self.calls = [a.main.call_one(addr, port, script_args) for a in self.actors]
+        cwd = os.getcwd()
+        self.calls = [a.main.call_one(addr, port, script_args, cwd=cwd) for a in self.actors]
         settled = threading.Event()
         for c in self.calls:
             c.add_done_callback(settled.set)

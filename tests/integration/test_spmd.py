@@ -103,6 +103,7 @@ RESTARTED = """
 import os, pathlib, sys
 import torch
 import torch.distributed as dist
+import sibling  # beside the script, as `python train.py` finds it
 
 out, mode = sys.argv[1], sys.argv[2]
 flag = pathlib.Path(out + ".flag")
@@ -118,13 +119,17 @@ pathlib.Path(out + "." + os.environ["RANK"]).write_text(str(float(x)))
 
 
 def test_raymesh_run_restarts_the_group_after_a_rank_fails_and_says_why_when_out_of_restarts(
-    tmp_path, capsys
+    tmp_path, capsys, monkeypatch
 ):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(RESTARTED))
+    (tmp_path / "sibling.py").write_text("")
     out = str(tmp_path / "out")
-    run = ["run", "--nproc_per_node", "2", "--max-restarts", "1", str(script)]
-    assert cli_main([*run, out, "once"]) == 0
+    # Run from the script's folder, naming it and its output relatively, as one runs torchrun:
+    # the ranks run in the launcher's folder, whatever folder their procs started in.
+    monkeypatch.chdir(tmp_path)
+    run = ["run", "--nproc_per_node", "2", "--max-restarts", "1", "train.py"]
+    assert cli_main([*run, "out", "once"]) == 0
     assert "succeeded at attempt 2" in capsys.readouterr().out
     assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["2.0", "2.0"]
     # Every attempt fails on rank 1: status 1, one line naming the rank and its exit status.
