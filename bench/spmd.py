@@ -13,14 +13,16 @@ Issue 38's targets, both sides in one run on one machine:
               2.13 here)
 The script: a 2-rank DDP MLP (gloo), 30 steps of 64 samples, each rank writing the wall time
 of its first step; with KILL set, rank 1 SIGKILLs itself at step 10 of the first attempt.
-`raymesh run` starts the embedded local Ray each time, as a fresh command does; run
-`raymesh up` first to measure it attached to a local runtime instead (`--note` says which).
+`raymesh run` starts the embedded local Ray each time, as a fresh command does; with
+`--runtime` the bench starts a local runtime first (`raymesh up`, stopped at the end) and every
+`raymesh run` attaches to it, as on a machine where one is up (saved to spmd_runtime.json).
 Prints one JSON object with the load average at start and end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 SCRIPT = r"""
 import os, signal, sys, time
@@ -92,8 +96,14 @@ def _once(side: str, script: Path, folder: Path, kill: bool) -> dict[str, float]
     try:
         _, err = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:  # torchrun's restarted group can hang in its rendezvous
+        # Its workers run in sessions of their own and hold the stderr pipe: kill the whole
+        # tree, not only the group, or the bench waits on them forever.
+        tree = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        for child in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        proc.communicate(timeout=60)
         return {"failed": 1.0}
     if proc.returncode != 0:
         print(f"{side} failed ({proc.returncode}):\n{err[-2000:]}", file=sys.stderr)
@@ -121,14 +131,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--save", action="store_true")
-    parser.add_argument("--note", default="embedded Ray per command (no `raymesh up`)")
+    parser.add_argument("--runtime", action="store_true", help="attach to `raymesh up`")
     args = parser.parse_args()
+    if args.runtime:
+        cli = [sys.executable, "-m", "raymesh.cli.main"]
+        subprocess.run([*cli, "up"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+        time.sleep(10)  # its warm procs start in the background: measured after, not during
+    try:
+        result = _bench(args.rounds)
+    finally:
+        if args.runtime:
+            subprocess.run([*cli, "down"], stdout=subprocess.DEVNULL, timeout=300)
+    result["note"] = (
+        "attached to a local runtime (raymesh up)"
+        if args.runtime
+        else "embedded Ray per command (no `raymesh up`)"
+    )
+    print(json.dumps(result, indent=1))
+    if args.save:
+        name = "spmd_runtime.json" if args.runtime else "spmd.json"
+        path = Path(__file__).parent / "results" / name
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _bench(rounds: int) -> dict[str, object]:
     load_start = os.getloadavg()
     rows: dict[str, list[dict[str, float]]] = {"torchrun": [], "raymesh": []}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "ddp.py"
         script.write_text(SCRIPT)
-        for i in range(args.rounds):
+        for i in range(rounds):
             order = ["torchrun", "raymesh"] if i % 2 == 0 else ["raymesh", "torchrun"]
             for side in order:
                 launch = _once(side, script, Path(tmp), kill=False)
@@ -137,7 +169,6 @@ def main() -> None:
     med = {side: _medians(rs) for side, rs in rows.items()}
     result = {
         "bench": "raymesh run vs torchrun, 2-rank DDP script",
-        "note": args.note,
         "rounds": rows,
         "median": med,
         "launch_ratio": round(med["raymesh"]["launch_s"] / med["torchrun"]["launch_s"], 2),
@@ -146,10 +177,7 @@ def main() -> None:
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
     }
-    print(json.dumps(result, indent=1))
-    if args.save:
-        path = Path(__file__).parent / "results" / "spmd.json"
-        path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":
