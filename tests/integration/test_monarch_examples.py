@@ -45,7 +45,9 @@ def _run_all(*examples: Path) -> str:
     example would cost ~20 s more each on a 2-core machine."""
     from raymesh._src import backend
 
-    env = dict(os.environ, RAYMESH_ADDRESS=backend.address(), RAY_DEDUP_LOGS="0")
+    env = dict(
+        os.environ, RAYMESH_ADDRESS=backend.address(), RAY_DEDUP_LOGS="0", RAYMESH_WARM_PROCS="0"
+    )
     run = "; ".join(f"runpy.run_path({str(path)!r}, run_name='__main__')" for path in examples)
     return run_python(["-c", f"import runpy; {run}"], env, timeout=380)
 
