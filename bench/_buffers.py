@@ -6,7 +6,7 @@ One proc lends a byte tensor, the other ends with its bytes in a tensor of its o
 - `endpoint_arg`: the owner calls the reader's endpoint with `src` as its argument (through Ray's
   object store, as any large argument), and the endpoint copies it into `dst`;
 - `monarch_rdma`: torchmonarch's `RDMABuffer` on its TCP path (no RDMA NIC here), the same
-  reads, in a subprocess of its own; "not installed" when torchmonarch is not.
+  reads, in a subprocess of its own; "not installed" without the `bench` extra.
 Each row is timed in the proc that starts the copy, from the request to the bytes in `dst`.
 The methods alternate read by read, so machine noise hits them alike.
 """
@@ -150,8 +150,8 @@ def run_raymesh(sizes: list[str], quick: bool) -> dict[str, Any]:
 
 
 def run_monarch(sizes: list[str], quick: bool) -> dict[str, Any]:
-    """torchmonarch's RDMABuffer in a subprocess (its runtime never shares a process with Ray).
-    Not run on this project's machines: torchmonarch is not installed there."""
+    """torchmonarch's RDMABuffer in a subprocess (its runtime never shares a process with Ray),
+    where torchmonarch is installed (the `bench` extra: `pip install -e ".[dev,bench]"`)."""
     if importlib.util.find_spec("monarch") is None:
         return {"skipped": NOT_INSTALLED}
     script = os.path.abspath(__file__)
