@@ -7,8 +7,7 @@ import os
 import signal
 import threading
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from raymesh import (
     Actor,
@@ -20,6 +19,9 @@ from raymesh import (
     this_host,
     this_proc,
 )
+
+if TYPE_CHECKING:  # procs import torch only where an endpoint uses it (cold procs start faster)
+    import torch
 
 
 class Counter(Actor):
@@ -171,6 +173,8 @@ class TensorActor(Actor):
 
     @endpoint
     def make(self, n: int) -> torch.Tensor:
+        import torch
+
         return torch.arange(n, dtype=torch.float32)
 
 

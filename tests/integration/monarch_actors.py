@@ -10,8 +10,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from raymesh import (
     Actor,
     MeshFailure,
@@ -118,10 +116,14 @@ class ThreadBound(Actor):
         self.thread = threading.get_ident()
         self.local = threading.local()
         self.local.value = "set in __init__"
+        import torch
+
         torch.set_grad_enabled(False)
 
     @endpoint
     def observe(self) -> tuple[bool, str | None, bool]:
+        import torch
+
         return (
             threading.get_ident() == self.thread,
             getattr(self.local, "value", None),

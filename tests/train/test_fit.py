@@ -185,42 +185,18 @@ def test_the_train_command_exits_2_on_a_bad_config(tmp_path):
     assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_the_train_command_heals_a_kill_serves_its_dashboard_and_saves_a_picture(
-    ray_cluster, tmp_path, capsys
-):
+def test_the_readmes_main_job_heals_and_the_terminal_tells_each_event_once(tmp_path):
+    """The README's main job as a user runs it (its own embedded Ray; fewer steps; with the
+    dashboard the README offers): it heals, and what it prints is raymesh's: one line for the
+    failure with its root cause, none of Ray's paragraphs on a dead worker or its token
+    warning, no gloo error text; the run folder has its events, metrics and picture."""
     from PIL import Image
 
-    from raymesh.cli.main import main
-
-    run = tmp_path / "run"
-    job = tmp_path / "job.toml"
-    job.write_text(
-        f'build = "{MLP}"\nworkers = 2\nsteps = 24\nglobal_batch_size = 16\n'
-        f'report_every = 4\nrun_dir = "{run}"\n'
-    )
-    argv = ["train", str(job), "--inject", "kill:rank=1:step=10", "--dashboard"]
-    assert main([*argv, "--dashboard-port", "0"]) == 0
-    out = capsys.readouterr().out
-    assert "healed: rank 1 at step 10: died" in out, out
-    assert "A worker died or was killed" not in out, out  # raymesh told it; Ray's paragraph not
-    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/run/run$", out, re.M), out
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    [healed] = [e for e in events if e["event"] == "healed"]
-    assert (healed["rank"], healed["step"], healed["action"]) == (1, 10, "replace")
-    assert f"picture: {run / 'run.png'}" in out
-    with Image.open(run / "run.png") as image:
-        assert image.format == "PNG" and image.size == (990, 660)
-    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 24
-
-
-def test_the_readmes_main_job_heals_and_the_terminal_tells_each_event_once(tmp_path):
-    """The README's main job as a user runs it (its own embedded Ray; fewer steps): it heals,
-    and what it prints is raymesh's: one line for the failure with its root cause, none of
-    Ray's paragraphs on a dead worker or its token warning, no gloo error text."""
     job = Path(__file__).resolve().parents[2] / "examples" / "tinygpt.toml"
     unset = ("RAY_ADDRESS", "RAYMESH_ADDRESS", "RAY_AUTH_MODE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     argv = ["train", str(job), "--steps", "60", "--inject", "kill:rank=1:step=30"]
+    argv += ["--dashboard", "--dashboard-port", "0"]
     out = subprocess.run(
         [sys.executable, "-m", "raymesh.cli.main", *argv],
         cwd=tmp_path,
@@ -243,7 +219,16 @@ def test_the_readmes_main_job_heals_and_the_terminal_tells_each_event_once(tmp_p
     assert "A worker died or was killed" not in text, text  # Ray's paragraph on the death
     assert "Token authentication" not in text, text
     assert "gloo" not in text and "Traceback" not in text, text
-    assert (tmp_path / "runs" / "tinygpt" / "run.png").is_file()
+    run = tmp_path / "runs" / "tinygpt"
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/run/tinygpt$", text, re.M), text
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    [healed] = [e for e in events if e["event"] == "healed"]
+    assert (healed["rank"], healed["step"], healed["action"]) == (1, 30, "replace")
+    assert re.search(r"^picture: runs/tinygpt/run\.png$", text, re.M), text
+    assert "recruiting failed" not in text, text  # a spare cut short by the job's end
+    with Image.open(run / "run.png") as image:
+        assert image.format == "PNG" and image.size == (990, 660)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 60
 
 
 def test_config_is_validated_in_python_too():

@@ -255,7 +255,8 @@ class RankPool:
                 nodes = self.placer.pick_nodes(wanted)
                 ranks = self.spawn_spares(len(nodes), nodes=nodes, timeout=10.0) if nodes else []
             except Exception as e:
-                logger.info("raymesh.train: recruiting failed (will retry): %s", e)
+                if not self.stopping.is_set():  # (a spare cut short by the job's end is no news)
+                    logger.info("raymesh.train: recruiting failed (will retry): %s", e)
                 ranks = []
             if self.stopping.is_set():
                 for r in ranks:
