@@ -109,6 +109,16 @@ class HostMesh(MeshTrait):
         """The GPUs of these hosts, in all (free or not)."""
         return sum(self._nodes[r].gpus for r in self._shape.ranks)
 
+    def capacity(self, *, cpus_per_proc: float = 1.0, gpu: bool = False) -> int:
+        """How many procs of `cpus_per_proc` CPUs (one GPU each, with `gpu`) these hosts could
+        hold with nothing else running: what `free_procs` can grow to, at most."""
+        fits = 0
+        for r in self._shape.ranks:
+            node = self._nodes[r]
+            cpus = int(node.cpus / cpus_per_proc + 1e-9) if cpus_per_proc > 0 else 1 << 30
+            fits += min(cpus, int(node.gpus)) if gpu else cpus
+        return fits
+
     def select_hosts(self, node_ids: Sequence[str]) -> HostMesh:
         """A mesh of the hosts with these node ids, in that order. Raises ValueError naming
         any that are not in this mesh (a host that left the cluster)."""

@@ -251,6 +251,12 @@ def test_a_gpus_axis_on_hosts_without_gpus_gives_cpu_procs_as_in_monarch():
 def test_asking_for_more_cpus_than_the_host_has_says_what_it_has():
     with pytest.raises(raymesh.PlacementError, match=r"needs 100000 CPU .* which has \d+ CPU"):
         this_host().spawn_procs(per_host={"procs": 100000}, timeout=5)
+    # What the host could hold at all bounds what is free now.
+    host = this_host()
+    [free] = host.free_procs(cpus_per_proc=1.0).values()
+    assert host.capacity(cpus_per_proc=1.0) >= free > 0
+    assert host.capacity(cpus_per_proc=0.5) == 2 * host.capacity(cpus_per_proc=1.0)
+    assert host.capacity(cpus_per_proc=1.0, gpu=True) == 0  # no GPU here
 
 
 def test_bad_per_host_sizes_are_rejected():

@@ -4,7 +4,8 @@ handing each only the section it reads.
 
 - `first_ranks` (`ScalingConfig`): up to `max_workers` ranks, warm procs a previous job left up
   first, the rest placed by the `Placer`; a cluster that frees resources a moment late is asked
-  again for up to 10 s (never past `replace_timeout_s`). With room for fewer than max but at
+  again for up to 10 s (never past `replace_timeout_s`), while what it can hold at all is more
+  than what is free. With room for fewer than max but at
   least `min_workers`, an elastic job starts with what fits (the recruiter grows it later).
 - `strategy_for` (`ParallelismConfig`, and the step's precision): the `StrategyPolicy`'s
   decision for the world, from the ranks' memory estimate and the smallest budget among them.
@@ -43,9 +44,12 @@ def first_ranks(scaling: ScalingConfig, pool: RankPool, placer: Placer) -> list[
     reused = pool.take_warm(most)  # procs a previous job left up
     need = most - len(reused)
     nodes = placer.place(need) if need else []
-    # Resources a previous job just released can take the cluster a moment to report free.
+    # Resources a previous job just released can take the cluster a moment to report free:
+    # ask again, but only while the room can still grow (an elastic job on a cluster too small
+    # for max_workers starts with what fits at once).
     deadline = time.monotonic() + min(scaling.replace_timeout_s, 10.0)
-    while len(nodes) < need and time.monotonic() < deadline:
+    can_hold = min(need, placer.capacity() - len(reused)) if need else 0
+    while len(nodes) < can_hold and time.monotonic() < deadline:
         time.sleep(0.5)
         nodes = placer.place(need)
     world, room = most, len(reused) + len(nodes)

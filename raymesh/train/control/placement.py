@@ -52,10 +52,15 @@ class Placer:
         self.plans: dict[str, Placement] = {}
         self.reason: str | None = None
         self.topology: topology.Topology | None = None  # what the last plan was made on
+        self._unplanned: str | None = None  # why the last plan failed, as said
 
     def free(self) -> dict[str, int]:
         """How many more ranks fit on each node now, this host first."""
         return host_mesh().free_procs(cpus_per_proc=self.scaling.cpus_per_worker, gpu=self.gpus)
+
+    def capacity(self) -> int:
+        """How many ranks the cluster's hosts could hold with nothing else running."""
+        return host_mesh().capacity(cpus_per_proc=self.scaling.cpus_per_worker, gpu=self.gpus)
 
     def pick_nodes(self, n: int, free: dict[str, int] | None = None) -> list[str]:
         """Up to `n` nodes (one per new rank, repeated) with room now (or in `free`, ranks
@@ -90,7 +95,9 @@ class Placer:
                 topo, topology.JobShape(world_size=n, strategy=base, device=device)
             )
         except ValueError as e:  # less room than ranks: take what there is (elastic may start)
-            logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
+            if str(e) != self._unplanned:  # once, not on every look while the room is awaited
+                self._unplanned = str(e)
+                logger.warning("raymesh.train: no placement plan (%s); packing instead", e)
             return self.pick_nodes(n, free)
         self.plans[base] = placement
         # One group of every rank costs the same in any order: keep each host's ranks together,
