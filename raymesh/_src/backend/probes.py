@@ -82,10 +82,16 @@ class _Probe:
         # wrapped in a list so that Ray hands back the reference, not the bytes.
         return [ray.put(bytes(nbytes))]
 
-    def measure(self, peer: Any, nbytes: int, seconds: float) -> tuple[float, float]:
-        """(one-way latency, bandwidth) from this node to `peer`'s, within `seconds` (a
-        wedged peer raises GetTimeoutError here instead of holding this actor's thread)."""
-        deadline = time.monotonic() + seconds
+    def measure(self, peer: Any, nbytes: int, seconds: float) -> tuple[float, float] | None:
+        """(one-way latency, bandwidth) from this node to `peer`'s, or None when that took
+        more than `seconds` (a wedged peer does not hold this actor's thread). None, not an
+        error: the caller has stopped waiting by then, and Ray prints an error nobody reads."""
+        try:
+            return self._measure(peer, nbytes, time.monotonic() + seconds)
+        except ray.exceptions.GetTimeoutError:
+            return None
+
+    def _measure(self, peer: Any, nbytes: int, deadline: float) -> tuple[float, float]:
 
         def get(ref: Any) -> Any:
             return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
@@ -258,7 +264,8 @@ def probe(
             },
             deadline,
         )
-        links.update(done)
+        links.update((pair, fig) for pair, fig in done.items() if fig is not None)
+        failed.update((pair, _LATE) for pair, fig in done.items() if fig is None)
         errors.extend(f"link {a[:12]}-{b[:12]}: {why}" for (a, b), why in failed.items())
     report = ProbeReport(
         facts=fact_of,
