@@ -152,7 +152,11 @@ class SecAggServer:
         """Step 4's Shamir jobs: for each survivor ('b', u) and each dropped client ('s', v),
         the first `threshold` usable shares (`shares`). Raises SecAggError when a seed has
         fewer: too many clients dropped or answered wrongly."""
-        parts = self.shares(answers)
+        return self._needed(self.shares(answers))
+
+    def _needed(
+        self, parts: dict[tuple[str, int], list[Share]]
+    ) -> dict[tuple[str, int], list[Share]]:
         for which, owner in self._wanted():
             got = len(parts.get((which, owner), []))
             if got < self.threshold:
@@ -201,9 +205,9 @@ class SecAggServer:
         from its first `threshold` shares in one pass, verifies each, and searches other sets
         (`rebuild`) only for a seed that fails. Returns the exact sum of the survivors'
         fixed-point updates, or raises SecAggError."""
-        jobs = self.needed(answers)  # too few shares: fail before any work
-        firsts = dict(zip(jobs, combine_many(list(jobs.values())), strict=True))
         parts = self.shares(answers)
+        jobs = self._needed(parts)  # too few shares: fail before any work
+        firsts = dict(zip(jobs, combine_many(list(jobs.values())), strict=True))
         got = {
             key: seed
             if seed is not None and self.verify(key, seed)
