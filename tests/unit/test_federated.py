@@ -266,12 +266,21 @@ def test_shares_of_the_wrong_seed_index_or_holder_are_left_out_with_the_reason()
         (owner, (which, idx, share)), *_ = answers[2].items()
         answers[2][owner] = (which, idx + 1, share)  # another holder's index
         answers[3][99] = ("b", 1, bytes(PART_BYTES))  # a client it holds nothing of
+        spared = {next(iter(answers[1])), next(iter(answers[2]))}  # each keeps >= 3 shares
+        o4 = next(o for o in answers[4] if o not in spared)
+        o5 = next(o for o in answers[5] if o not in spared and o != o4)
+        which, idx, share = answers[4][o4]
+        answers[4][o4] = (which, idx, b"\xff\xff\xff\xff" + share[4:])  # not a field element
+        which, idx, share = answers[5][o5]
+        answers[5][o5] = (which, idx, share[:16])  # a 16-byte share, as PyCryptodome's were
 
     total, server, _ = secure_sum(ups, degree=8, threshold=3, tamper=mixed)
     assert np.array_equal(total, exact(ups, range(6)))
     assert "not the seed asked for" in server.ignored[1]
     assert "not this holder's" in server.ignored[2]
     assert "holds none" in server.ignored[3]
+    assert "a value at or above the prime 2**31 - 1" in server.ignored[4]
+    assert f"a share must be {PART_BYTES} bytes, not 16" in server.ignored[5]
 
 
 def test_a_seed_rebuilt_with_a_wrong_share_is_not_trusted():
