@@ -244,7 +244,6 @@ class Federation:
                 fit=lambda cs, inbox: self._fit(r, cs, config, inbox),
                 size=self.layout.size,
                 min_clients=self.strategy.min_clients,
-                hosts=self.pool,
             ).run(groups, dropped)
         else:
             out = self._plain(r, groups, config, dropped)

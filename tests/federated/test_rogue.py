@@ -37,7 +37,7 @@ from raymesh.federated.protocol.messages import (
     Unmasked,
     encode,
 )
-from raymesh.federated.protocol.secagg import KeyAdvert
+from raymesh.federated.protocol.secagg import PART_BYTES, SHARE_BYTES, KeyAdvert
 from tests.federated import helpers
 from tests.waiting import wait_for
 
@@ -192,8 +192,14 @@ def b_wrong_shares(r: Rogue) -> None:
             r.kept["adverts"] = answer
     _, unmasked = r.step(Unmask)
     owners = unmasked.answers[r.edge.cid]
-    lies = {o: (which, idx, os.urandom(16)) for o, (which, idx, _) in owners.items()}
+    lies = {o: (which, idx, _field_elements(PART_BYTES)) for o, (which, idx, _) in owners.items()}
     r.note("unmask", r.edge.reply(Unmasked(unmasked.round, {r.edge.cid: lies})))
+
+
+def _field_elements(n: int) -> bytes:
+    """`n` random bytes that are a well-formed share: 4-byte values below 2**31 - 1."""
+    values = np.frombuffer(os.urandom(n), ">u4") % np.uint32(2**31 - 1)
+    return values.astype(">u4").tobytes()
 
 
 def b_answers_for_another(r: Rogue, other: helpers.RawEdge) -> None:
@@ -294,7 +300,7 @@ def test_rogue_edge_clients_cannot_end_a_secure_run_nor_move_its_model(caplog):
     assert status[(1, "non-ascii token")] == 401 and status[(1, "non-ascii key")] == 401
     assert status[(1, "enrol again")] == 409 and "enrolled already" in error[(1, "enrol again")]
     assert status[(1, "full")] == 403 and "max_clients=3" in error[(1, "full")]
-    assert status[(2, "shares")] == 422 and "not 64 bytes" in error[(2, "shares")]
+    assert status[(2, "shares")] == 422 and f"not {SHARE_BYTES} bytes" in error[(2, "shares")]
     assert status[(2, "count")] == 422 and "max_examples" in error[(2, "count")]
     assert status[(2, "replay")] == 409
     assert status[(3, "figures")] == 422 and "not a finite number" in error[(3, "figures")]

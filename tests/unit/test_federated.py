@@ -25,7 +25,7 @@ from raymesh.federated import (
     clip_update,
     dirichlet_partition,
 )
-from raymesh.federated.protocol.secagg import default_degree, neighbours
+from raymesh.federated.protocol.secagg import PART_BYTES, default_degree, neighbours
 
 SIZE = 257
 
@@ -240,7 +240,7 @@ def test_a_wrong_share_is_skipped_and_never_trusted():
 
     def liar(answers):
         for owner, (which, idx, _) in list(answers[4].items()):
-            answers[4][owner] = (which, idx, bytes(16))
+            answers[4][owner] = (which, idx, bytes(PART_BYTES))
 
     total, server, _ = secure_sum(ups, drop={6}, degree=8, threshold=3, tamper=liar)
     assert np.array_equal(total, exact(ups, range(6)))
@@ -250,7 +250,7 @@ def test_a_wrong_share_is_skipped_and_never_trusted():
         for holder in answers:
             if 0 in answers[holder]:
                 which, idx, _ = answers[holder][0]
-                answers[holder][0] = (which, idx, bytes(16))
+                answers[holder][0] = (which, idx, bytes(PART_BYTES))
 
     with pytest.raises(SecAggError, match="client 0's b seed verifies"):
         secure_sum(ups, drop={6}, degree=8, threshold=3, tamper=all_wrong_for_0)
@@ -265,17 +265,27 @@ def test_shares_of_the_wrong_seed_index_or_holder_are_left_out_with_the_reason()
         answers[1][owner] = ("s" if which == "b" else "b", idx, share)  # the other seed
         (owner, (which, idx, share)), *_ = answers[2].items()
         answers[2][owner] = (which, idx + 1, share)  # another holder's index
-        answers[3][99] = ("b", 1, bytes(16))  # a client it holds nothing of
+        answers[3][99] = ("b", 1, bytes(PART_BYTES))  # a client it holds nothing of
+        spared = {next(iter(answers[1])), next(iter(answers[2]))}  # each keeps >= 3 shares
+        o4 = next(o for o in answers[4] if o not in spared)
+        o5 = next(o for o in answers[5] if o not in spared and o != o4)
+        which, idx, share = answers[4][o4]
+        answers[4][o4] = (which, idx, b"\xff\xff\xff\xff" + share[4:])  # not a field element
+        which, idx, share = answers[5][o5]
+        answers[5][o5] = (which, idx, share[:16])  # a 16-byte share, as PyCryptodome's were
 
     total, server, _ = secure_sum(ups, degree=8, threshold=3, tamper=mixed)
     assert np.array_equal(total, exact(ups, range(6)))
     assert "not the seed asked for" in server.ignored[1]
     assert "not this holder's" in server.ignored[2]
     assert "holds none" in server.ignored[3]
+    assert "a value at or above the prime 2**31 - 1" in server.ignored[4]
+    assert f"a share must be {PART_BYTES} bytes, not 16" in server.ignored[5]
 
 
-def test_a_proc_rebuilding_a_wrong_seed_is_not_trusted():
-    """finish() takes candidate seeds rebuilt elsewhere (on the procs) only once verified."""
+def test_a_seed_rebuilt_with_a_wrong_share_is_not_trusted():
+    """finish() rebuilds every seed from its first `threshold` shares in one pass and uses
+    one only once verified; a seed whose first set holds a wrong share is searched for."""
     rng = np.random.default_rng(6)
     ups = {u: rng.normal(0, 1, SIZE) for u in range(5)}
     clients = {u: SecAggClient(u, 2) for u in ups}
@@ -286,8 +296,10 @@ def test_a_proc_rebuilding_a_wrong_seed_is_not_trusted():
         c.receive(inbox[u])
         server.add([u], c.mask(FixedPoint().encode(ups[u])))
     answers = {u: c.unmask([]) for u, c in clients.items()}
-    wrong = dict.fromkeys(server.needed(answers), bytes(16))
-    assert np.array_equal(server.finish(answers, wrong), exact(ups, range(5)))
+    first = server.needed(answers)[("b", 0)][0]  # the first share of client 0's self-mask seed
+    holder = next(h for h, got in answers.items() if got.get(0, ())[1:2] == (first[0],))
+    answers[holder][0] = ("b", first[0], bytes(PART_BYTES))
+    assert np.array_equal(server.finish(answers), exact(ups, range(5)))
     assert not server.verify(("b", 0), bytes(16)) and not server.verify(("s", 0), bytes(16))
 
 
@@ -499,7 +511,7 @@ def _answers():
     delta = np.zeros(4, np.float32)
     masked = np.zeros(5, np.uint64)
     unmask = Unmask(1, ())
-    share16 = bytes(16)
+    share32 = bytes(PART_BYTES)
 
     def fitted(**kw):
         base = dict(round=1, examples={7: 10}, figures={7: {"loss": 0.5}}, failed={}, masked=None)
@@ -579,16 +591,16 @@ def _answers():
         ),
         (
             unmask,
-            Unmasked(1, {7: {8: ("b", 1, share16)}}),
+            Unmasked(1, {7: {8: ("b", 1, share32)}}),
             {
-                "another holder": Unmasked(1, {8: {7: ("b", 1, share16)}}),
-                "another round": Unmasked(0, {7: {8: ("b", 1, share16)}}),
-                "another seed kind": Unmasked(1, {7: {8: ("x", 1, share16)}}),
-                "a text index": Unmasked(1, {7: {8: ("b", "1", share16)}}),
-                "a short share": Unmasked(1, {7: {8: ("b", 1, share16[:5])}}),
+                "another holder": Unmasked(1, {8: {7: ("b", 1, share32)}}),
+                "another round": Unmasked(0, {7: {8: ("b", 1, share32)}}),
+                "another seed kind": Unmasked(1, {7: {8: ("x", 1, share32)}}),
+                "a text index": Unmasked(1, {7: {8: ("b", "1", share32)}}),
+                "a short share": Unmasked(1, {7: {8: ("b", 1, share32[:5])}}),
                 "a pair": Unmasked(1, {7: {8: ("b", 1)}}),
-                "a text owner": Unmasked(1, {7: {"8": ("b", 1, share16)}}),
-                "not a map": Unmasked(1, {7: [("b", 1, share16)]}),
+                "a text owner": Unmasked(1, {7: {"8": ("b", 1, share32)}}),
+                "not a map": Unmasked(1, {7: [("b", 1, share32)]}),
             },
         ),
     ]

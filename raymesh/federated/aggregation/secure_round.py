@@ -7,8 +7,9 @@ update, then 1), and the controller only ever holds masked vectors and their exa
 2. ShareSeeds: each shares its seeds with its neighbours, through the controller, encrypted;
 3. Fit: each trains and sends its masked update (procs sum theirs first);
 4. Unmask: the survivors reveal the shares that remove the dropped clients' masks and their
-   own self-masks; the Shamir combines run on the live procs in parallel, and
-   `SecAggServer.finish` verifies each rebuilt seed, rebuilding what is missing or wrong.
+   own self-masks; `SecAggServer.finish` rebuilds every seed in the controller (NumPy over a
+   prime field: no round trip to the procs), verifies each, and searches other sets of
+   shares for a seed that fails.
 A client that fails a step is dropped (the steps after go on without it); a round whose decoded
 sum fails `checks.sum_problem` (not finite, a weight that is not what the clients reported, or
 with DP longer than the clipped updates can add up to) is not applied, with the reason.
@@ -16,29 +17,17 @@ with DP longer than the clipped updates can add up to) is not applied, with the 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from raymesh.federated.aggregation.secagg_server import SecAggServer
 from raymesh.federated.config import RunConfig
 from raymesh.federated.protocol.checks import sum_problem
-from raymesh.federated.protocol.messages import (
-    FIXED,
-    Advertise,
-    Combine,
-    Fit,
-    Message,
-    ShareSeeds,
-    Unmask,
-)
+from raymesh.federated.protocol.messages import FIXED, Advertise, Fit, Message, ShareSeeds, Unmask
 from raymesh.federated.protocol.secagg import SecAggError, default_degree, neighbours
 from raymesh.federated.result import Outcome
-from raymesh.federated.simulation.host_pool import HostPool
 
 __all__ = ["SecureRound"]
-
-logger = logging.getLogger("raymesh.federated")
 
 T = TypeVar("T", bound=Hashable)  # where clients train: a client proc, or an edge client
 # Sends each target its message for its clients; returns the valid answers that came in time
@@ -49,8 +38,7 @@ Exchange = Callable[[Mapping[T, tuple[Message, Sequence[int]]], dict[int, str]],
 class SecureRound(Generic[T]):
     """One round `r` of secure aggregation. exchange: one step over the targets; fit(clients,
     inbox): the Fit message for those clients, with the shares routed to them; size: the
-    model's float count; min_clients: the fewest updates worth unmasking; hosts: the procs
-    that rebuild Shamir secrets."""
+    model's float count; min_clients: the fewest updates worth unmasking."""
 
     def __init__(
         self,
@@ -61,11 +49,10 @@ class SecureRound(Generic[T]):
         fit: Callable[[Sequence[int], Mapping[int, Any]], Fit],
         size: int,
         min_clients: int,
-        hosts: HostPool,
     ) -> None:
         self.r, self.config = r, config
         self._exchange, self._fit = exchange, fit
-        self.size, self.min_clients, self.hosts = size, min_clients, hosts
+        self.size, self.min_clients = size, min_clients
 
     def run(self, groups: Mapping[T, list[int]], dropped: dict[int, str]) -> Outcome:
         """The round's masked sum, decoded, from `groups` (each target's clients); each client
@@ -120,35 +107,10 @@ class SecureRound(Generic[T]):
         for rep in self._exchange(msgs, refused).values():
             answers.update(rep.answers)
         try:
-            total = FIXED.decode(server.finish(answers, self._combine(server.needed(answers))))
+            total = FIXED.decode(server.finish(answers))
         except SecAggError as e:
             return Outcome(None, 0.0, fitted, f"secure aggregation failed: {e}", refused)
         counts = [n for f in fitted for n in f.examples.values()]
         clip = self.config.dp.clip if self.config.dp is not None else None
         problem, ignored = sum_problem(total, counts, clip), {**server.ignored, **refused}
         return Outcome(total[:-1], float(total[-1]), fitted, problem, ignored)
-
-    def _combine(self, jobs: Mapping[tuple[str, int], list[Any]]) -> dict[tuple[str, int], Any]:
-        """Candidate Shamir secrets, rebuilt on the procs in parallel (PyCryptodome's combine
-        is pure Python, a few ms each). Unverified: SecAggServer.finish checks each and
-        rebuilds what is missing or wrong."""
-        keys = list(jobs)
-        live = self.hosts.live()
-        if not keys or not live:
-            return {}
-        chunks = [keys[i :: len(live)] for i in range(len(live))]
-        waiting = [
-            (chunk, h.send(Combine(tuple(tuple(jobs[k]) for k in chunk))))
-            for h, chunk in zip(live, chunks, strict=True)
-            if chunk
-        ]
-        out: dict[tuple[str, int], Any] = {}
-        for chunk, future in waiting:
-            try:
-                secrets = future.get(timeout=self.config.timeout_s)
-            except Exception as e:  # the controller rebuilds this chunk itself
-                logger.info("raymesh.federated: a proc's Shamir combines failed: %r", e)
-                continue
-            if isinstance(secrets, list) and len(secrets) == len(chunk):
-                out.update(zip(chunk, secrets, strict=True))
-        return out

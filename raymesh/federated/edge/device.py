@@ -3,9 +3,9 @@
     RAYMESH_FL_TOKEN=T raymesh federated client --server https://HOST:PORT \
         --client mymodule:client_fn [--ca-file server-cert.pem] [--device DEVICE-ID]
 
-or, on a device with only torch, NumPy, cryptography and PyCryptodome installed (no Ray, no
-raymesh), with this file and the client's side of the protocol (../protocol/: client.py,
-messages.py, privacy.py and secagg.py) copied into one folder:
+or, on a device with only torch, NumPy and cryptography installed (no Ray, no raymesh), with
+this file and the client's side of the protocol (../protocol/: client.py, messages.py,
+privacy.py, secagg.py and shamir.py) copied into one folder:
 
     python device.py --server https://HOST:PORT --token-file token.txt --client mymodule:client_fn
 

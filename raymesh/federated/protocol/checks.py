@@ -31,7 +31,7 @@ from raymesh.federated.protocol.messages import (
     Unmask,
     Unmasked,
 )
-from raymesh.federated.protocol.secagg import SEED_BYTES, SHARE_BYTES, advert_problem
+from raymesh.federated.protocol.secagg import PART_BYTES, SHARE_BYTES, advert_problem
 
 __all__ = ["MAX_FIGURES", "BadUpdate", "Checks", "sum_problem"]
 
@@ -188,10 +188,10 @@ class Checks:
                     or entry[0] not in ("s", "b")
                     or not _is_int(entry[1])
                     or not isinstance(entry[2], bytes)
-                    or len(entry[2]) != SEED_BYTES
+                    or len(entry[2]) != PART_BYTES
                 ):
                     raise BadUpdate(
-                        f"client {c}: a revealed share is not (which, index, {SEED_BYTES} bytes)"
+                        f"client {c}: a revealed share is not (which, index, {PART_BYTES} bytes)"
                     )
 
 

@@ -27,12 +27,11 @@ import numpy as np
 
 from .client import Layout, train_locally
 from .privacy import clip_update
-from .secagg import FixedPoint, KeyAdvert, Revealed, SecAggClient, Share
+from .secagg import FixedPoint, KeyAdvert, Revealed, SecAggClient
 
 __all__ = [
     "Advertise",
     "Adverts",
-    "Combine",
     "Done",
     "Fit",
     "Fitted",
@@ -94,13 +93,6 @@ class Unmask:
 
 
 @dataclass(frozen=True)
-class Combine:
-    """Rebuild Shamir secrets for the server (a proc's spare cores do it in parallel)."""
-
-    jobs: tuple[tuple[Share, ...], ...]
-
-
-@dataclass(frozen=True)
 class Done:
     """The run is over: an edge client may exit."""
 
@@ -146,7 +138,7 @@ class Unmasked:
     answers: dict[int, dict[int, Revealed]]
 
 
-Message = Advertise | ShareSeeds | Fit | Unmask | Combine | Done
+Message = Advertise | ShareSeeds | Fit | Unmask | Done
 
 
 class Participant:
@@ -160,8 +152,6 @@ class Participant:
         self._contributed: tuple[int, ...] = ()
 
     def handle(self, msg: Message) -> Any:
-        if isinstance(msg, Combine):
-            return [_combine(job) for job in msg.jobs]
         if isinstance(msg, Done):
             return None
         if msg.round < self._round:
@@ -232,17 +222,6 @@ class Participant:
 
 def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
-
-
-def _combine(job: tuple[Share, ...]) -> bytes | None:
-    """A Shamir secret, or None when the shares cannot be combined (the server verifies what
-    comes back and rebuilds what does not)."""
-    from Crypto.Protocol.SecretSharing import Shamir
-
-    try:
-        return Shamir.combine(list(job))
-    except Exception:
-        return None
 
 
 # --- JSON for the edge client --------------------------------------------------------------

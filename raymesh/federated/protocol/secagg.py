@@ -4,7 +4,8 @@ The protocol is Bonawitz et al., "Practical Secure Aggregation for Privacy-Prese
 Learning" (CCS 2017), with double masking, over the sparse neighbour graph of Bell et al.
 (CCS 2020) so that a client's cost grows with `log n`, not `n`. All primitives come from
 libraries: X25519 key agreement, HKDF, ChaCha20 (the mask generator) and AES-GCM (shares in
-transit) from `cryptography`; Shamir secret sharing from PyCryptodome; SHA-256 from hashlib.
+transit) from `cryptography`; SHA-256 from hashlib. Shamir secret sharing is over the prime
+field GF(2**31 - 1) in NumPy (`shamir`, next to this module, says what it guarantees).
 
 One round, for the sampled clients:
 
@@ -13,7 +14,8 @@ One round, for the sampled clients:
    (a SHA-256 hash bound to the round and the client). `s` is derived from a 16-byte seed so
    the seed can be shared. The server refuses a malformed or low-order public key here.
 2. **share**: each client Shamir-shares its `s` seed and its `b` seed among its neighbours
-   (threshold `t`), each share encrypted for its recipient; the server routes ciphertexts
+   (threshold `t`; one `split` of the two seeds side by side, whose shares' halves are the
+   seeds' shares), each share encrypted for its recipient; the server routes ciphertexts
    along the neighbour graph only, and only from a client that sent one to every neighbour.
 3. **mask**: each client sends `y = x + PRG(b) + sum_v +-PRG(s_uv)` modulo 2**64, where `x` is
    its fixed-point update and `s_uv` the X25519 secret it shares with neighbour `v` (`+` when
@@ -21,7 +23,8 @@ One round, for the sampled clients:
    server refused is in nobody's masks). Pairwise masks cancel in the sum; the self-mask does not.
 4. **unmask**: the server names who dropped; each survivor returns, from the shares it holds,
    the `s` seed of each dropped neighbour and the `b` seed of each surviving one (a share it
-   cannot decrypt is skipped). The server rebuilds each seed from `t` shares and verifies it:
+   cannot decrypt is skipped). The server rebuilds each seed from `t` shares (all seeds in
+   one NumPy pass, in the controller) and verifies it:
    an `s` seed must give the advertised public key, a `b` seed must match its commitment.
    When a rebuilt seed fails, some share was wrong: the server tries other sets of `t` among
    the shares returned (every set when there are at most `SEARCH` of them, else `SEARCH`
@@ -45,6 +48,7 @@ graph) and the client's side: all that an edge device copies. The server's side 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -54,7 +58,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -63,8 +66,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from . import shamir
+
 __all__ = [
     "KEY_BYTES",
+    "PART_BYTES",
     "SEED_BYTES",
     "SHARE_BYTES",
     "FixedPoint",
@@ -78,12 +84,13 @@ __all__ = [
     "neighbours",
 ]
 
-Share = tuple[int, bytes]  # (Shamir index, 16-byte share)
-Revealed = tuple[str, int, bytes]  # ("s" or "b", Shamir index, 16-byte share)
-SEED_BYTES = 16  # PyCryptodome's Shamir shares 16-byte secrets
+Share = tuple[int, bytes]  # (Shamir index, PART_BYTES of share)
+Revealed = tuple[str, int, bytes]  # ("s" or "b", Shamir index, PART_BYTES of share)
+SEED_BYTES = 16  # the s and b seeds: 128 bits each
+PART_BYTES = shamir.part_bytes(SEED_BYTES)  # one share of one seed
 KEY_BYTES = 32  # a raw X25519 public key; also a commitment's length (SHA-256)
 # One encrypted share: nonce, Shamir index, the s and b parts, AES-GCM's tag.
-SHARE_BYTES = 12 + 4 + 2 * SEED_BYTES + 16
+SHARE_BYTES = 12 + 4 + 2 * PART_BYTES + 16
 _P = 2**255 - 19  # X25519's field: a canonical public key is below it
 
 
@@ -158,10 +165,17 @@ def key_problem(raw: Any) -> str | None:
     """Why `raw` is not an acceptable X25519 public key, or None when it is. Refused: anything
     but 32 bytes, a non-canonical encoding, and the low-order points, whose shared secret with
     every key is the same (zero), so that masks built on them would be known to anyone."""
-    global _PROBE
     if not isinstance(raw, bytes) or len(raw) != KEY_BYTES:
         got = f"{len(raw)} bytes" if isinstance(raw, bytes) else type(raw).__name__
         return f"a public key must be {KEY_BYTES} bytes, not {got}"
+    return _point_problem(raw)
+
+
+# Each client checks every neighbour's advert, so a proc hosting many clients meets each key
+# about `degree` times a round; the answer depends on the bytes alone, so it is kept.
+@functools.lru_cache(maxsize=4096)
+def _point_problem(raw: bytes) -> str | None:
+    global _PROBE
     if int.from_bytes(raw, "little") >= _P:
         return "a public key is not canonical (at or above 2**255 - 19)"
     if _PROBE is None:
@@ -264,12 +278,12 @@ class SecAggClient:
             raise SecAggError(
                 f"threshold {threshold} exceeds client {self.client}'s {len(peers)} neighbours"
             )
-        s_shares = Shamir.split(threshold, len(peers), self._s_seed)
-        b_shares = Shamir.split(threshold, len(peers), self._b_seed)
+        # One split of s || b: each share's first PART_BYTES are s's share, the rest b's.
+        parts = shamir.split(self._s_seed + self._b_seed, threshold, len(peers))
         out = {}
-        for v, (idx, s_part), (_, b_part) in zip(peers, s_shares, b_shares, strict=True):
+        for idx, (v, part) in enumerate(zip(peers, parts, strict=True), start=1):
             nonce = os.urandom(12)
-            plain = idx.to_bytes(4, "big") + s_part + b_part
+            plain = idx.to_bytes(4, "big") + part
             out[v] = nonce + self._box(v).encrypt(
                 nonce, plain, _share_aad(self.round, self.client, v)
             )
@@ -316,16 +330,17 @@ class SecAggClient:
             except (InvalidTag, ValueError) as e:  # forged, misrouted, or cut short
                 self.skipped[sender] = f"the share from client {sender} does not decrypt ({e!r})"
                 continue
-            if len(plain) != 4 + 2 * SEED_BYTES:
+            if len(plain) != 4 + 2 * PART_BYTES:
                 self.skipped[sender] = f"the share from client {sender} is {len(plain)} bytes"
                 continue
             idx = int.from_bytes(plain[:4], "big")
-            part = plain[4 : 4 + SEED_BYTES] if which == "s" else plain[4 + SEED_BYTES :]
+            part = plain[4 : 4 + PART_BYTES] if which == "s" else plain[4 + PART_BYTES :]
             out[sender] = (which, idx, part)
         return out
 
 
-def combine(shares: Iterable[Share]) -> bytes:
-    """A secret from `threshold` of its Shamir shares (unverified: see
-    aggregation.secagg_server.SecAggServer.rebuild)."""
-    return Shamir.combine(list(shares))
+def combine(shares: Iterable[Share]) -> bytes | None:
+    """A seed from `threshold` of its Shamir shares, or None when they rebuild no seed
+    (unverified: see aggregation.secagg_server.SecAggServer.rebuild). Raises
+    shamir.ShareError for a malformed share."""
+    return shamir.combine(list(shares))
