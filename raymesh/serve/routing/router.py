@@ -160,7 +160,8 @@ class Router:
                 {
                     "name": s.replica.name,
                     "pid": s.replica.pid,
-                    "busy": s.busy,
+                    "busy": s.working,
+                    "streams": s.streams,
                     "retiring": s.retiring,
                 }
                 for s in self.pool.slots

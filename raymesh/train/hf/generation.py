@@ -1,11 +1,12 @@
 """Serving: `generate`, raymesh.serve's generate function for a causal LM (and the default of
-`raymesh serve --hf FOLDER`)."""
+`raymesh serve --hf FOLDER`); and what a replica's batched decoding of these models is made of
+(`TextPieces`, `next_logits`, `tokenizer_of`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,54 @@ import torch
 
 from raymesh.train.hf.models import folder_of, load_tokenizer
 
-__all__ = ["generate"]
+__all__ = ["TextPieces", "choose", "generate", "next_logits", "prompt_ids", "tokenizer_of"]
 
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_of(folder: Path) -> Any:
     return load_tokenizer(folder)
+
+
+def tokenizer_of(model: torch.nn.Module) -> Any:
+    """The tokenizer of `model`'s folder (the base's, for an adapter); loaded once."""
+    return _tokenizer_of(folder_of(model))
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A prompt's token ids as `generate` counts them: no special tokens, at least one (eos)."""
+    ids: list[int] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return ids or [tokenizer.eos_token_id]
+
+
+class TextPieces:
+    """One sequence's text, a piece per token made: `add(token, last)` is the text the token
+    adds ("" for a token that ends no character: its piece comes with the rest, or with the
+    last token); `rest()` is what was held back (the piece of an eos)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.made: list[int] = []
+        self.text = self.sent = ""  # the text of the tokens made, and of the pieces given
+
+    def add(self, token: int, last: bool) -> str:
+        self.made.append(token)
+        self.text = self.tokenizer.decode(self.made, skip_special_tokens=True)
+        if self.text.endswith("\ufffd") and not last:
+            return ""  # a character cut between tokens
+        piece, self.sent = self.text[len(self.sent) :], self.text
+        return piece
+
+    def rest(self) -> str:
+        return self.text[len(self.sent) :]
+
+
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from one sequence's logits [V]: the argmax at temperature 0, else drawn
+    with `generator` (the sequence's own) from softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def generate(
@@ -29,12 +72,11 @@ def generate(
     token; the last piece gives what is left), stopping at eos. Temperature 0 is greedy;
     otherwise sampling is seeded with `seed`. The tokenizer is the model's folder's (the
     base's, for an adapter)."""
-    tokenizer = _tokenizer_of(folder_of(model))
+    tokenizer = tokenizer_of(model)
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+    ids = prompt_ids(tokenizer, prompt)
     generator = torch.Generator().manual_seed(seed)
-    made: list[int] = []
-    text = sent = ""  # the text of the tokens made, and of those yielded
+    pieces = TextPieces(tokenizer)
     cache_kw = _cache_keyword(model)
     cache = None
     step = torch.tensor([ids], device=device)  # the prompt, then one new token at a time
@@ -42,24 +84,37 @@ def generate(
         for i in range(max_tokens):
             out = model(input_ids=step, use_cache=True, **{cache_kw: cache})
             cache = getattr(out, cache_kw)
-            logits = out.logits[0, -1].float().cpu()
-            if temperature == 0:
-                token = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+            token = choose(out.logits[0, -1].float().cpu(), temperature, generator)
             if token == tokenizer.eos_token_id:
-                if text != sent:  # the eos token's piece: what was held back, as it is
-                    yield text[len(sent) :]
+                if rest := pieces.rest():  # the eos token's piece: what was held back
+                    yield rest
                 return
-            made.append(token)
-            text = tokenizer.decode(made, skip_special_tokens=True)
-            if text.endswith("\ufffd") and i < max_tokens - 1:
-                yield ""  # a character cut between tokens: its piece comes with the rest
-            else:
-                yield text[len(sent) :]
-                sent = text
+            yield pieces.add(token, last=i == max_tokens - 1)
             step = torch.tensor([[token]], device=device)
+
+
+def next_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The next-token logits [B, V] (float32, on the CPU) of each token sequence, computed as
+    one left-padded batch: padding masked out (`attention_mask`) and each sequence's positions
+    counted from its own first token (`position_ids`), so a sequence's logits are its own
+    alone, up to the float rounding of batched arithmetic. Recomputes every position (no KV
+    cache): a batch whose sequences join and leave between tokens keeps no cache to splice."""
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, width - len(s) :] = torch.tensor(s)
+        mask[row, width - len(s) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        use_cache=False,
+    )
+    logits: torch.Tensor = out.logits[:, -1].float().cpu()
+    return logits
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
