@@ -9,9 +9,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: a hub call fails, not hangs
 
+import functools
 import json
+import queue
 import runpy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +62,60 @@ def test_a_replica_serves_an_exported_folder_generating_its_text_and_predicting_
     # An adapter folder: its base, named in adapter_config.json, with the adapter.
     adapter = LoadedModel(ModelSpec(hf=runs["adapter"]), CPU)
     assert adapter.generate("def f(", 10, 0.0, 0).__next__() == want[0]
+
+
+def test_streams_decoded_as_one_batch_each_get_their_text_alone(runs):
+    """The replica's decoder of an exported folder, as it runs there (no Ray): a long greedy
+    stream, joined after its 3rd token by two greedy ones, two sampled ones (their own seeds)
+    and one cancelled after its 2nd token; each text is the one `hf.generate` gives alone,
+    and the cancelled one leaves without a further token."""
+    loaded = LoadedModel(ModelSpec(hf=str(runs["tiny"])), CPU)
+    assert loaded.decoder(1) is None  # one at a time: today's path, a KV cache each
+    decoder = loaded.decoder(8)
+    assert decoder is not None
+    asks = {
+        "long": ("def f(", 40, 0.0, 0),
+        "join": ("import os", 12, 0.0, 0),
+        "join2": ("x", 20, 0.0, 0),
+        "sampled": ("class A:", 16, 0.9, 7),
+        "sampled2": ("class A:", 16, 0.9, 8),
+        "cancelled": ("print(", 30, 0.0, 0),
+    }
+    alone = {k: list(hf.generate(loaded.module, *a)) for k, a in asks.items()}
+    events: dict[str, queue.Queue[tuple[str, Any]]] = {k: queue.Queue() for k in asks}
+    handles: dict[str, Any] = {}
+    texts: dict[str, list[str]] = {k: [] for k in asks}
+
+    def emit(key: str, kind: str, value: Any) -> None:  # on the decoder's thread
+        events[key].put((kind, value))
+        if kind != "text":
+            return
+        texts[key].append(value)
+        made = len(texts[key])
+        if key == "long" and made == 3:  # the others join before its next token
+            for k in asks.keys() - {"long"}:
+                handles[k] = submit(k)
+        if key == "cancelled" and made == 2:
+            handles[key].stop.set()  # left before its next token
+
+    def submit(key: str) -> Any:
+        return decoder.submit(*asks[key], functools.partial(emit, key))
+
+    handles["long"] = submit("long")
+    ends = {k: _last(events[k]) for k in asks}
+    assert ends == {**dict.fromkeys(asks, "end"), "cancelled": "stopped"}, ends
+    assert {k: texts[k] for k in asks.keys() - {"cancelled"}} == {
+        k: alone[k] for k in asks.keys() - {"cancelled"}
+    }
+    assert texts["cancelled"] == alone["cancelled"][:2]
+    assert decoder.most_at_once == len(asks)  # they ran as one batch
+    decoder.close()
+
+
+def _last(events: queue.Queue[tuple[str, Any]]) -> str:
+    while (kind := events.get(timeout=60)[0]) == "text":
+        pass
+    return kind
 
 
 def test_a_replica_rebuilds_a_checkpoint_of_the_hf_build_with_its_jobs_params(runs):
