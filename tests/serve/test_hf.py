@@ -28,6 +28,7 @@ from raymesh.serve.model import LoadedModel
 from raymesh.train import hf
 from raymesh.train.checkpoint import Checkpointer
 from tests.serve.helpers import Client, mlp_checkpoint
+from tests.waiting import wait_for
 from tests.train.hf_runs import HF_BUILD, job, logits, step_and_save, text_file, trained_run
 
 CPU = torch.device("cpu")
@@ -265,8 +266,48 @@ def test_a_checkpoint_whose_build_lived_in_the_users_script_is_served_from_its_r
         status, _, answer = client.post("/v1/predict", {"x": ids[0]})
         assert status == 200, answer
         torch.testing.assert_close(torch.tensor(answer["y"]), want_logits)
+        # Streams decoded as one batch (max_streams: 16 by default): a long one; one whose
+        # client leaves after its first token; one joining mid-batch. Each has its text alone.
+        long = hf.generate(trained, "import os", 200, 0.0, 0)
+        long_text = "".join(long)
+        running = _stream(app.url, {"prompt": "import os", "max_tokens": 200})
+        first = _pieces(running, 1)
+        leaving = _stream(app.url, {"prompt": "class A", "max_tokens": 200})
+        _pieces(leaving, 1)  # its first token is out: it is in the batch
+        assert app.stats()["replicas"][0]["streams"] == 2  # both on the one replica
+        leaving.close()  # its client is gone
+        status, _, body = client.post("/v1/generate", {"prompt": "def f(", "max_tokens": 8})
+        assert status == 200 and body == {"text": "".join(want), "tokens": 8}, body
+        assert first + _pieces(running) == long_text
+        stats = app.stats()  # the one that left was stopped, mid-batch, long before its end
+        assert stats["stopped_streams"] == 1 and stats["replicas"][0]["streams"] == 0, stats
     finally:
         app.stop()
+
+
+def _stream(url: str, body: dict[str, Any]) -> Any:
+    """The response of a streamed /v1/generate, to read event by event."""
+    client = Client(url)
+    data = json.dumps({**body, "stream": True}).encode()
+    client.conn.request("POST", "/v1/generate", body=data, headers=client.headers)
+    response = client.conn.getresponse()
+    assert response.status == 200
+    return response
+
+
+def _pieces(response: Any, n: int | None = None) -> str:
+    """The text of the next `n` events of a stream (all, to its end, with None)."""
+    text = ""
+    while n is None or n > 0:
+        line = response.readline().decode()
+        if line.startswith("data: [DONE]"):
+            break
+        if line.startswith("data: "):
+            text += json.loads(line[6:])["text"]
+            n = None if n is None else n - 1
+        elif not line:
+            raise AssertionError("the stream ended without [DONE]")
+    return text
 
 
 def test_a_checkpoint_alone_with_no_build_and_no_record_is_refused_naming_it_and_the_fix(
