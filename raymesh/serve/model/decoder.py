@@ -1,10 +1,14 @@
 """`BatchDecoder`: continuous batching of a causal LM's token streams in a replica.
 
 One thread owns the model and steps every active sequence a token at a time, as one batch
-(`raymesh.train.hf.generation.next_logits`: left-padded, masked, each sequence at its own
-positions). Between two steps, new sequences join (up to `max_streams` at once; more wait
-their turn, first come first served) and finished, cancelled or failed ones leave, so a
-stream never waits for another to end. Each sequence keeps its own:
+(`raymesh.train.hf.generation.KVBatch`: one KV cache, each row left-padded and masked, each
+sequence at its own positions). Between two steps, new sequences join (up to `max_streams` at
+once; more wait their turn, first come first served): each is prefilled alone, sends its
+first token at once, and is spliced into the cache as a row; finished, cancelled or failed
+ones leave (their rows dropped), so a stream never waits for another to end. A model whose
+cache cannot be spliced (not transformers' DynamicCache of plain layers) recomputes every
+position at every step instead (`next_logits`), correct and slower. Each sequence keeps its
+own:
 - stream: its pieces go to its own `emit`, a piece per token, as `raymesh.train.hf:generate`
   cuts them ("text", piece), then ("end", None); ("error", (type, message)) when its prompt
   cannot be taken (PromptTooLong) or the model raised on its batch; ("stopped", None) once it
@@ -93,7 +97,9 @@ class BatchDecoder:
             self._wake.notify()
 
     def _run(self) -> None:
-        active: list[Sequence] = []
+        active: list[Sequence] = []  # in the order of the KV batch's rows
+        kv = self._hf.KVBatch(self.module)
+        splices = True  # the model's cache can be spliced: else every step recomputes
         with torch.inference_mode():  # per thread: this one owns the model's forward passes
             while True:
                 with self._wake:
@@ -103,20 +109,38 @@ class BatchDecoder:
                         return
                     room = self.max_streams - len(active)
                     joined, self._joining = self._joining[:room], self._joining[room:]
-                active += [s for s in joined if self._join(s)]
-                active = [s for s in active if not _left(s)]
-                if not active:
-                    continue
+                staying = [i for i, s in enumerate(active) if not _left(s)]
+                if len(staying) < len(active):
+                    active = [active[i] for i in staying]
+                    if splices:
+                        kv.keep(staying)
                 try:
-                    logits = self._hf.next_logits(self.module, [s.ids for s in active])
+                    for s in joined:  # prefilled alone; its first token goes out at once
+                        if not self._join(s):
+                            continue
+                        logits, cache = kv.prefill(s.ids)
+                        if self._step(s, logits):
+                            splices = splices and kv.join(cache, len(s.ids) - 1)
+                            active.append(s)
+                    if not active:
+                        continue
+                    if splices:
+                        logits = kv.step([s.ids[-1] for s in active])
+                    else:
+                        logits = self._hf.next_logits(self.module, [s.ids for s in active])
                 except Exception as e:  # the model failed on this batch: each stream hears
-                    for s in active:
+                    for s in dict.fromkeys([*active, *joined]):  # each once
                         s.emit("error", (type(e).__name__, str(e)[:500]))
-                    active = []
+                    active, kv = [], self._hf.KVBatch(self.module)
                     continue
                 self.steps += 1
                 self.most_at_once = max(self.most_at_once, len(active))
-                active = [s for s, row in zip(active, logits, strict=True) if self._step(s, row)]
+                going = [self._step(s, row) for s, row in zip(active, logits, strict=True)]
+                if not all(going):
+                    staying = [i for i, g in enumerate(going) if g]
+                    active = [active[i] for i in staying]
+                    if splices:
+                        kv.keep(staying)
 
     def _join(self, s: Sequence) -> bool:
         """Tokenize `s`'s prompt; False (its stream told why) when it cannot be taken."""
@@ -132,7 +156,8 @@ class BatchDecoder:
         return True
 
     def _step(self, s: Sequence, logits: torch.Tensor) -> bool:
-        """Take `s`'s next token from its `logits` and send its piece; False when it ended."""
+        """Take `s`'s next token from its `logits` and send its piece; False when it ended
+        (else the token is its newest id, which the next step runs)."""
         assert s.generator is not None
         token = self._hf.choose(logits, s.temperature, s.generator)
         if token == s.pieces.tokenizer.eos_token_id:  # ends this sequence alone

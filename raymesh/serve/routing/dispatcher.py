@@ -233,6 +233,10 @@ class Dispatcher:
                 if kind == "text":
                     yield value
                     continue
+                if kind == "texts":  # the pieces made since the replica's last send
+                    for piece in value:
+                        yield piece
+                    continue
                 ended = True
                 if kind == "end":
                     return

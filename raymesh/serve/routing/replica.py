@@ -80,8 +80,9 @@ class Replica(Actor):
         port: Port[Any],
         stream_id: str = "",
     ) -> int:
-        """Sends ("text", piece) for each token, then ("end", None), or ("error", (type,
-        message)) if the model raised; returns the tokens sent. The model runs on a thread
+        """Sends ("text", piece) for each token (("texts", [pieces]) for those made since its
+        last send), then ("end", None), or ("error", (type, message)) if the model raised;
+        returns the tokens sent. The model runs on a thread
         of its own (torch's inference mode is per thread): the decoder's, with the other
         streams of its batch, or this stream's; the actor meanwhile takes
         `cancel(stream_id)`, which stops it before its next token."""
@@ -100,13 +101,21 @@ class Replica(Actor):
         sent = 0
         try:
             while True:
-                kind, value = await pieces.get()
-                if kind == "stopped":
-                    return sent
-                port.send((kind, value))  # on the actor's loop, where its sends belong
+                # Every piece made since the last send goes as one message ("texts"): when the
+                # model runs ahead of the messages (a batch of streams), a message per token
+                # would cost more than the token.
+                got = [await pieces.get()]
+                while not pieces.empty():
+                    got.append(pieces.get_nowait())
+                texts = [value for kind, value in got if kind == "text"]
+                if texts:  # on the actor's loop, where its sends belong
+                    port.send(("text", texts[0]) if len(texts) == 1 else ("texts", texts))
+                    sent += len(texts)
+                kind, value = got[-1]  # nothing comes after a stream's end
                 if kind != "text":
+                    if kind != "stopped":
+                        port.send((kind, value))
                     return sent
-                sent += 1
         finally:
             self.streams.pop(stream_id, None)
 

@@ -1,6 +1,6 @@
 """Serving: `generate`, raymesh.serve's generate function for a causal LM (and the default of
 `raymesh serve --hf FOLDER`); and what a replica's batched decoding of these models is made of
-(`TextPieces`, `next_logits`, `tokenizer_of`)."""
+(`KVBatch`, `TextPieces`, `next_logits`, `tokenizer_of`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ import torch
 
 from raymesh.train.hf.models import folder_of, load_tokenizer
 
-__all__ = ["TextPieces", "choose", "generate", "next_logits", "prompt_ids", "tokenizer_of"]
+__all__ = [
+    "KVBatch",
+    "TextPieces",
+    "choose",
+    "generate",
+    "next_logits",
+    "prompt_ids",
+    "tokenizer_of",
+]
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,6 +123,88 @@ def next_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> t
     )
     logits: torch.Tensor = out.logits[:, -1].float().cpu()
     return logits
+
+
+class KVBatch:
+    """The KV cache of a batch of sequences, each row left-padded to one length (masked out):
+    a sequence is prefilled alone (`prefill`), then spliced in as a row of its own (`join`);
+    rows leave between two steps (`keep`); `step` runs every row's newest token at once, at
+    each row's own position. Needs transformers' DynamicCache of plain layers (`join` says
+    False to any other, before any row is in: the caller then recomputes, `next_logits`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.kw = _cache_keyword(model)
+        self.device = next(model.parameters()).device
+        self.cache: Any = None  # the rows' cache, once one has joined
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [rows, width]: 0 on the padding
+        self.lengths: list[int] = []  # each row's tokens in the cache
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        """One sequence alone: the next token's logits [V] after `ids`, and its cache."""
+        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True)
+        return out.logits[0, -1].float().cpu(), getattr(out, self.kw)
+
+    def join(self, cache: Any, length: int) -> bool:
+        """Splice a prefilled sequence's `cache` (`length` tokens) in as the last row; False,
+        with nothing changed, where the cache cannot be spliced."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return False
+        ones = torch.ones((1, length), dtype=torch.long)
+        if self.cache is None:
+            self.cache, self.mask, self.lengths = cache, ones, [length]
+            return True
+        width = max(self.mask.shape[1], length)
+        for mine, theirs in zip(self.cache.layers, layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat(
+                [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
+            )
+        self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(ones, width, -1)])
+        self.lengths.append(length)
+        return True
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order); padding that no row needs any more goes."""
+        if not rows:
+            self.cache, self.mask, self.lengths = None, self.mask[:0, :0], []
+            return
+        self.lengths = [self.lengths[r] for r in rows]
+        cut = self.mask.shape[1] - max(self.lengths)
+        index = torch.tensor(rows)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index.to(layer.keys.device), :, cut:]
+            layer.values = layer.values[index.to(layer.values.device), :, cut:]
+        self.mask = self.mask[index, cut:]
+
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Each row's next-token logits [rows, V] (float32, on the CPU) after its `tokens`
+        entry, which joins its cache."""
+        mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in tokens], device=self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=torch.tensor([[n] for n in self.lengths], device=self.device),
+            use_cache=True,
+            **{self.kw: self.cache},
+        )
+        self.cache, self.mask = getattr(out, self.kw), mask
+        self.lengths = [n + 1 for n in self.lengths]
+        logits: torch.Tensor = out.logits[:, -1].float().cpu()
+        return logits
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """`t` with zeros before its entries along `dim`, to `width` of them."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
