@@ -430,7 +430,8 @@ def test_a_replica_holds_up_to_its_max_streams_and_one_leaving_stops_only_itself
             return [*texts, await asyncio.wait_for(fourth, 20)]
 
         texts = app._submit(four()).result(30)
-        assert texts == ["".join(chr(ord("a") + (n + i) % 26) for i in range(20)) for n in (1, 3, 4)]
+        alone = ["".join(chr(ord("a") + (n + i) % 26) for i in range(20)) for n in (1, 3, 4)]
+        assert texts == alone
         assert fakes.most_on_one == 3 and dispatcher.stopped_streams == 1
         wait_for(lambda: fakes.generating == 0, 10, what="every stream stopped")
         assert [(r["busy"], r["streams"]) for r in app.stats()["replicas"]] == [(False, 0)]

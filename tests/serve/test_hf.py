@@ -28,7 +28,6 @@ from raymesh.serve.model import LoadedModel
 from raymesh.train import hf
 from raymesh.train.checkpoint import Checkpointer
 from tests.serve.helpers import Client, mlp_checkpoint
-from tests.waiting import wait_for
 from tests.train.hf_runs import HF_BUILD, job, logits, step_and_save, text_file, trained_run
 
 CPU = torch.device("cpu")
