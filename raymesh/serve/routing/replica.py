@@ -30,6 +30,13 @@ from raymesh.serve.model.decoder import BatchDecoder
 
 __all__ = ["Replica", "ReplicaProc", "spawn_replica"]
 
+# A stream's pieces after its first go out together, a message at most every _FLUSH_S, and
+# the replica's streams together send at most _MESSAGES_PER_S (64 streams: a message each per
+# 0.32 s): a message costs more than a token of a batch (an actor message, an event in the
+# front), and a reader sees no delay at these rates.
+_FLUSH_S = 0.02
+_MESSAGES_PER_S = 200
+
 
 class Replica(Actor):
     """Loads `spec` in its constructor (a spawn that fails to load raises ActorError);
@@ -98,19 +105,23 @@ class Replica(Actor):
         else:
             stop = self.streams[stream_id] = threading.Event()
             self._thread(prompt, max_tokens, temperature, seed, stop, put, stream_id)
-        sent = 0
+        sent, last = 0, -_FLUSH_S
         try:
             while True:
-                # Every piece made since the last send goes as one message ("texts"): when the
-                # model runs ahead of the messages (a batch of streams), a message per token
-                # would cost more than the token.
+                # The pieces made since the last send go as one message ("texts"), paced after
+                # the first (see _FLUSH_S).
                 got = [await pieces.get()]
+                every = max(_FLUSH_S, len(self.streams) / _MESSAGES_PER_S)
+                wait = last + every - loop.time()
+                if got[0][0] == "text" and wait > 0:
+                    await asyncio.sleep(wait)  # the next pieces join this message
                 while not pieces.empty():
                     got.append(pieces.get_nowait())
                 texts = [value for kind, value in got if kind == "text"]
                 if texts:  # on the actor's loop, where its sends belong
                     port.send(("text", texts[0]) if len(texts) == 1 else ("texts", texts))
                     sent += len(texts)
+                    last = loop.time()
                 kind, value = got[-1]  # nothing comes after a stream's end
                 if kind != "text":
                     if kind != "stopped":
