@@ -88,11 +88,11 @@ class Replica(Actor):
         stream_id: str = "",
     ) -> int:
         """Sends ("text", piece) for each token (("texts", [pieces]) for those made since its
-        last send), then ("end", None), or ("error", (type, message)) if the model raised;
-        returns the tokens sent. The model runs on a thread
-        of its own (torch's inference mode is per thread): the decoder's, with the other
-        streams of its batch, or this stream's; the actor meanwhile takes
-        `cancel(stream_id)`, which stops it before its next token."""
+        last send: see _FLUSH_S), then ("end", None), or ("error", (type, message)) if the
+        model raised; returns the tokens sent. The model runs on a thread of its own (torch's
+        inference mode is per thread): the decoder's, with the other streams of its batch, or
+        this stream's; the actor meanwhile takes `cancel(stream_id)`, which stops it before
+        its next token."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
