@@ -184,10 +184,13 @@ class KVBatch:
         """Each row's next-token logits [rows, V] (float32, on the CPU) after its `tokens`
         entry, which joins its cache."""
         mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
+        padded = not bool(self.mask.all())  # else the model's own positions and mask are these
         out = self.model(
             input_ids=torch.tensor([[t] for t in tokens], device=self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=torch.tensor([[n] for n in self.lengths], device=self.device),
+            attention_mask=mask.to(self.device) if padded else None,
+            position_ids=torch.tensor([[n] for n in self.lengths], device=self.device)
+            if padded
+            else None,
             use_cache=True,
             **{self.kw: self.cache},
         )
