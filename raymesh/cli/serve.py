@@ -67,6 +67,13 @@ def add_parser(sub: Any) -> None:
     add_tls_arguments(p)  # reload: --tls-cert is the certificate to trust
     p.add_argument("--max-batch-size", type=int, dest="max_batch_size")
     p.add_argument("--batch-wait-ms", type=float, dest="batch_wait_ms")
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        dest="max_streams",
+        help="generate streams a replica decodes at once, as one batch (default 16; 1: one "
+        "at a time)",
+    )
     p.add_argument("--backend", choices=["raymesh", "ray-serve"])
     p.add_argument(
         "--url", default="http://127.0.0.1:8000", help="reload: the server (default %(default)s)"
@@ -84,6 +91,7 @@ _OVERRIDES = (
     "checkpoint_root",
     "max_batch_size",
     "batch_wait_ms",
+    "max_streams",
     "backend",
 )
 

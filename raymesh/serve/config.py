@@ -30,6 +30,7 @@ _RAYMESH_FRONT_ONLY = {
     "max_connections": "Ray Serve's proxy holds the connections",
     "keep_alive_s": "Ray Serve's proxy holds the connections (its keep_alive_timeout_s)",
     "head_timeout_s": "Ray Serve's proxy reads the request heads",
+    "max_streams": "Ray Serve's replicas decode one stream per call",
 }
 
 
@@ -65,6 +66,11 @@ class ServeConfig:
     cpus_per_replica: float = 1.0
     gpus: bool = False  # one GPU per replica
     start_timeout_s: float = 120.0  # for a replica to start and load its model
+    # The /v1/generate streams a replica decodes at once, as one batch that streams join and
+    # leave between tokens (a Hugging Face causal LM generating with raymesh.train.hf's
+    # generate; any other model's generate function takes one stream at a time). 1: one at a
+    # time, each with its own KV cache.
+    max_streams: int = 16
     # Autoscaling (see raymesh.serve.scaling), when replicas is (min, max).
     queue_up: float = 4.0
     latency_up_ms: float | None = None
@@ -74,7 +80,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", Range.check("replicas", self.replicas))
-        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_tokens"):
+        for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_tokens", "max_streams"):
             check_int(name, getattr(self, name), 1)
         check_int("max_retries", self.max_retries, 0)
         check_int("port", self.port, 0)
@@ -193,6 +199,7 @@ class ServeConfig:
                 cpus=self.cpus_per_replica,
                 gpus=self.gpus,
                 start_timeout_s=self.start_timeout_s,
+                max_streams=self.max_streams,
             ),
             autoscale=AutoscalePolicy(
                 min=self.min_replicas,

@@ -34,6 +34,7 @@ class ReplicaConfig:
     cpus: float  # each replica's proc reserves this many CPUs (and torch uses as many threads)
     gpus: bool  # one GPU per replica
     start_timeout_s: float  # for a replica to start and load its model (or to reload)
+    max_streams: int  # token streams one replica decodes at once, where its model can batch
 
 
 @dataclass(frozen=True, kw_only=True)

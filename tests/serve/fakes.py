@@ -10,7 +10,8 @@ waits (a replica busy for as long as the test says).
 A fake replica generates "a", "b", "c", ... one token every `token_s` seconds, through an
 in-process channel (`open_fake_channel`, the dispatcher's `open_channel`), and stops before its
 next token when told to `cancel` its stream; `generating` counts the streams it computes now,
-and `most_on_one` the most one replica ever computed at once (the router gives it one).
+and `most_on_one` the most one replica ever computed at once (the router gives it at most
+`max_streams`, what it says it decodes at once: 1 unless a test sets more).
 A prompt longer than `context` characters is refused as the real replica refuses one.
 """
 
@@ -83,6 +84,7 @@ class FakeReplica:
             generates=True,
             checkpoint=self.spec.checkpoint,
             device="cpu",
+            max_streams=self.fakes.max_streams,
         )
 
     async def _predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, Any], float]:
@@ -211,6 +213,7 @@ class Fakes:
         self.generating = 0  # streams computing now, on every replica
         self.tokens_made = 0  # tokens generated, on every replica
         self.most_on_one = 0  # the most streams one replica ever computed at once
+        self.max_streams = 1  # the streams a replica says it decodes at once
         self._pids = itertools.count(100_000)
 
     def fail_reload(self, replica: FakeReplica, spec: ModelSpec) -> bool:
@@ -218,7 +221,14 @@ class Fakes:
         return False
 
     def start(
-        self, name: str, spec: ModelSpec, *, cpus: float, gpus: bool, timeout: float
+        self,
+        name: str,
+        spec: ModelSpec,
+        *,
+        cpus: float,
+        gpus: bool,
+        timeout: float,
+        max_streams: int = 1,
     ) -> ReplicaProc:
         replica = FakeReplica(self, name, spec, next(self._pids))
         self.replicas.append(replica)

@@ -408,6 +408,37 @@ def test_a_stream_closed_from_outside_frees_its_replica_once_it_has_stopped() ->
         assert [r["busy"] for r in app.stats()["replicas"]] == [False]
 
 
+def test_a_replica_holds_up_to_its_max_streams_and_one_leaving_stops_only_itself() -> None:
+    """A replica that says it decodes 3 streams at once: of 4 streams, 3 run on it and the 4th
+    waits for a place; a stream whose client leaves mid-batch is stopped alone (the others'
+    text whole), its place freed once it has stopped (the 4th then joins), and a batch waits
+    until the streams have all left."""
+    fakes = Fakes()
+    fakes.token_s, fakes.max_streams = 0.02, 3
+    with fake_app(fakes=fakes) as (app, _):
+        dispatcher = app.router.dispatcher
+
+        async def four() -> list[str]:
+            streams = [dispatcher.stream(p, 20) for p in ("a", "ab", "abc", "abcd")]
+            firsts = [await s.__anext__() for s in streams[:3]]  # three run
+            fourth = asyncio.ensure_future(_text(streams[3]))
+            while not dispatcher._streams:
+                await asyncio.sleep(0.001)  # the 4th waits for a place
+            assert [s.streams for s in app.router.pool.slots] == [3]
+            await streams[1].aclose()  # its client left, mid-batch
+            texts = [f + await _text(s) for f, s in zip(firsts[::2], streams[::2], strict=True)]
+            return [*texts, await asyncio.wait_for(fourth, 20)]
+
+        texts = app._submit(four()).result(30)
+        alone = ["".join(chr(ord("a") + (n + i) % 26) for i in range(20)) for n in (1, 3, 4)]
+        assert texts == alone
+        assert fakes.most_on_one == 3 and dispatcher.stopped_streams == 1
+        wait_for(lambda: fakes.generating == 0, 10, what="every stream stopped")
+        assert [(r["busy"], r["streams"]) for r in app.stats()["replicas"]] == [(False, 0)]
+        status, _, body = Client(app.url).post("/v1/predict", {"x": 2.0})
+        assert status == 200 and body == {"y": 2.0}, body
+
+
 async def _text(pieces: AsyncIterator[str]) -> str:
     return "".join([p async for p in pieces])
 

@@ -9,9 +9,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: a hub call fails, not hangs
 
+import functools
 import json
+import queue
 import runpy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +62,64 @@ def test_a_replica_serves_an_exported_folder_generating_its_text_and_predicting_
     # An adapter folder: its base, named in adapter_config.json, with the adapter.
     adapter = LoadedModel(ModelSpec(hf=runs["adapter"]), CPU)
     assert adapter.generate("def f(", 10, 0.0, 0).__next__() == want[0]
+
+
+def test_streams_decoded_as_one_batch_each_get_their_text_alone(runs):
+    """The replica's decoder of an exported folder, as it runs there (no Ray): a long greedy
+    stream, joined after its 3rd token by two greedy ones, two sampled ones (their own seeds)
+    and one cancelled after its 2nd token; each text is the one `hf.generate` gives alone,
+    and the cancelled one leaves without a further token."""
+    loaded = LoadedModel(ModelSpec(hf=str(runs["tiny"])), CPU)
+    with torch.no_grad():  # sharp attention: untrained, it is near uniform, blind to position
+        for layer in loaded.module.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    assert loaded.decoder(1) is None  # one at a time: today's path, a KV cache each
+    decoder = loaded.decoder(8)
+    assert decoder is not None
+    asks = {
+        "long": ("def f(", 40, 0.0, 0),
+        "join": ("import os", 12, 0.0, 0),
+        "join2": ("x", 20, 0.0, 0),
+        "sampled": ("class A:", 16, 0.9, 7),
+        "sampled2": ("class A:", 16, 0.9, 8),
+        "cancelled": ("print(", 30, 0.0, 0),
+    }
+    alone = {k: list(hf.generate(loaded.module, *a)) for k, a in asks.items()}
+    events: dict[str, queue.Queue[tuple[str, Any]]] = {k: queue.Queue() for k in asks}
+    handles: dict[str, Any] = {}
+    texts: dict[str, list[str]] = {k: [] for k in asks}
+
+    def emit(key: str, kind: str, value: Any) -> None:  # on the decoder's thread
+        events[key].put((kind, value))
+        if kind != "text":
+            return
+        texts[key].append(value)
+        made = len(texts[key])
+        if key == "long" and made == 3:  # the others join before its next token
+            for k in asks.keys() - {"long"}:
+                handles[k] = submit(k)
+        if key == "cancelled" and made == 2:
+            handles[key].stop.set()  # left before its next token
+
+    def submit(key: str) -> Any:
+        return decoder.submit(*asks[key], functools.partial(emit, key))
+
+    handles["long"] = submit("long")
+    ends = {k: _last(events[k]) for k in asks}
+    assert ends == {**dict.fromkeys(asks, "end"), "cancelled": "stopped"}, ends
+    assert {k: texts[k] for k in asks.keys() - {"cancelled"}} == {
+        k: alone[k] for k in asks.keys() - {"cancelled"}
+    }
+    assert texts["cancelled"] == alone["cancelled"][:2]
+    assert decoder.most_at_once == len(asks)  # they ran as one batch
+    decoder.close()
+
+
+def _last(events: queue.Queue[tuple[str, Any]]) -> str:
+    while (kind := events.get(timeout=60)[0]) == "text":
+        pass
+    return kind
 
 
 def test_a_replica_rebuilds_a_checkpoint_of_the_hf_build_with_its_jobs_params(runs):
@@ -208,8 +269,48 @@ def test_a_checkpoint_whose_build_lived_in_the_users_script_is_served_from_its_r
         status, _, answer = client.post("/v1/predict", {"x": ids[0]})
         assert status == 200, answer
         torch.testing.assert_close(torch.tensor(answer["y"]), want_logits)
+        # Streams decoded as one batch (max_streams: 16 by default): a long one; one whose
+        # client leaves after its first token; one joining mid-batch. Each has its text alone.
+        long = hf.generate(trained, "import os", 200, 0.0, 0)
+        long_text = "".join(long)
+        running = _stream(app.url, {"prompt": "import os", "max_tokens": 200})
+        first = _pieces(running, 1)
+        leaving = _stream(app.url, {"prompt": "class A", "max_tokens": 200})
+        _pieces(leaving, 1)  # its first token is out: it is in the batch
+        assert app.stats()["replicas"][0]["streams"] == 2  # both on the one replica
+        leaving.close()  # its client is gone
+        status, _, body = client.post("/v1/generate", {"prompt": "def f(", "max_tokens": 8})
+        assert status == 200 and body == {"text": "".join(want), "tokens": 8}, body
+        assert first + _pieces(running) == long_text
+        stats = app.stats()  # the one that left was stopped, mid-batch, long before its end
+        assert stats["stopped_streams"] == 1 and stats["replicas"][0]["streams"] == 0, stats
     finally:
         app.stop()
+
+
+def _stream(url: str, body: dict[str, Any]) -> Any:
+    """The response of a streamed /v1/generate, to read event by event."""
+    client = Client(url)
+    data = json.dumps({**body, "stream": True}).encode()
+    client.conn.request("POST", "/v1/generate", body=data, headers=client.headers)
+    response = client.conn.getresponse()
+    assert response.status == 200
+    return response
+
+
+def _pieces(response: Any, n: int | None = None) -> str:
+    """The text of the next `n` events of a stream (all, to its end, with None)."""
+    text = ""
+    while n is None or n > 0:
+        line = response.readline().decode()
+        if line.startswith("data: [DONE]"):
+            break
+        if line.startswith("data: "):
+            text += json.loads(line[6:])["text"]
+            n = None if n is None else n - 1
+        elif not line:
+            raise AssertionError("the stream ended without [DONE]")
+    return text
 
 
 def test_a_checkpoint_alone_with_no_build_and_no_record_is_refused_naming_it_and_the_fix(

@@ -187,12 +187,15 @@ def test_each_room_is_handed_its_section_of_the_flat_config(monkeypatch, tmp_pat
         max_tokens=16,
         cpus_per_replica=0.5,
         start_timeout_s=9,
+        max_streams=4,
         latency_up_ms=250,
     )
     router, batch, front = config.router, config.batch, config.front
     assert router.replicas == ReplicaConfig(
-        replicas=Range(2, 5), cpus=0.5, gpus=False, start_timeout_s=9
+        replicas=Range(2, 5), cpus=0.5, gpus=False, start_timeout_s=9, max_streams=4
     )
+    with pytest.raises(ValueError, match="max_streams=0: give an integer >= 1"):
+        ServeConfig(max_streams=0)
     scale = router.autoscale
     assert (scale.min, scale.max, scale.latency_up_s) == (2, 5, 0.25)
     assert (router.request_timeout_s, router.max_retries) == (7, 1)
@@ -326,7 +329,8 @@ def pem(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field", ["admin_token", "checkpoint_root", "tls", "max_connections", "keep_alive_s"]
+    "field",
+    ["admin_token", "checkpoint_root", "tls", "max_connections", "keep_alive_s", "max_streams"],
 )
 def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem, tmp_path):
     from raymesh.serve import ServeConfig, Tls
@@ -337,6 +341,7 @@ def test_the_ray_serve_backend_refuses_what_its_proxy_would_not_apply(field, pem
         "tls": Tls(cert=pem[0], key=pem[1]),
         "max_connections": 10,
         "keep_alive_s": 60.0,
+        "max_streams": 4,
     }[field]
     fields = {field: value}
     if field == "admin_token":

@@ -1,7 +1,9 @@
 """`LoadedModel`: the model a replica serves, built in the replica's process from a `ModelSpec`
 (`raymesh.serve.model.spec`, which says what each kind of model is and how its checkpoint is
 read): it answers a batch of inputs, and, for a model that generates, streams a prompt's text
-pieces after checking the prompt fits the model's context (`PromptTooLong`).
+pieces after checking the prompt fits the model's context (`PromptTooLong`); a Hugging Face
+causal LM generating with `raymesh.train.hf:generate` can also decode many prompts as one
+batch (`decoder`, `raymesh.serve.model.decoder`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 import torch
 
 from raymesh._common import resolve
-from raymesh.serve.model.spec import DTYPES, ModelInfo, ModelSpec, PromptTooLong
+from raymesh.serve.model.decoder import BatchDecoder
+from raymesh.serve.model.spec import DTYPES, HF_GENERATE, ModelInfo, ModelSpec, PromptTooLong
 from raymesh.train import Task
 from raymesh.train.checkpoint import (
     load_weights,
@@ -65,6 +68,8 @@ class LoadedModel:
             self.fn = spec.model
         self.module = module
         self.generate_fn = None if spec.generate is None else resolve(spec.generate, "generate")
+        self._causal_lm = causal_lm
+        self._hf_generate = spec.generate == HF_GENERATE
         self.dtype = DTYPES[dtype or "float32"]
         self.info = ModelInfo(
             input_shape=shape,
@@ -105,6 +110,17 @@ class LoadedModel:
                 f"{tokens + max_tokens}, over the model's context of {self.context} tokens "
                 "(max_position_embeddings): shorten the prompt or ask for fewer tokens"
             )
+
+    def decoder(self, max_streams: int) -> BatchDecoder | None:
+        """A decoder of up to `max_streams` streams as one batch, or None where this model
+        decodes one stream at a time: `max_streams` 1, or a generate function other than
+        `raymesh.train.hf:generate` (a user's per-request function cannot be batched), or a
+        causal LM whose tokenizer is not known (no folder)."""
+        if max_streams < 2 or not (self._causal_lm and self._hf_generate):
+            return None
+        if self.module is None or self._folder is None:
+            return None
+        return BatchDecoder(self.module, max_streams, self.check_context)
 
     def predict(self, inputs: list[Any]) -> tuple[list[Any], dict[int, tuple[str, str]]]:
         """One output per input, in order, and {index: (exception type, message)} for the

@@ -239,3 +239,5 @@ class ModelInfo:
     generates: bool
     checkpoint: str | None
     device: str
+    # The streams the replica decodes at once (1: one at a time; see LoadedModel.decoder).
+    max_streams: int = 1

@@ -1,21 +1,28 @@
 """The dispatcher: requests in, batches out to the pool's free replicas, results back to each
-caller; token streams, a replica each.
+caller; token streams to the replicas with room for them.
 
 - The `BatchQueue` decides when a batch leaves for a free replica: when it is full, when its
   oldest request has waited `batch_wait_ms`, or at once when no batch is being computed anywhere
   (an idle server has nothing to gain by waiting). Token streams waiting for a replica go first.
+- A replica holds up to its `max_streams` token streams at once (one, where its model cannot
+  batch its decoding), decoded as one batch they join and leave between tokens; a stream goes
+  to the replica with room that holds the fewest. A replica holding streams takes no batch
+  until they have all ended, and one computing a batch takes no stream.
 - A batch whose replica dies, or runs past `request_timeout_s` (the replica is killed), loses
   the replica; its requests go back to the front of the queue and are sent again, at most
   `max_retries` times each (then Unavailable). So a replica SIGKILLed under load fails no
-  request. A stream whose replica dies continues on another from the text already sent.
+  request. A stream whose replica dies continues on another from the text already sent (each
+  of the streams it held: they are resent one by one).
 - Every wait is bounded: a request that nothing answers in `request_timeout_s` is a
   TimeoutError (HTTP 504).
 - A stream that ends before its replica does (its deadline passed, or its client left and the
-  front cancelled it) tells the replica to stop (`cancel`, taken between two tokens); the
-  replica stays busy until its generation has ended, and one that does not end within
-  `request_timeout_s` more is killed and replaced, as a hung batch's is. However the stream's
-  generator is closed (cancelled inside it, or closed from outside at a token), its slot is
-  freed once, and only once the replica has stopped: a replica never runs two streams.
+  front cancelled it) tells the replica to stop it (`cancel`, taken between two tokens: the
+  other streams of its batch go on untouched); its place on the replica stays taken until its
+  generation has ended, and a replica that does not end it within `request_timeout_s` more is
+  killed and replaced, as a hung batch's is (its other streams continue elsewhere). However
+  the stream's generator is closed (cancelled inside it, or closed from outside at a token),
+  its place is freed once, and only once the replica has stopped it: a replica never runs more
+  than its `max_streams` streams.
 
 Nothing polls: `pump` runs whenever what may leave can change (a request in, a replica free or
 added, a batch's wait over).
@@ -226,6 +233,10 @@ class Dispatcher:
                 if kind == "text":
                     yield value
                     continue
+                if kind == "texts":  # the pieces made since the replica's last send
+                    for piece in value:
+                        yield piece
+                    continue
                 ended = True
                 if kind == "end":
                     return
@@ -271,13 +282,13 @@ class Dispatcher:
         """Send what may leave now to the free replicas; called whenever that can change (a
         request in, a replica free or added, a batch's wait over), so nothing polls."""
         now = time.monotonic()
+        # Token streams waiting for a replica go first: every free replica has room for one.
+        while self._streams and (slot := self.pool.for_stream()) is not None:
+            waiter = self._streams.popleft()
+            if not waiter.done():
+                slot.streams += 1
+                waiter.set_result(slot)
         while (slot := self.pool.free()) is not None:
-            if self._streams:  # token streams waiting for a replica go first
-                waiter = self._streams.popleft()
-                if not waiter.done():
-                    slot.busy = True
-                    waiter.set_result(slot)
-                continue
             if not self.queue.ready(now, idle=self.pool.idle()):
                 break
             batch = [r for r in self.queue.take(now) if not r.future.done()]
@@ -329,14 +340,16 @@ class Dispatcher:
         self.pool.kill(slot)
 
     def release(self, slot: Slot, call: _StreamCall | None = None) -> None:
-        """`slot` has finished its batch or stream: it may take the next. A stream's turn
-        (`call`) frees its slot at most once: a second release for the same turn is ignored,
-        as the slot may by then be another request's."""
-        if call is not None:
-            if call.released:
-                return
+        """`slot` has finished its batch, or a stream: it may take the next. A stream's turn
+        (`call`) frees its place at most once: a second release for the same turn is ignored,
+        as the place may by then be another request's."""
+        if call is None:
+            slot.busy = False
+        elif call.released:
+            return
+        else:
             call.released = True
-        slot.busy = False
+            slot.streams -= 1
         self.pump()
 
     def _resend(self, batch: list[_Request]) -> None:

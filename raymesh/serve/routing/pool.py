@@ -1,12 +1,14 @@
 """The replica pool: the replicas a server runs, each with what it is doing, kept at a target.
 
-Each replica computes one batch (or one token stream) at a time: a `Slot` says whether it is
-busy, and whether it is held out of rotation (reloading, retiring). The pool guarantees:
+Each replica computes one batch at a time, or up to its `max_streams` token streams (one where
+its model cannot batch them), never both: a `Slot` says whether it is busy with a batch, how
+many streams it holds, and whether it is held out of rotation (reloading, retiring). The pool
+guarantees:
 - a replica lost (its proc died, or it was killed for running past `request_timeout_s`) leaves
   the pool at once, is stopped, and counts in `replaced`; the next `maintain` starts another;
 - `maintain` starts replicas until the count, less those retiring, plus those starting, reaches
   `target`, but not while it backs off after a failed start (2, 4, 8... up to 30 s);
-- a retiring replica leaves when it is idle, never with a batch in flight;
+- a retiring replica leaves when it is idle, never with a batch or a stream in flight;
 - each replica that joins is handed to `on_ready` with the spec it loaded, which is not `spec`
   when the weights changed while it started (the reloader sets `spec`).
 
@@ -41,9 +43,20 @@ class Slot:
     """A ready replica and what it is doing."""
 
     replica: ReplicaProc
-    busy: bool = False
+    busy: bool = False  # computing a batch
     held: bool = False  # taken out of rotation (reloading, retiring)
     retiring: bool = False
+    streams: int = 0  # token streams it decodes now
+
+    @property
+    def working(self) -> bool:
+        """Computing a batch or decoding a stream."""
+        return self.busy or self.streams > 0
+
+    @property
+    def max_streams(self) -> int:
+        """The streams its replica decodes at once (what it reported)."""
+        return self.replica.info.max_streams
 
 
 class ReplicaPool:
@@ -91,14 +104,23 @@ class ReplicaPool:
 
     # ---- what the replicas are doing ---------------------------------------------------------
     def free(self) -> Slot | None:
+        """A replica doing nothing, for a batch."""
         for slot in self.slots:
-            if not (slot.busy or slot.held):
+            if not (slot.working or slot.held):
                 return slot
         return None
 
+    def for_stream(self) -> Slot | None:
+        """The replica with room for one more stream that holds the fewest (streams spread
+        over the replicas: each decodes its own batch, on its own CPUs)."""
+        room = [
+            s for s in self.slots if not (s.busy or s.held) and s.streams < s.max_streams
+        ]  # fmt: skip
+        return min(room, key=lambda s: s.streams, default=None)
+
     def idle(self) -> bool:
         """No replica computes anything."""
-        return not any(s.busy for s in self.slots)
+        return not any(s.working for s in self.slots)
 
     def live(self) -> int:
         """The replicas that will serve: ready and not retiring, or starting."""
@@ -118,6 +140,7 @@ class ReplicaPool:
                     cpus=self.config.cpus,
                     gpus=self.config.gpus,
                     timeout=self.config.start_timeout_s,
+                    max_streams=self.config.max_streams,
                 )
             )
         except Exception as e:
@@ -164,7 +187,7 @@ class ReplicaPool:
         """Take one replica out of rotation, to leave when idle: an idle one if any (it leaves
         at once), else the last started."""
         candidates = [s for s in self.slots if not s.retiring]
-        victim = min(candidates, key=lambda s: (s.busy, -self.slots.index(s)))
+        victim = min(candidates, key=lambda s: (s.working, -self.slots.index(s)))
         victim.retiring = victim.held = True
 
     def maintain(self, now: float) -> None:
@@ -173,7 +196,7 @@ class ReplicaPool:
         if live < self.target and now >= self._backoff_until:
             for _ in range(self.target - live):
                 self._spawn(self.start_one())
-        for slot in [s for s in self.slots if s.retiring and not s.busy]:
+        for slot in [s for s in self.slots if s.retiring and not s.working]:
             self.slots.remove(slot)
             self.metrics.replicas.set(len(self.slots))
             logger.info("raymesh.serve: replica %s retired", slot.replica.name)

@@ -90,10 +90,10 @@ class Reloader:
         it does not load; a replica lost meanwhile is left to the pool to replace."""
         slot.held = True
         try:
-            # Its batch in flight finishes on the old weights. A replica lost meanwhile leaves
-            # the slots with its batch unfinished (resent elsewhere): its replacement starts
-            # with the new spec, so there is nothing to wait for.
-            while slot.busy and slot in self.pool.slots:
+            # Its batch or streams in flight finish on the old weights. A replica lost meanwhile
+            # leaves the slots with its work unfinished (resent elsewhere): its replacement
+            # starts with the new spec, so there is nothing to wait for.
+            while slot.working and slot in self.pool.slots:
                 await asyncio.sleep(0.001)
             if slot not in self.pool.slots:
                 return

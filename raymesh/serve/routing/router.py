@@ -160,7 +160,8 @@ class Router:
                 {
                     "name": s.replica.name,
                     "pid": s.replica.pid,
-                    "busy": s.busy,
+                    "busy": s.working,
+                    "streams": s.streams,
                     "retiring": s.retiring,
                 }
                 for s in self.pool.slots
@@ -170,6 +171,7 @@ class Router:
             "queue_depth": len(self.dispatcher.queue),
             "batch_sizes": dict(sorted(self.dispatcher.batch_sizes.items())),
             "retried": self.dispatcher.retried,
+            "stopped_streams": self.dispatcher.stopped_streams,
             "replaced": self.pool.replaced,
             "decisions": [dataclasses.asdict(d) for d in self.autoscaler.decisions],
             "checkpoint": self.pool.spec.checkpoint,
