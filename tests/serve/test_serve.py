@@ -253,7 +253,17 @@ def test_replicas_scale_up_under_load_and_down_when_idle(ray_cluster):
         bodies = [{"x": [1.0, 0.05]} for _ in range(120)]
         replies = load(app.url, None, bodies, clients=6)
         assert {status for status, _ in replies} == {200}
-        wait_for(lambda: len(app.replica_pids()) == 1, 20, what="scaling down when idle")
+
+        def decisions(end: str) -> list[str]:
+            return [d["reason"] for d in app.stats()["decisions"] if d["reason"].endswith(end)]
+
+        # (The replica added under load may still be starting when the load ends: one replica
+        # up is not yet the scale-down, the decision to remove one is.)
+        wait_for(
+            lambda: decisions("remove a replica") and len(app.replica_pids()) == 1,
+            30,
+            what="scaling down when idle",
+        )
         reasons = [d["reason"] for d in app.stats()["decisions"]]
         ups = [r for r in reasons if r.endswith("add a replica")]
         downs = [r for r in reasons if r.endswith("remove a replica")]
