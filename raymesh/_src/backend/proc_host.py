@@ -111,7 +111,6 @@ class _ProcHost:
 
     def _join(self, proc_mesh_name: str, point: Point, start_runtime: StartRuntime) -> None:
         self._name = f"{proc_mesh_name}{_fmt(point)}"
-        _normal_priority()
         self.runtime = start_runtime(proc_mesh_name, point)
 
     def __repr__(self) -> str:  # Ray prefixes forwarded stdout/stderr lines with this
@@ -285,26 +284,6 @@ _OWNER_POLL_S = 0.5
 
 def _fmt(point: Point) -> str:
     return "[" + ",".join(f"{k}={v}" for k, v in point.items()) + "]"
-
-
-def _normal_priority() -> None:
-    """Run this process's threads at niceness 0, where the OS allows it (CAP_SYS_NICE; else they
-    stay at Ray's worker niceness). Ray starts every worker at 15, so a mesh's procs would share
-    the CPU equally with the workers starting beside them (a pool refilling, Ray's idle
-    workers): measured here, a warm proc starting during a 2-rank job took a third of a core
-    from it. A proc in a mesh does the program's work, as a torchrun worker at 0 does; procs
-    still starting or waiting in the pool stay at 15 (their imports at SCHED_IDLE), below it.
-    Threads started later inherit 0 from the thread that starts them."""
-    if sys.platform != "linux":
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
-                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            continue
-        except OSError:  # no CAP_SYS_NICE: Ray's niceness stays
-            return
 
 
 def _set_idle(thread: threading.Thread, idle: bool) -> None:
