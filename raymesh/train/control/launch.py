@@ -5,8 +5,8 @@ handing each only the section it reads.
 - `first_ranks` (`ScalingConfig`): up to `max_workers` ranks, warm procs a previous job left up
   first, the rest placed by the `Placer`; a cluster that frees resources a moment late is asked
   again for up to 10 s (never past `replace_timeout_s`), while what it can hold at all is more
-  than what is free. With room for fewer than max but at
-  least `min_workers`, an elastic job starts with what fits (the recruiter grows it later).
+  than what is free. With room for fewer than max but at least `min_workers`, an elastic job
+  starts with what fits (the recruiter grows it later).
 - `strategy_for` (`ParallelismConfig`, and the step's precision): the `StrategyPolicy`'s
   decision for the world, from the ranks' memory estimate and the smallest budget among them.
   An elastic start below max whose world splits into no whole shard groups decides "auto"
