@@ -225,6 +225,9 @@ class FakePlacer:
     def place(self, n: int) -> list[str]:
         return ["node-0"] * (n if self.room is None else min(n, self.room))
 
+    def capacity(self) -> int:  # the room at the start is all the cluster has
+        return 1 << 30 if self.room is None else self.room
+
     def comm_costs(self) -> dict[str, float]:
         return {}
 

@@ -1,7 +1,7 @@
 """`BatchDecoder`: continuous batching of a causal LM's token streams in a replica.
 
 One thread owns the model and steps every active sequence a token at a time, as one batch
-(`raymesh.train.hf.generation.KVBatch`: one KV cache, each row left-padded and masked, each
+(`raymesh.train.hf.KVBatch`: one KV cache, each row left-padded and masked, each
 sequence at its own positions). Between two steps, new sequences join (up to `max_streams` at
 once; more wait their turn, first come first served): each is prefilled alone, sends its
 first token at once, and is spliced into the cache as a row; finished, cancelled or failed
@@ -59,9 +59,9 @@ class BatchDecoder:
     def __init__(
         self, module: torch.nn.Module, max_streams: int, check: Callable[[str, int], None]
     ) -> None:
-        from raymesh.train.hf import generation  # a causal LM's: transformers is there
+        from raymesh.train import hf  # a causal LM's: transformers is there
 
-        self._hf = generation
+        self._hf = hf
         self.module = module
         self.max_streams = max_streams
         self._check = check

@@ -18,13 +18,23 @@ The parts work alone too: a tiny Llama saved from a config, with a byte-level to
 (`save_tiny_llama`, for tests and demos), a model loaded in fp32 with LoRA (`load_causal_lm`),
 or built on the meta device and filled with each rank's shards only (`PretrainedWeights`),
 text packed into blocks (`packed_text`), the loss (`causal_lm_loss`) and token streaming for
-raymesh.serve (`generate`). Models load with `local_files_only=True`: a folder, never the hub.
+raymesh.serve (`generate`; a replica's batched decoding: `KVBatch`, `TextPieces`,
+`next_logits`, `choose`, `prompt_ids`, `tokenizer_of`). Models load with
+`local_files_only=True`: a folder, never the hub.
 Needs transformers (and peft for LoRA): `pip install 'raymesh[hf]'`; raymesh.train itself
 does not import this package.
 """
 
 from raymesh.train.hf.finetune import Params, build, causal_lm_loss
-from raymesh.train.hf.generation import generate
+from raymesh.train.hf.generation import (
+    KVBatch,
+    TextPieces,
+    choose,
+    generate,
+    next_logits,
+    prompt_ids,
+    tokenizer_of,
+)
 from raymesh.train.hf.models import (
     Lora,
     folder_of,
@@ -37,18 +47,24 @@ from raymesh.train.hf.text import PackedText, packed_text, python_text
 from raymesh.train.hf.weights import PretrainedWeights
 
 __all__ = [
+    "KVBatch",
     "Lora",
     "PackedText",
     "Params",
     "PretrainedWeights",
+    "TextPieces",
     "build",
     "causal_lm_loss",
+    "choose",
     "folder_of",
     "generate",
     "has_tokenizer",
     "load_causal_lm",
     "load_tokenizer",
+    "next_logits",
     "packed_text",
+    "prompt_ids",
     "python_text",
     "save_tiny_llama",
+    "tokenizer_of",
 ]
