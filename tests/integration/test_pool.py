@@ -16,7 +16,21 @@ import raymesh
 from raymesh import Actor, current_rank, endpoint, this_host
 from raymesh._src.backend import current_node_id, pool
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = pytest.mark.usefixtures("ray_cluster", "_default_pool")
+
+
+@pytest.fixture(scope="module")
+def _default_pool():
+    """A pool of this module's own, importing the defaults (the package's conftest turns
+    them off), started again as it was at the end."""
+    node, before = current_node_id(), os.environ.pop("RAYMESH_PRELOAD", None)
+    pool.drain()
+    pool.fill({node: pool.size()})
+    yield
+    if before is not None:
+        os.environ["RAYMESH_PRELOAD"] = before
+    pool.drain()
+    pool.fill({node: pool.size()})
 
 
 class Probe(Actor):
@@ -145,3 +159,25 @@ def test_preloaded_modules_are_imported_by_warm_procs_started_after():
 def test_preload_rejects_what_is_not_a_module_name(name):
     with pytest.raises(ValueError, match="dotted module names"):
         raymesh.preload(name)
+
+
+def test_raymesh_preload_is_all_that_warm_procs_import_and_a_bad_one_is_refused(monkeypatch):
+    import raymesh.train  # noqa: F401  (its preloads do not apply either)
+
+    node = current_node_id()
+    monkeypatch.setenv("RAYMESH_PRELOAD", " email.mime.text ,")
+    pool.drain()  # every warm proc starts after the setting
+    pool.fill({node: 1})
+    _warm_pids()
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        [facts] = procs.spawn("p", Probe).facts.call().get(timeout=60).values()
+        assert facts["modules"] == ["email.mime.text"] and not facts["torch_loaded"]
+    finally:
+        procs.stop()
+    monkeypatch.setenv("RAYMESH_PRELOAD", "torch,not a module")
+    with pytest.raises(ValueError, match=r"RAYMESH_PRELOAD='torch,not a module'.*'not a module'"):
+        this_host().spawn_procs(per_host={"procs": 1})
+    monkeypatch.delenv("RAYMESH_PRELOAD")
+    pool.drain()
+    pool.fill({node: pool.size()})

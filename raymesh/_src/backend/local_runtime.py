@@ -216,7 +216,6 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
     """The daemon: start the embedded Ray and the broker, write the file, wait for SIGTERM."""
     from raymesh._src.backend import pool, runtime, shared_pool
     from raymesh._src.backend.host_agent import runtime_agent
-    from raymesh._src.backend.proc_host import PRELOAD
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -226,7 +225,7 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
 
     for module in preload:  # each adds what its procs import (`raymesh.preload`)
         importlib.import_module(module)
-    imports = PRELOAD + pool.imports()
+    imports = pool.imports()
     # Both held until the end (the agent by host_agent's cache): Ray ends an actor, named or
     # not, once no handle to it is left.
     agent = runtime_agent(runtime.current_node_id())

@@ -91,8 +91,8 @@ class _ProcHost:
         origin: Any = None,
     ) -> None:
         """A proc of `proc_mesh_name` at `point`, running `start_runtime`'s runtime; or, with
-        None for all three, a warm proc that imports what a proc will need (PRELOAD, then
-        `imports`) and waits to be adopted (see `backend.pool`). `origin`: the program the
+        None for all three, a warm proc that imports what a proc will need (`imports`, see
+        `pool.imports`) and waits to be adopted (see `backend.pool`). `origin`: the program the
         proc that spawns this one was adopted by (`inherited_origin`), whose path, directory
         and environment it takes too (it is that proc's, and ends with it)."""
         if origin is not None:
@@ -103,7 +103,7 @@ class _ProcHost:
         self._preloading: threading.Thread | None = None
         if proc_mesh_name is None or point is None or start_runtime is None:
             self._preloading = threading.Thread(
-                target=_preload, args=(PRELOAD + imports,), name="raymesh-preload", daemon=True
+                target=_preload, args=(imports,), name="raymesh-preload", daemon=True
             )
             self._preloading.start()
         else:
@@ -223,12 +223,6 @@ class _ProcHost:
 ProcHost: Any = ray.remote(  # type: ignore[call-overload]  # stubs omit these options
     max_concurrency=MESSAGE_THREADS, concurrency_groups={"control": 16, "buffers": BUFFER_THREADS}
 )(_ProcHost)
-
-
-# What every warm proc imports while it waits: each costs seconds on a small machine, and nearly
-# every proc needs them (any tensor argument, any training rank). Missing ones are skipped.
-# `raymesh.preload` adds to it (raymesh.train adds what a training rank imports).
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
 
 
 def _preload(modules: tuple[str, ...]) -> None:

@@ -150,6 +150,7 @@ def create_procs(
     never hold the procs, or when the resources are not free within `timeout` seconds.
     """
     runtime.ensure_ray()
+    pool.check()
     per_node = check_feasible(node_ids, resources, asked)
     pg = reserve(node_ids, resources, timeout, asked)
     agents = {n: host_agent(n) for n in set(node_ids)}

@@ -1,0 +1,22 @@
+"""The integration tests' actors never use torch (those that send a tensor import it then), so
+their warm procs import nothing while they wait (`RAYMESH_PRELOAD=`): a proc here then costs
+about 0.9 CPU-seconds to start rather than 2.7 with torch and what `raymesh.train` preloads,
+most of these tests' time on a 2-core machine. The warm procs already waiting when the package
+starts are used first; `test_pool` checks the default imports in a pool of its own."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _warm_procs_import_nothing():
+    before = os.environ.get("RAYMESH_PRELOAD")
+    os.environ["RAYMESH_PRELOAD"] = ""
+    yield
+    if before is None:
+        del os.environ["RAYMESH_PRELOAD"]
+    else:
+        os.environ["RAYMESH_PRELOAD"] = before
