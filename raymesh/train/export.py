@@ -145,7 +145,7 @@ def from_record(
             f"{where}: not a model class of transformers {transformers.__version__}; install "
             f"the version that saved it ({record.get('transformers')}) or pass --build",
         )
-    config_class: Any = cls.config_class
+    config_class: Any = getattr(cls, "config_class", None)
     if config_class is None or config_class.model_type not in ("", record["config"]["model_type"]):
         raise bad(
             "hf.config.model_type",
