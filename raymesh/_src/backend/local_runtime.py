@@ -220,11 +220,12 @@ def _serve(warm: int, log: str, preload: list[str]) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # Before Ray: a module that fails to import fails the start at once, with nothing to stop.
+    for module in preload:  # each adds what its procs import (`raymesh.preload`)
+        importlib.import_module(module)
     runtime.ensure_ray()
     import ray
 
-    for module in preload:  # each adds what its procs import (`raymesh.preload`)
-        importlib.import_module(module)
     imports = pool.imports()
     # Both held until the end (the agent by host_agent's cache): Ray ends an actor, named or
     # not, once no handle to it is left.
