@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from raymesh import train
 from raymesh.actor import ActorMesh
 from raymesh.rl.algorithms import PPO, Stats
 from raymesh.rl.config import RLConfig
@@ -40,6 +41,7 @@ def run(
     *,
     progress: Callable[[Stats], None] | None = None,
     stop: Callable[[Stats], bool] | None = None,
+    warm: train.WarmRanks | None = None,
     **fields: Any,
 ) -> RLResult:
     """Run `config` (an `rl.RLConfig`), or the RLConfig of `fields` (its fields as keyword
@@ -91,9 +93,13 @@ def run(
     staleness, samples, ...; the timings are in the statistics only), and its end says how
     the run ended (a loop's failure, such as `rl.RewardError`, as Failed, naming it).
 
+    warm: a `train.WarmRanks` the learner job takes its ranks from and gives them back to,
+    as `train.fit`'s: runs one after another in one program (a sweep) start their learners
+    in procs that are already up.
+
     ValueError naming the field for a bad one, before any proc starts; TypeError for a
     keyword that is no RLConfig field."""
-    state = _RunState(_config_of(config, fields))  # its roles decided: no proc started yet
+    state = _RunState(_config_of(config, fields), warm)  # its roles decided: no proc started
     try:
         return state.drive(state.start(), progress, stop)
     except BaseException as e:
@@ -121,8 +127,8 @@ class _RunState:
     lost one in) and the learner's job. Made before any proc starts: the roles' checks
     (ValueError naming the field) and the learner job's config are decided then."""
 
-    def __init__(self, config: RLConfig) -> None:
-        self.config = config
+    def __init__(self, config: RLConfig, warm: train.WarmRanks | None = None) -> None:
+        self.config, self.warm = config, warm
         if isinstance(config.algorithm, PPO):
             self.roles = env_roles(config.task, runners=config.env_runners, seed=config.seed)
         else:
@@ -150,7 +156,11 @@ class _RunState:
         if roles.prompts:
             measure_prompts(self.workers[0], roles, self.config.timeout_s)
         learner = start_learner(
-            roles.learner, self.config.algorithm, self.learner_job, per_step=roles.per_step
+            roles.learner,
+            self.config.algorithm,
+            self.learner_job,
+            per_step=roles.per_step,
+            warm=self.warm,
         )
         self.job = learner.job
         return learner

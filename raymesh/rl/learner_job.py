@@ -56,13 +56,19 @@ def learner_config(
 
 
 def start_learner(
-    task: GRPOTask | PPOTask, algorithm: GRPO | PPO, config: TrainConfig, *, per_step: int
+    task: GRPOTask | PPOTask,
+    algorithm: GRPO | PPO,
+    config: TrainConfig,
+    *,
+    per_step: int,
+    warm: train.WarmRanks | None = None,
 ) -> TrainedLearner | TrainedPPOLearner:
     """Start the learner job (its ranks up, a checkpoint restored), as the role the loop
     calls. Its run folder is the RL run's: its "job" event says "kind": "rl" and the
-    algorithm, its rows carry the loop's figures of each version (reward, staleness, ...)."""
+    algorithm, its rows carry the loop's figures of each version (reward, staleness, ...).
+    `warm`: where its ranks come from and go back to (`train.WarmRanks`)."""
     labels = {"kind": "rl", "algorithm": type(algorithm).__name__}
-    job = train.drive(task, config, labels=labels)
+    job = train.drive(task, config, labels=labels, warm=warm)
     if isinstance(algorithm, GRPO):
         return TrainedLearner(job)
     samples = _version_samples(algorithm, per_step)

@@ -19,13 +19,16 @@ from raymesh._src.backend import current_node_id, pool
 pytestmark = pytest.mark.usefixtures("ray_cluster", "_default_pool")
 
 
+KEEP = 2  # warm procs this module's pool keeps: the most a test here takes at once
+
+
 @pytest.fixture(scope="module")
 def _default_pool():
-    """A pool of this module's own, importing the defaults (the package's conftest turns
-    them off), started again as it was at the end."""
+    """A pool of this module's own, of KEEP warm procs importing the defaults (the package's
+    conftest turns them off), started again as it was at the end."""
     node, before = current_node_id(), os.environ.pop("RAYMESH_PRELOAD", None)
     pool.drain()
-    pool.fill({node: pool.size()})
+    pool.fill({node: KEEP})
     yield
     if before is not None:
         os.environ["RAYMESH_PRELOAD"] = before
@@ -64,10 +67,9 @@ def _warm_pids() -> set[int]:
 
 
 def test_a_spawn_adopts_warm_procs_with_torch_loaded_and_the_pool_refills():
-    # The node keeps as many as the largest spawn asked for (all of them, unless a spawn came
-    # before the pool started), so there are at least the 2 this test takes.
+    # The node keeps as many as the largest spawn asked for: the module's pool, KEEP.
     warm = _warm_pids()
-    assert 2 <= len(warm) <= pool.size()
+    assert len(warm) == KEEP
     procs = this_host().spawn_procs(per_host={"procs": 2}, name="adopted")
     try:
         facts = procs.spawn("p", Probe).facts.call().get(timeout=60)
@@ -152,7 +154,8 @@ def test_preloaded_modules_are_imported_by_warm_procs_started_after():
             procs.stop()
     finally:
         pool._imports.remove("email.mime.text")
-        pool.fill({node: pool.size()})
+        pool.drain()
+        pool.fill({node: KEEP})
 
 
 @pytest.mark.parametrize("name", ["", "not a module", 3])
@@ -180,4 +183,4 @@ def test_raymesh_preload_is_all_that_warm_procs_import_and_a_bad_one_is_refused(
         this_host().spawn_procs(per_host={"procs": 1})
     monkeypatch.delenv("RAYMESH_PRELOAD")
     pool.drain()
-    pool.fill({node: pool.size()})
+    pool.fill({node: KEEP})

@@ -29,6 +29,14 @@ ALGORITHM = rl.GRPO(group_size=8, max_tokens=8)
 LR = 0.1  # the policy's learning rate (the build's ctx.params["lr"]): es is learned in 4 steps
 
 
+@pytest.fixture(scope="module")
+def warm():
+    """The module's learners start in procs that earlier runs' learners trained in
+    (`rl.run(warm=...)`): runs with one seed still end with the same weights."""
+    with train.WarmRanks() as ranks:
+        yield ranks
+
+
 def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-untyped-def]
     return rl.run(
         policy="tests.rl.rewards:build",
@@ -46,7 +54,7 @@ def _run(reward, steps: int = 4, generators: int = 2, **kw):  # type: ignore[no-
 
 
 def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or_with_reward_actors(
-    tmp_path, kills
+    tmp_path, kills, warm
 ):
     # Four reward actors, on procs this test watches itself: one is SIGKILLed below.
     procs = this_host().spawn_procs(per_host={"procs": 4}, escalate=False)
@@ -55,7 +63,10 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         # the learner a train job of 2 DDP ranks.
         learner = {"workers": 2}
         scored = _run(
-            procs.spawn("reward-model", rewards.RewardModel), generators=4, trainer=learner
+            procs.spawn("reward-model", rewards.RewardModel),
+            generators=4,
+            trainer=learner,
+            warm=warm,
         )
         by_step = [row["reward_mean"] for row in scored.history]
         assert scored.version == 4 and len(scored.history) == 4
@@ -84,6 +95,7 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
             checkpoint=str(tmp_path / "ckpt"),
             checkpoint_every=1,
             trainer={"workers": 2, "faults": [kill(rank=1, at_step=step)]},
+            warm=warm,
         )
         assert flag.exists() and killed.replaced == 1, kills
         assert [(f.rank, f.step, f.kind) for f in killed.learner_failures] == [(1, step, "died")]
@@ -105,7 +117,9 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         # Resumed from its checkpoint of version 3 (the newest, of version 4, dropped), the
         # run ends there again: the loop's position and the optimizer came back whole.
         shutil.rmtree(tmp_path / "ckpt" / "step-00000004")
-        resumed = _run(rewards.es, checkpoint=str(tmp_path / "ckpt"), resume=True, trainer=learner)
+        resumed = _run(
+            rewards.es, checkpoint=str(tmp_path / "ckpt"), resume=True, trainer=learner, warm=warm
+        )
         assert resumed.resumed_from == 3 and len(resumed.history) == 1
         differ = [k for k, v in scored.weights.items() if not torch.equal(resumed.weights[k], v)]
         assert differ == [], differ
@@ -114,7 +128,10 @@ def test_a_synchronous_run_learns_and_ends_the_same_after_a_generator_sigkill_or
         # drops only its own samples (the dead actor's in flight), no generator is lost, and
         # once the actor is dead it is chosen no more: the last step has every sample.
         faulty = procs.spawn("faulty-model", rewards.RewardModel, str(tmp_path), kill_after=12)
-        dropped = _run(faulty, steps=3, generators=1, reward_timeout_s=2.0)
+        dropped = _run(faulty, steps=3, generators=1, reward_timeout_s=2.0, warm=warm)
+        # The learners after the first started in procs an earlier one trained in (the
+        # killed run's 2, less the one that died; the last run's 1 rank).
+        assert warm.served >= 5, warm.served
         assert all((tmp_path / f).exists() for f in (*rewards.FAULTS, "actor-killed"))
         assert dropped.replaced == 0 and dropped.remade == []
         counts = [(int(r["samples"]), int(r["dropped"])) for r in dropped.history]
