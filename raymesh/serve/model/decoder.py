@@ -119,7 +119,7 @@ class BatchDecoder:
                         if not self._join(s):
                             continue
                         logits, cache = kv.prefill(s.ids)
-                        if self._step(s, logits):
+                        if self._step(s, self._tokens([s], logits[None])[0]):
                             splices = splices and kv.join(cache, len(s.ids) - 1)
                             active.append(s)
                     if not active:
@@ -135,7 +135,10 @@ class BatchDecoder:
                     continue
                 self.steps += 1
                 self.most_at_once = max(self.most_at_once, len(active))
-                going = [self._step(s, row) for s, row in zip(active, logits, strict=True)]
+                going = [
+                    self._step(s, t)
+                    for s, t in zip(active, self._tokens(active, logits), strict=True)
+                ]
                 if not all(going):
                     staying = [i for i, g in enumerate(going) if g]
                     active = [active[i] for i in staying]
@@ -155,11 +158,20 @@ class BatchDecoder:
         s.generator = torch.Generator().manual_seed(s.seed)
         return True
 
-    def _step(self, s: Sequence, logits: torch.Tensor) -> bool:
-        """Take `s`'s next token from its `logits` and send its piece; False when it ended
-        (else the token is its newest id, which the next step runs)."""
-        assert s.generator is not None
-        token = self._hf.choose(logits, s.temperature, s.generator)
+    def _tokens(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each sequence's next token from its row of `logits` [rows, V]: the greedy ones' in
+        one argmax over the batch (a row at a time costs more than a small model's step), the
+        sampled ones' each drawn with its own generator."""
+        tokens = logits.argmax(-1).tolist()
+        for i, s in enumerate(batch):
+            if s.temperature != 0:
+                assert s.generator is not None  # (set as it joined)
+                tokens[i] = self._hf.choose(logits[i], s.temperature, s.generator)
+        return tokens
+
+    def _step(self, s: Sequence, token: int) -> bool:
+        """Send the piece of `s`'s next `token`; False when it ended (else the token is its
+        newest id, which the next step runs)."""
         if token == s.pieces.tokenizer.eos_token_id:  # ends this sequence alone
             if rest := s.pieces.rest():  # what was held back, as it is
                 s.emit("text", rest)

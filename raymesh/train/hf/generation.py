@@ -137,8 +137,19 @@ class KVBatch:
         self.kw = _cache_keyword(model)
         self.device = next(model.parameters()).device
         self.cache: Any = None  # the rows' cache, once one has joined
-        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [rows, width]: 0 on the padding
         self.lengths: list[int] = []  # each row's tokens in the cache
+        # [rows, width]: 0 on the padding; kept only while some row is padded (else every
+        # entry is 1: `_mask()`), so a step of unpadded rows builds no mask.
+        self.mask: torch.Tensor | None = None
+
+    def _mask(self) -> torch.Tensor:
+        if self.mask is not None:
+            return self.mask
+        width = self.lengths[0] if self.lengths else 0
+        return torch.ones((len(self.lengths), width), dtype=torch.long)
+
+    def _set_mask(self, mask: torch.Tensor) -> None:
+        self.mask = None if bool(mask.all()) else mask
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """One sequence alone: the next token's logits [V] after `ids`, and its cache."""
@@ -153,48 +164,52 @@ class KVBatch:
         layers = getattr(cache, "layers", None)
         if not layers or any(type(layer) is not DynamicLayer for layer in layers):
             return False
-        ones = torch.ones((1, length), dtype=torch.long)
         if self.cache is None:
-            self.cache, self.mask, self.lengths = cache, ones, [length]
+            self.cache, self.mask, self.lengths = cache, None, [length]
             return True
-        width = max(self.mask.shape[1], length)
+        mask, ones = self._mask(), torch.ones((1, length), dtype=torch.long)
+        width = max(mask.shape[1], length)
         for mine, theirs in zip(self.cache.layers, layers, strict=True):
             mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
             mine.values = torch.cat(
                 [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
             )
-        self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(ones, width, -1)])
+        self._set_mask(torch.cat([_left_pad(mask, width, -1), _left_pad(ones, width, -1)]))
         self.lengths.append(length)
         return True
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order); padding that no row needs any more goes."""
         if not rows:
-            self.cache, self.mask, self.lengths = None, self.mask[:0, :0], []
+            self.cache, self.mask, self.lengths = None, None, []
             return
+        mask = self._mask()
         self.lengths = [self.lengths[r] for r in rows]
-        cut = self.mask.shape[1] - max(self.lengths)
+        cut = mask.shape[1] - max(self.lengths)
         index = torch.tensor(rows)
         for layer in self.cache.layers:
             layer.keys = layer.keys[index.to(layer.keys.device), :, cut:]
             layer.values = layer.values[index.to(layer.values.device), :, cut:]
-        self.mask = self.mask[index, cut:]
+        self._set_mask(mask[index, cut:])
 
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
         """Each row's next-token logits [rows, V] (float32, on the CPU) after its `tokens`
         entry, which joins its cache."""
-        mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
-        padded = not bool(self.mask.all())  # else the model's own positions and mask are these
+        mask, positions = None, None  # unpadded: the model's own mask and positions are these
+        if self.mask is not None:
+            self.mask = torch.cat(
+                [self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1
+            )
+            mask = self.mask.to(self.device)
+            positions = torch.tensor([[n] for n in self.lengths], device=self.device)
         out = self.model(
             input_ids=torch.tensor([[t] for t in tokens], device=self.device),
-            attention_mask=mask.to(self.device) if padded else None,
-            position_ids=torch.tensor([[n] for n in self.lengths], device=self.device)
-            if padded
-            else None,
+            attention_mask=mask,
+            position_ids=positions,
             use_cache=True,
             **{self.kw: self.cache},
         )
-        self.cache, self.mask = getattr(out, self.kw), mask
+        self.cache = getattr(out, self.kw)
         self.lengths = [n + 1 for n in self.lengths]
         logits: torch.Tensor = out.logits[:, -1].float().cpu()
         return logits
