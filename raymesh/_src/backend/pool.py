@@ -98,8 +98,8 @@ def preload(modules: tuple[str, ...]) -> None:
 def imports() -> tuple[str, ...]:
     """What warm procs import while they wait: `RAYMESH_PRELOAD` where it is set (the whole
     list), else `PRELOAD` and what `preload` added. Set empty, for procs that never use torch,
-    it saves each warm proc 0.7 CPU-seconds to start (1.8 with what `raymesh.train` adds;
-    measured on 2 cores) and about 0.25 GB."""
+    it saves each warm proc 0.8 CPU-seconds to start (1.6 with what `raymesh.train` adds;
+    bench/proc_start.py on 2 cores) and about 0.25 GB."""
     raw = os.environ.get("RAYMESH_PRELOAD")
     if raw is None:  # (no lock: `_start` calls this holding it; a list's copy is atomic)
         return PRELOAD + tuple(m for m in list(_imports) if m not in PRELOAD)
