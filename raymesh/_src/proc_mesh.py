@@ -84,7 +84,7 @@ def preload(*modules: str) -> None:
     warm procs started from now on; a module that fails to import there is skipped (it fails
     again, visibly, where the proc imports it)."""
     for m in modules:
-        if not isinstance(m, str) or not all(part.isidentifier() for part in m.split(".")):
+        if not backend.is_module_name(m):
             raise ValueError(
                 f"preload({m!r}): give dotted module names as strings, e.g. "
                 "preload('transformers', 'my_project.model')"

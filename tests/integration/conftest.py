@@ -6,17 +6,11 @@ starts are used first; `test_pool` checks the default imports in a pool of its o
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
 @pytest.fixture(scope="package", autouse=True)
 def _warm_procs_import_nothing():
-    before = os.environ.get("RAYMESH_PRELOAD")
-    os.environ["RAYMESH_PRELOAD"] = ""
-    yield
-    if before is None:
-        del os.environ["RAYMESH_PRELOAD"]
-    else:
-        os.environ["RAYMESH_PRELOAD"] = before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYMESH_PRELOAD", "")
+        yield

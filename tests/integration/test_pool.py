@@ -22,18 +22,21 @@ pytestmark = pytest.mark.usefixtures("ray_cluster", "_default_pool")
 KEEP = 2  # warm procs this module's pool keeps: the most a test here takes at once
 
 
+def _restart_pool(n: int) -> None:
+    """End every warm proc and start `n` anew, importing what the pool imports now."""
+    pool.drain()
+    pool.fill({current_node_id(): n})
+
+
 @pytest.fixture(scope="module")
 def _default_pool():
     """A pool of this module's own, of KEEP warm procs importing the defaults (the package's
     conftest turns them off), started again as it was at the end."""
-    node, before = current_node_id(), os.environ.pop("RAYMESH_PRELOAD", None)
-    pool.drain()
-    pool.fill({node: KEEP})
-    yield
-    if before is not None:
-        os.environ["RAYMESH_PRELOAD"] = before
-    pool.drain()
-    pool.fill({node: pool.size()})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAYMESH_PRELOAD", raising=False)
+        _restart_pool(KEEP)
+        yield
+    _restart_pool(pool.size())
 
 
 class Probe(Actor):
@@ -140,11 +143,9 @@ def test_a_bad_pool_size_names_the_variable_and_the_fix(monkeypatch, value):
 def test_preloaded_modules_are_imported_by_warm_procs_started_after():
     import raymesh.train  # (it preloads what a training rank imports)
 
-    node = current_node_id()
     raymesh.preload("email.mime.text")  # stdlib, imported by nothing else here
     try:
-        pool.drain()  # restart the pool, so every warm proc starts after the preload
-        pool.fill({node: 1})
+        _restart_pool(1)  # every warm proc starts after the preload
         _warm_pids()
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
@@ -154,8 +155,7 @@ def test_preloaded_modules_are_imported_by_warm_procs_started_after():
             procs.stop()
     finally:
         pool._imports.remove("email.mime.text")
-        pool.drain()
-        pool.fill({node: KEEP})
+        _restart_pool(KEEP)
 
 
 @pytest.mark.parametrize("name", ["", "not a module", 3])
@@ -167,10 +167,8 @@ def test_preload_rejects_what_is_not_a_module_name(name):
 def test_raymesh_preload_is_all_that_warm_procs_import_and_a_bad_one_is_refused(monkeypatch):
     import raymesh.train  # noqa: F401  (its preloads do not apply either)
 
-    node = current_node_id()
     monkeypatch.setenv("RAYMESH_PRELOAD", " email.mime.text ,")
-    pool.drain()  # every warm proc starts after the setting
-    pool.fill({node: 1})
+    _restart_pool(1)  # every warm proc starts after the setting
     _warm_pids()
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
@@ -182,5 +180,4 @@ def test_raymesh_preload_is_all_that_warm_procs_import_and_a_bad_one_is_refused(
     with pytest.raises(ValueError, match=r"RAYMESH_PRELOAD='torch,not a module'.*'not a module'"):
         this_host().spawn_procs(per_host={"procs": 1})
     monkeypatch.delenv("RAYMESH_PRELOAD")
-    pool.drain()
-    pool.fill({node: KEEP})
+    _restart_pool(KEEP)

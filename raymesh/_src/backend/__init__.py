@@ -10,7 +10,7 @@ place before any module of the package can run: Python runs a package's `__init_
 
 from raymesh._src.backend.host_agent import host_agent
 from raymesh._src.backend.placement import PlacementError, free_slots
-from raymesh._src.backend.pool import preload
+from raymesh._src.backend.pool import is_module_name, preload
 from raymesh._src.backend.probes import ProbeReport, probe, stop_probes
 from raymesh._src.backend.proc_host import job_id
 from raymesh._src.backend.procs import (
@@ -82,6 +82,7 @@ __all__ = [
     "get",
     "gpu_ids",
     "host_agent",
+    "is_module_name",
     "is_ref",
     "job_id",
     "join",

@@ -89,6 +89,11 @@ def check() -> None:
         imports()
 
 
+def is_module_name(name: object) -> bool:
+    """Whether `name` is a dotted module name (what `preload` and `RAYMESH_PRELOAD` take)."""
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
 def preload(modules: tuple[str, ...]) -> None:
     """Have warm procs started from now on also import `modules` while they wait."""
     with _lock:
@@ -105,7 +110,7 @@ def imports() -> tuple[str, ...]:
         return PRELOAD + tuple(m for m in list(_imports) if m not in PRELOAD)
     modules = tuple(m.strip() for m in raw.split(",") if m.strip())
     for m in modules:
-        if not all(part.isidentifier() for part in m.split(".")):
+        if not is_module_name(m):
             raise ValueError(
                 f"RAYMESH_PRELOAD={raw!r}: {m!r} is not a module name; give dotted module names "
                 "separated by commas (e.g. 'torch,transformers'), or set it empty for none"
@@ -166,12 +171,12 @@ def reserve(node_id: str) -> None:
 
 def _start(node_id: str, target: int) -> None:
     """Start warm procs on `node_id` until it has `target` (the caller holds `_lock`)."""
-    warm = _warm.setdefault(node_id, deque())
+    warm, modules = _warm.setdefault(node_id, deque()), imports()
     while len(warm) < target:
         handle = ProcHost.options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(None, None, None, imports())
+        ).remote(None, None, None, modules)
         warm.append(WarmProc(handle, handle.info.remote()))
 
 
