@@ -349,3 +349,23 @@ def test_judge_takes_a_forced_strategy_over_the_limit_unless_it_must_fit():
     assert judge("ddp", _figures(2, 100 * MIB), must_fit=False) == Verdict(
         fit="too_big", strategy="ddp"
     )
+
+
+@pytest.mark.parametrize(
+    ("free", "strategy", "plans"),
+    [
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, "auto", False),  # all the room, one rank a host
+        ({"a": 2, "b": 2}, "ddp", False),  # all the room, nothing to weigh
+        ({"a": 2, "b": 2}, "auto", True),  # HSDP's shard groups of 2 to weigh
+        ({"a": 2, "b": 2}, "hsdp", True),
+        ({"a": 3, "b": 3}, "ddp", True),  # places to choose: 4 of 6
+        ({"a": 1, "b": 1}, "ddp", False),  # less room than ranks (an elastic start)
+    ],
+)
+def test_cpu_ranks_are_planned_only_where_a_plan_could_change_something(free, strategy, plans):
+    from raymesh import train
+    from raymesh.train.control.placement import Placer
+
+    config = train.TrainConfig(workers=(2, 4), global_batch_size=8, strategy=strategy)
+    placer = Placer(config.scaling, config.parallelism, gpus=False)
+    assert placer._choice(4, free) is plans

@@ -82,6 +82,8 @@ class Placer:
         free = self.free()
         if len(free) < 2:  # one look at the room: a second could see more, without a plan
             return self.pick_nodes(n, free)
+        if not self.gpus and not self._choice(n, free):
+            return self.pick_nodes(n, free)
         topo = topology.discover(probe_timeout=5.0)
         if not self.gpus:  # CPU procs: plan over the room there is now
             hosts = tuple(
@@ -116,6 +118,21 @@ class Placer:
         self.topology = topo
         logger.info("raymesh.train: placement: %s", placement.reason)
         return nodes
+
+    def _choice(self, n: int, free: dict[str, int]) -> bool:
+        """Whether a plan could change anything for CPU ranks: they take all the room there is
+        (no places to choose, and their order is already each host's ranks together), and no
+        HSDP shard groups are there to weigh. Without one, `place` skips the topology's probes
+        (a probe actor per host and every link timed: 5 s of a multi-host start here)."""
+        nodes = self.pick_nodes(n, free)
+        if len(nodes) < sum(free.values()):
+            return True
+        shard = self.parallelism.shard_size or host_shard_size(nodes)
+        return bool(
+            self.parallelism.strategy in ("auto", "hsdp")
+            and shard
+            and splits_into_shard_groups(n, shard)
+        )
 
     def choose(self, strategy: str) -> None:
         """The job runs `strategy`: the placement planned for it (if any) is the one that
