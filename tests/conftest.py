@@ -19,7 +19,7 @@ def warm_procs_import(modules: str):
     """A package's autouse fixture: warm procs started while its tests run import `modules`
     (`RAYMESH_PRELOAD`) rather than torch and what `raymesh.train` preloads (which the session
     imports at collection). A proc then starts on less CPU: 0.9 CPU-seconds with nothing, 1.7
-    with torch, 2.2 to 2.5 with `raymesh.train`'s modules (bench/proc_start.py, 2 cores), and
+    with torch, 2.5 with `raymesh.train`'s modules (bench/proc_start.py, 2 cores), and
     procs' starts are most of the suite's time. Warm procs already waiting are used first."""
 
     @pytest.fixture(scope="package", autouse=True)
@@ -40,12 +40,13 @@ def ray_cluster():
     backend.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def fit(ray_cluster):
-    """`train.fit`, with each job of the module in procs that earlier jobs of it trained in
+    """`train.fit`, with each job of the package in procs that earlier jobs of it trained in
     (`train.WarmRanks`): the guarantees hold in reused procs as in new ones (two runs with one
     seed are bitwise equal though the second runs where the first one did, a healed job ends
-    with the weights of a clean run that ran elsewhere), and the module starts few procs."""
+    with the weights of a clean run that ran elsewhere), and the package starts few procs
+    (each costs 2 to 3 CPU-seconds to start, most of the suite's time on 2 cores)."""
     from raymesh import train
 
     with train.WarmRanks() as warm:

@@ -22,8 +22,8 @@ from raymesh.train.rank.full_state import ShardedState
 from raymesh.train.result import FailureRecord, Result, TrainError
 from raymesh.train.task import Context, Task
 
-# A training rank imports these (torch._dynamo, with DTensor and FSDP, when DDP wraps its model:
-# ~1 CPU-s and ~0.1 GB here): let warm procs pay for that before they are adopted.
+# A training rank imports these (with DCP and DTensor, ~2 s and ~0.1 GB here): let warm procs
+# pay for that before they are adopted.
 preload("torch._dynamo", "raymesh.train.rank.worker")
 
 __all__ = [

@@ -2,10 +2,6 @@
 and read with torch.distributed.checkpoint, in the layout of raymesh.train.checkpoint's docstring
 (`layout`), its guarantees (atomic, verified, resharded, no code run) and its requirements. The
 commit's collectives are here; rank 0's file work (manifest, fsync, rename) is `commit`'s.
-
-DCP (with DTensor, which it imports) is imported on the first save or load, not with this
-module: it costs a process about 0.8 CPU-seconds to import, and most training ranks and every
-server that imports this package never write or read a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raymesh.train.checkpoint.commit import Commit, commit_files
 from raymesh.train.checkpoint.errors import CheckpointError
@@ -36,6 +35,7 @@ from raymesh.train.checkpoint.layout import (
     read_manifest,
     verify,
 )
+from raymesh.train.checkpoint.unpickling import MetadataReader, WeightsOnlyLoadPlanner
 
 __all__ = ["Checkpointer", "export_state_dict"]
 
@@ -52,7 +52,7 @@ class Checkpointer:
         commit (manifest + rename) of that save happens at the start of the next `save`, or in
         `wait()` — which every rank must call before the job ends (and before reading the
         checkpoint), else the last save stays an uncommitted `.tmp-*` folder. At most one save is
-        in flight.
+        in flight. Falls back to a blocking save where torch lacks `dcp.async_save`.
     """
 
     def __init__(self, dir: str | Path, *, keep: int = 3, async_save: bool = False) -> None:
@@ -60,7 +60,7 @@ class Checkpointer:
             raise ValueError(f"keep={keep!r}: must be an integer >= 1 (checkpoints to keep)")
         self.dir = Path(dir)
         self.keep = keep
-        self.async_save = async_save
+        self.async_save = async_save and hasattr(dcp, "async_save")
         self._group: Any = None  # private gloo group, made on the first collective call
         self._pending: tuple[Future[Any], Commit] | None = None
 
@@ -110,8 +110,6 @@ class Checkpointer:
             extra=extra,
             hf=hf_record(model),  # so export and serve rebuild it without its build function
         )
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
         if self.async_save:
@@ -131,8 +129,6 @@ class Checkpointer:
         """Write this rank's part of `state` into `tmp` and wait for it; returns the error
         (`Type: message`), None if written. Never raises: `_commit` reports every rank's error
         on every rank, so that no rank is left waiting in a collective."""
-        import torch.distributed.checkpoint as dcp
-
         try:
             with _quiet_single_process():
                 dcp.save(
@@ -145,8 +141,6 @@ class Checkpointer:
     def _write_async(self, state: dict[str, Any], tmp: Path) -> Future[Any]:
         """Start writing this rank's part of `state` into `tmp` in the background, once it is
         copied to CPU memory; returns the future that `wait` commits on."""
-        import torch.distributed.checkpoint as dcp
-
         with _quiet_single_process():
             response = dcp.async_save(
                 state, checkpoint_id=tmp, process_group=self._pg(), no_dist=not _distributed()
@@ -229,11 +223,6 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"cannot load {str(path)!r}: {error}")
         manifest = read_manifest(path)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from raymesh.train.checkpoint.unpickling import MetadataReader, WeightsOnlyLoadPlanner
-
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
         with _quiet_single_process():
@@ -286,11 +275,6 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     order is DCP's, not the module's (`load_state_dict` does not care). Only the model entries are
     read, never the optimizer's.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from raymesh.train.checkpoint.unpickling import MetadataReader, WeightsOnlyLoadPlanner
-
     path = Path(path)
     verify(path)
     reader = MetadataReader(path)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from raymesh.train.checkpoint.errors import CheckpointError
+from raymesh.train.checkpoint.unpickling import data_files, read_metadata
 
 __all__ = [
     "FORMAT",
@@ -157,8 +158,6 @@ def verify(path: Path) -> Manifest:
             )
     # Its checksum matching proves nothing about who wrote it: read it as DCP will, refusing
     # anything but metadata, so that a checkpoint that would be refused is never `latest()`.
-    from raymesh.train.checkpoint.unpickling import data_files, read_metadata  # (DCP: see there)
-
     with open(path / ".metadata", "rb") as stream:
         metadata = read_metadata(stream, ".metadata")
     for rel in sorted(data_files(metadata) - set(manifest.files)):

@@ -19,9 +19,6 @@ tensor (a 12-block policy: ~150 round trips). Instead:
 Either way the tensors equal DCP's bit for bit (the same numbers, moved). A model sharded
 another way (HSDP's 2-D mesh, a shard on another dim, a mesh not the world in rank order)
 takes DCP's path, gathered on rank 0.
-
-DTensor is imported only where a model is sharded (FSDP has imported it by then): importing it
-costs a DDP rank about 0.5 CPU-seconds for nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from raymesh.actor import Shared
 
@@ -137,8 +135,6 @@ def published(
     if not sharded or not _by_rows(state):
         full = _full(model, state, sharded=sharded)
         return Shared(full) if full is not None else None
-    from torch.distributed.tensor import DTensor
-
     sharded_entries = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
     # Stored as they are (the object store copies each once), on the CPU
     shards = _Stored.of([v.to_local() for _, v in sharded_entries])
@@ -167,8 +163,6 @@ def _full(
         return {k: v.detach().cpu() for k, v in state.items()} if rank == 0 else None
     if not _by_rows(state):
         return _by_dcp(model, state)
-    from torch.distributed.tensor import DTensor
-
     world = dist.get_world_size()
     shards = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
     out = {k: v.detach().cpu() for k, v in state.items() if not isinstance(v, DTensor)}
@@ -191,8 +185,6 @@ def _entries(model: torch.nn.Module, names: Container[str] | None) -> dict[str, 
 def _by_rows(state: dict[str, Any]) -> bool:
     """Whether every sharded entry is split by rows over a 1-D mesh of the whole world, in
     rank order."""
-    from torch.distributed.tensor import DTensor, Shard
-
     world = list(range(dist.get_world_size()))
     meshes = {id(v.device_mesh): v.device_mesh for v in state.values() if isinstance(v, DTensor)}
     return all(m.ndim == 1 and m.mesh.tolist() == world for m in meshes.values()) and all(

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from raymesh.train.estimate import fsdp_blocks
@@ -128,11 +130,6 @@ def parallelize(
         if ddp_timings:
             ddp._set_ddp_runtime_logging_sample_rate(1)
         return ddp
-
-    # Imported here, not with the module: FSDP and DTensor cost a process about 0.8 CPU-seconds
-    # to import, which a DDP rank never needs.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = None  # FSDP: every rank, one dimension
     dims = decision.mesh(world_size)
