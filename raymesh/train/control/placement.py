@@ -108,8 +108,7 @@ class Placer:
         there = used(topo, placement)
         order = [h.node_id for h in there.hosts]
         nodes = sorted(placement.node_ids, key=order.index)
-        shard = cfg.shard_size or host_shard_size(nodes)
-        if cfg.strategy in ("auto", "hsdp") and shard and splits_into_shard_groups(n, shard):
+        if shard := self._shard(n, nodes):
             for strategy in ("ddp", "fsdp", "hsdp"):
                 dims = {"replicate": n // shard, "shard": shard} if strategy == "hsdp" else {}
                 shape = topology.JobShape(world_size=n, strategy=strategy, device=device, **dims)
@@ -125,14 +124,14 @@ class Placer:
         HSDP shard groups are there to weigh. Without one, `place` skips the topology's probes
         (a probe actor per host and every link timed: 5 s of a multi-host start here)."""
         nodes = self.pick_nodes(n, free)
-        if len(nodes) < sum(free.values()):
-            return True
+        return len(nodes) < sum(free.values()) or self._shard(n, nodes) is not None
+
+    def _shard(self, n: int, nodes: list[str]) -> int | None:
+        """HSDP's shard group size where HSDP may be chosen for `n` ranks on `nodes` (the
+        strategy allows it and they split into whole shard groups), else None."""
         shard = self.parallelism.shard_size or host_shard_size(nodes)
-        return bool(
-            self.parallelism.strategy in ("auto", "hsdp")
-            and shard
-            and splits_into_shard_groups(n, shard)
-        )
+        allowed = self.parallelism.strategy in ("auto", "hsdp")
+        return shard if allowed and shard and splits_into_shard_groups(n, shard) else None
 
     def choose(self, strategy: str) -> None:
         """The job runs `strategy`: the placement planned for it (if any) is the one that
